@@ -1,0 +1,44 @@
+# alignflow: `make demo` runs the pipeline on the tiny offline model; `make test` runs the whole suite.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+VLLM_VENV ?= .venv-vllm
+# CPU machines pin the local CPU torch build (ENVIRONMENT.md); GPU users: TORCH_SPEC="torch" make setup
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test test-fast lock vllm-env bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/cpu-lock.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/cpu-lock.txt "$(TORCH_SPEC)" -e '.[dev]' 2>&1 | grep -v "is ignored" || true
+	$(BIN)/python -c "import torch, transformers, prefect, mlflow, duckdb, polars, pipeline_lib, flows, tasks"
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/alignflow demo
+
+# the whole suite: slow learning tests and the vLLM test included (CI runs this)
+test: setup
+	$(BIN)/pytest -q
+
+# inner loop, a few minutes
+test-fast: setup
+	$(BIN)/pytest -q -m "not slow and not vllm"
+
+lock: setup
+	$(BIN)/pip freeze --exclude-editable | sed 's/^torch==\([0-9.]*\)+cpu/torch==\1/' > requirements/cpu-lock.txt.new
+	{ head -1 requirements/cpu-lock.txt; cat requirements/cpu-lock.txt.new; } > requirements/cpu-lock.tmp && mv requirements/cpu-lock.tmp requirements/cpu-lock.txt && rm requirements/cpu-lock.txt.new
+
+vllm-env: setup
+	$(BIN)/alignflow vllm-env --venv $(VLLM_VENV)
+
+bench: setup
+	$(BIN)/python benchmarks/ingest.py --n 1000000
+	$(BIN)/python benchmarks/evaluation.py
+	$(BIN)/python benchmarks/logprobs.py
+
+clean:
+	rm -rf .alignflow

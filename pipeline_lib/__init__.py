@@ -1,0 +1,3 @@
+"""alignflow's library: data store, models, losses, sampling, training loops, evaluation.
+
+Never imports prefect, flows or tasks (see STYLE.md)."""

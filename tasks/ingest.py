@@ -1,0 +1,26 @@
+"""Ingest task: a data file into the DuckDB store, counts to MLflow and a Prefect artifact."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+
+from pipeline_lib import tracking
+from pipeline_lib.config import IngestConfig
+from pipeline_lib.store.db import open_store
+from pipeline_lib.store.ingest import ingest_file
+from tasks.common import current_workspace, run_tags
+
+
+@task(name="ingest-file", retries=2, retry_delay_seconds=2)  # retries: the store file may be briefly locked
+def ingest_task(cfg: IngestConfig) -> dict:
+    workspace = current_workspace()
+    with tracking.stage_run(workspace, "ingest", cfg, tags=run_tags(), echo=False) as log:
+        with open_store(workspace.store_path) as store:
+            report = ingest_file(cfg.path, store, format=cfg.format, source=cfg.source,
+                                 split=cfg.split, max_record_bytes=cfg.max_record_bytes)
+        log(report.metrics(), 0)
+        tracking.set_tags({"data.fingerprint": report.fingerprint, "data.table": report.table})
+    print(report.summary())
+    create_markdown_artifact(report.markdown(), key="ingest-counts", description=report.summary())
+    return report.as_dict()
