@@ -1,0 +1,64 @@
+"""GRPO (DeepSeekMath, arXiv:2402.03300): group-normalized advantages instead of a critic, k3 KL to the reference.
+
+Dr.GRPO (arXiv:2503.20783) is `group_advantages(..., scale=False)`: mean centering without the std."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pipeline_lib.losses._masked import check_shape, seq_mean_token_mean, token_mean, valid_mask, zero_invalid
+from pipeline_lib.losses.ppo import clipped_surrogate
+
+
+def group_advantages(rewards: Tensor, *, group_size: int, scale: bool = True, eps: float = 1e-6) -> Tensor:
+    """GRPO outcome advantages (DeepSeekMath §4.1.2): A_i = (r_i - mean(r)) / (std(r) + eps) within each group.
+
+    rewards: (B·G,), groups are consecutive runs of `group_size`. std is the POPULATION std
+    (1/G Σ (r_j - mean)², as in the seeds' formula); the eps sits outside the sqrt as DESIGN.md states.
+    scale=False returns r_i - mean(r) (Dr.GRPO). Returns (B·G,)."""
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards: expected a 1-D (B*G,) tensor, got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"group_size: expected a positive divisor of len(rewards)={rewards.numel()}, got {group_size}")
+    grouped = rewards.to(torch.promote_types(rewards.dtype, torch.float32)).view(-1, group_size)  # (B, G)
+    centered = grouped - grouped.mean(dim=-1, keepdim=True)  # (B, G)
+    if scale:
+        centered = centered / (grouped.std(dim=-1, correction=0, keepdim=True) + eps)
+    return centered.view(-1)
+
+
+def kl_k3(policy_logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """k3 estimator of KL(π‖π_ref) per token (DeepSeekMath eq. 4): π_ref/π - log(π_ref/π) - 1, always >= 0.
+
+    Written as expm1(d) - d with d = log π_ref - log π, which keeps precision when d is tiny."""
+    check_shape("ref_logps", ref_logps, policy_logps.shape)
+    log_ratio = ref_logps - policy_logps
+    return torch.expm1(log_ratio) - log_ratio
+
+
+def grpo_loss(
+    logps: Tensor,  # (B, T)
+    old_logps: Tensor,  # (B, T)
+    ref_logps: Tensor | None,  # (B, T); may be None when beta == 0
+    advantages: Tensor,  # (B,) one per sequence, or (B, T)
+    mask: Tensor,  # (B, T)
+    *,
+    clip_eps: float = 0.2,
+    beta: float = 0.04,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO eq. 3, negated: -1/G Σ_i 1/|o_i| Σ_t [min(ρA, clip(ρ, 1-ε, 1+ε)A) - β·k3(π‖π_ref)].
+
+    Aggregation: mean over each sequence's valid tokens, then over sequences
+    (`seq_mean_token_mean`). beta = 0 drops the KL term (ref_logps may then be None)."""
+    per_token, stats = clipped_surrogate(logps, old_logps, advantages, mask, eps_low=clip_eps, eps_high=clip_eps)
+    if ref_logps is not None:
+        check_shape("ref_logps", ref_logps, mask.shape)
+        valid = valid_mask(mask, logps)
+        # zero both sides on padding so kl there is exactly 0 whatever the inputs held
+        kl = kl_k3(zero_invalid(logps, valid), zero_invalid(ref_logps.detach(), valid))  # (B, T)
+        stats["policy/kl_ref"] = token_mean(kl.detach(), valid)
+        per_token = per_token + beta * kl
+    elif beta != 0:
+        raise ValueError(f"ref_logps: required when beta != 0 (got beta={beta})")
+    return seq_mean_token_mean(per_token, mask), stats
