@@ -1,0 +1,68 @@
+"""Benchmark: Pass@K + exact Maj@K for 10,000 problems x 64 samples, K in {1, 2, 4, ..., 64}.
+
+`.venv/bin/python benchmarks/evaluation.py [--problems 10000] [--samples 64] [--repeats 3]` prints a markdown
+table of seconds per step (best of the repeats). Answers: per problem, Dirichlet weights over 4 numeric
+answer classes (one of them the gold answer, or not) plus None (no answer extracted)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from pipeline_lib.evaluation import count_votes, maj_at_k_from_votes, pass_at_k
+
+KS = [1, 2, 4, 8, 16, 32, 64]
+
+
+def make_answers(n_problems: int, n_samples: int, seed: int) -> tuple[list[list[str | None]], list[str]]:
+    rng = np.random.default_rng(seed)
+    answers, gold = [], []
+    for p in range(n_problems):
+        classes = [str(100 * p + i) for i in range(4)] + [None]
+        weights = rng.dirichlet(np.full(len(classes), 0.7))
+        picks = rng.choice(len(classes), size=n_samples, p=weights)
+        answers.append([classes[i] for i in picks])
+        gold.append(classes[0] if rng.random() < 0.8 else str(100 * p + 99))  # 20%: gold never sampled
+    return answers, gold
+
+
+def best_time(fn, repeats: int) -> tuple[float, object]:
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return min(times), result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--problems", type=int, default=10_000)
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    answers, gold = make_answers(args.problems, args.samples, args.seed)
+    ks = [k for k in KS if k <= args.samples]
+
+    t_votes, votes = best_time(lambda: count_votes(answers, gold), args.repeats)
+    t_pass, passes = best_time(lambda: [pass_at_k(votes.n, votes.n_correct, k) for k in ks], args.repeats)
+    t_maj, majs = best_time(lambda: maj_at_k_from_votes(votes, ks), args.repeats)
+
+    print(f"{args.problems:,} problems x {args.samples} samples, K in {ks}, best of {args.repeats}\n")
+    print("| step | seconds |")
+    print("|---|---|")
+    print(f"| group answers into classes (count_votes) | {t_votes:.3f} |")
+    print(f"| Pass@K, all K | {t_pass:.3f} |")
+    print(f"| Maj@K (exact), all K | {t_maj:.3f} |")
+    print(f"| total | {t_votes + t_pass + t_maj:.3f} |")
+    print("\n| K | Pass@K | Maj@K |")
+    print("|---|---|---|")
+    for k, p, m in zip(ks, passes, majs):
+        print(f"| {k} | {p.mean():.4f} | {m.mean():.4f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Rejection and dynamic filtering of sampled groups: Best-of-N (SFT data), West-of-N (preference pairs),
+DAPO dynamic sampling (keep groups with 0 < #correct < G), over `samples`-shaped polars frames."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+import polars as pl
+import torch
+from torch import Tensor
+
+
+def content_id(*parts: str) -> str:
+    """sha256 hex of the parts joined by the unit separator \\x1f: the content hash of preference_pairs."""
+    return hashlib.sha256("\x1f".join(parts).encode("utf-8")).hexdigest()
+
+
+def _require(samples: pl.DataFrame, columns: Sequence[str]) -> None:
+    missing = [c for c in columns if c not in samples.columns]
+    if missing:
+        raise ValueError(f"samples: missing column(s) {missing}; expected {list(columns)}")
+
+
+def _scored(samples: pl.DataFrame) -> pl.DataFrame:
+    """Rows with a usable reward: null and NaN rewards (unscored samples) never win or lose a group."""
+    _require(samples, ("prompt_id", "sample_idx", "prompt", "completion", "reward"))
+    reward = pl.col("reward").cast(pl.Float64)
+    return samples.with_columns(reward).filter(reward.is_not_null() & reward.is_not_nan())
+
+
+def best_of_n(samples: pl.DataFrame) -> pl.DataFrame:
+    """The top-reward completion of each prompt (ties: the lowest sample_idx), as an SFT dataset.
+
+    Returns columns prompt_id, prompt, completion, reward; one row per prompt with a scored sample,
+    sorted by prompt_id."""
+    ranked = _scored(samples).sort(["prompt_id", "reward", "sample_idx"], descending=[False, True, False])
+    best = ranked.unique(subset="prompt_id", keep="first", maintain_order=True)
+    return best.select("prompt_id", "prompt", "completion", "reward")
+
+
+def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n") -> tuple[pl.DataFrame, int]:
+    """Per prompt, the best and the worst completion as a synthetic preference pair (West-of-N).
+
+    Ties pick the lowest sample_idx on both ends. Prompts whose best and worst rewards are equal (all
+    samples tie, or a single sample) give no pair and are counted. Returns (pairs, n_skipped); pairs have
+    the preference_pairs columns pair_id (content_id(prompt, chosen, rejected)), source, prompt, chosen,
+    rejected, meta (JSON: prompt_id, both sample_idx and rewards), sorted by prompt_id."""
+    scored = _scored(samples)
+    best = (
+        scored.sort(["prompt_id", "reward", "sample_idx"], descending=[False, True, False])
+        .unique(subset="prompt_id", keep="first", maintain_order=True)
+        .select("prompt_id", "prompt", chosen="completion", chosen_idx="sample_idx", chosen_reward="reward")
+    )
+    worst = (
+        scored.sort(["prompt_id", "reward", "sample_idx"])
+        .unique(subset="prompt_id", keep="first", maintain_order=True)
+        .select("prompt_id", rejected="completion", rejected_idx="sample_idx", rejected_reward="reward")
+    )
+    joined = best.join(worst, on="prompt_id", how="inner", maintain_order="left")
+    kept = joined.filter(pl.col("chosen_reward") > pl.col("rejected_reward"))
+    rows = kept.to_dicts()
+    pairs = pl.DataFrame(
+        {
+            "pair_id": [content_id(r["prompt"], r["chosen"], r["rejected"]) for r in rows],
+            "source": [source] * len(rows),
+            "prompt": [r["prompt"] for r in rows],
+            "chosen": [r["chosen"] for r in rows],
+            "rejected": [r["rejected"] for r in rows],
+            "meta": [
+                json.dumps({
+                    "prompt_id": r["prompt_id"],
+                    "chosen_idx": r["chosen_idx"],
+                    "rejected_idx": r["rejected_idx"],
+                    "chosen_reward": r["chosen_reward"],
+                    "rejected_reward": r["rejected_reward"],
+                })
+                for r in rows
+            ],
+        },
+        schema={name: pl.String for name in ("pair_id", "source", "prompt", "chosen", "rejected", "meta")},
+    )
+    return pairs, joined.height - kept.height
+
+
+def _group_correct_counts(is_correct: Tensor | Sequence[bool], group_size: int) -> Tensor:
+    """#correct per group of `group_size` consecutive samples: (B*G,) -> (B,)."""
+    flat = torch.as_tensor(is_correct).reshape(-1)  # (B*G,)
+    if group_size < 1 or flat.numel() % group_size:
+        raise ValueError(f"is_correct: expected a multiple of group_size={group_size} values, got {flat.numel()}")
+    return flat.to(torch.long).reshape(-1, group_size).sum(dim=-1)  # (B,)
+
+
+def informative_groups(is_correct: Tensor | Sequence[bool], group_size: int) -> Tensor:
+    """DAPO dynamic sampling (arXiv:2503.14476 eq. 11): keep groups with 0 < #correct < G.
+
+    `is_correct` is the RAW verifier outcome, flat (B*G,) with each group's G samples consecutive; returns a
+    bool (B,) mask. Not the shaped reward: with overlong shaping an all-wrong group still has unequal rewards,
+    yet its advantages carry no signal about correctness."""
+    counts = _group_correct_counts(is_correct, group_size)  # (B,)
+    return (counts > 0) & (counts < group_size)
+
+
+def dynamic_sampling_stats(is_correct: Tensor | Sequence[bool], group_size: int) -> dict[str, int]:
+    """groups_total, groups_kept, dropped_all_correct, dropped_all_wrong of `informative_groups`."""
+    counts = _group_correct_counts(is_correct, group_size)  # (B,)
+    return {
+        "groups_total": int(counts.numel()),
+        "groups_kept": int(((counts > 0) & (counts < group_size)).sum()),
+        "dropped_all_correct": int((counts == group_size).sum()),
+        "dropped_all_wrong": int((counts == 0).sum()),
+    }
+
+
+def dynamic_sampling(
+    samples_or_correctness: pl.DataFrame | Tensor | Sequence[bool], group_size: int
+) -> tuple[pl.DataFrame | Tensor, dict[str, int]]:
+    """DAPO dynamic sampling over a samples frame or a flat correctness vector; returns (kept, stats).
+
+    A frame (columns prompt_id, sample_idx, is_correct; exactly group_size rows per prompt) gives back its
+    rows of kept prompts, sorted by prompt_id, sample_idx. A (B*G,) tensor or list gives back the (B,) mask
+    of `informative_groups`. stats: groups_total, groups_kept, dropped_all_correct, dropped_all_wrong."""
+    if not isinstance(samples_or_correctness, pl.DataFrame):
+        return (
+            informative_groups(samples_or_correctness, group_size),
+            dynamic_sampling_stats(samples_or_correctness, group_size),
+        )
+    samples = samples_or_correctness
+    _require(samples, ("prompt_id", "sample_idx", "is_correct"))
+    if samples["is_correct"].null_count():
+        raise ValueError(
+            f"samples.is_correct: {samples['is_correct'].null_count()} null value(s); dynamic sampling needs "
+            "the verifier's outcome for every sample"
+        )
+    ordered = samples.sort(["prompt_id", "sample_idx"])
+    sizes = ordered.group_by("prompt_id", maintain_order=True).len()
+    wrong = sizes.filter(pl.col("len") != group_size)
+    if wrong.height:
+        raise ValueError(
+            f"samples: prompt {wrong['prompt_id'][0]!r} has {wrong['len'][0]} samples; expected group_size={group_size}"
+        )
+    correct = ordered["is_correct"].to_torch().to(torch.bool)  # (B*G,)
+    keep = informative_groups(correct, group_size)  # (B,)
+    kept_ids = sizes["prompt_id"].filter(pl.Series(keep.tolist(), dtype=pl.Boolean))
+    kept = ordered.filter(pl.col("prompt_id").is_in(kept_ids.implode()))
+    return kept, dynamic_sampling_stats(correct, group_size)

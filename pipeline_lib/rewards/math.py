@@ -1,0 +1,254 @@
+"""Answer extraction and equivalence for verifiable problems (GSM8K, arithmetic), with regexes and Fraction only.
+
+Model text is never evaluated. Every scan is bounded: only the last MAX_SCAN_CHARS characters are read,
+a number longer than MAX_NUMBER_CHARS characters or with an exponent beyond ±MAX_EXPONENT is ignored."""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from functools import lru_cache
+
+MAX_SCAN_CHARS = 10_000
+MAX_NUMBER_CHARS = 100
+MAX_EXPONENT = 100
+TOLERANCE = Fraction(1, 10**6)  # both relative and absolute: |a-b| <= tol * (1 + max(|a|, |b|))
+
+# One number token: optional sign and `$`, digits with optional thousands commas and decimals (or `.5`),
+# an optional exponent and an optional `/denominator`. The lookbehind keeps tokens from starting inside a
+# word (`x2`) or after a minus that belongs to an expression (`16-3` yields 16 and 3, not -3).
+# Every repetition is over a character class disjoint from what follows it: no catastrophic backtracking.
+_NUMBER = re.compile(
+    r"(?<![\w.])(?P<sign>-)?(?:\$\s?)?"
+    r"(?P<body>\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+    r"(?:[eE](?P<exp>[-+]?\d+))?"
+    r"(?:\s?/\s?(?P<den_sign>-)?(?P<den>\d+(?:\.\d+)?))?"
+)
+_HASHES = re.compile(r"####")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_ANSWER_IS = re.compile(r"\banswer\s{0,10}(?:is\b|:|=)", re.IGNORECASE)
+_A_COLON = re.compile(r"\bA:")
+_UNITS = re.compile(r"[A-Za-z]+(?:\s+[A-Za-z]+)*")
+_SPACES = re.compile(r"\s+")
+_CLAUSE_END = re.compile(r"[.,;!?]")
+_DIGIT = re.compile(r"\d")
+
+# LaTeX that wraps numbers: \frac{a}{b} -> a/b, \text{..} -> .., spacing and \left/\right dropped.
+_LATEX_SUBS = (
+    (re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}"), r"\1/\2"),
+    (re.compile(r"\\[dt]?frac(\d)(\d)"), r"\1/\2"),
+    (re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\s*\{([^{}]*)\}"), r"\1"),
+    (re.compile(r"\^\s*\{?\\circ\}?"), ""),
+    (re.compile(r"\\(?:left|right)\b|\\[!,;: ]"), ""),
+    (re.compile(r"\\([%$])"), r"\1"),
+)
+
+
+def _strip_latex(text: str) -> str:
+    if "\\" not in text:
+        return text
+    for pattern, replacement in _LATEX_SUBS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def _decimal(digits: str) -> Fraction:
+    """'1234.50' -> 2469/2, built from ints (the caller has bounded the length)."""
+    whole, _, frac = digits.replace(",", "").partition(".")
+    scale = 10 ** len(frac)
+    return Fraction(int(whole or "0") * scale + int(frac or "0"), scale)
+
+
+def _token_value(match: re.Match[str]) -> tuple[Fraction, bool] | None:
+    """(value, written_as_fraction) of a number token, or None when it is too long, its exponent is out of
+    range (`1e999999` is rejected before any power is built) or its denominator is zero."""
+    if match.end() - match.start() > MAX_NUMBER_CHARS:
+        return None
+    value = _decimal(match["body"])
+    if match["exp"] is not None:
+        exponent = int(match["exp"])
+        if abs(exponent) > MAX_EXPONENT:
+            return None
+        value *= Fraction(10) ** exponent
+    if match["den"] is not None:
+        denominator = _decimal(match["den"])
+        if denominator == 0:
+            return None
+        value /= -denominator if match["den_sign"] else denominator
+    return (-value if match["sign"] else value), match["den"] is not None
+
+
+def format_number(value: Fraction, as_fraction: bool = False) -> str:
+    """Canonical text of a number: `72`, `-1234.5`, or `3/4` (for fraction input or a non-terminating decimal)."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    den, twos, fives = value.denominator, 0, 0
+    while den % 2 == 0:
+        den, twos = den // 2, twos + 1
+    while den % 5 == 0:
+        den, fives = den // 5, fives + 1
+    if as_fraction or den != 1:
+        return f"{value.numerator}/{value.denominator}"
+    places = max(twos, fives)
+    scaled = abs(value.numerator) * 10**places // value.denominator  # exact: the denominator divides 10**places
+    sign = "-" if value < 0 else ""
+    whole, frac = divmod(scaled, 10**places)
+    return f"{sign}{whole}.{str(frac).zfill(places).rstrip('0')}"
+
+
+def _last_number(text: str) -> str | None:
+    last = None
+    for match in _NUMBER.finditer(text):
+        parsed = _token_value(match)
+        if parsed is not None:
+            last = parsed
+    return None if last is None else format_number(*last)
+
+
+def _clean_text(text: str) -> str:
+    """Whitespace collapsed, surrounding punctuation and `$` removed."""
+    return _SPACES.sub(" ", text).strip().strip("$*").strip(" :.*").strip()
+
+
+def _text_answer(text: str) -> str | None:
+    """A non-numeric answer (`yes`, `x+1`): the cleaned text, or None if empty or longer than MAX_NUMBER_CHARS."""
+    text = _clean_text(text)
+    return text if 0 < len(text) <= MAX_NUMBER_CHARS else None
+
+
+def _segment_answer(segment: str) -> str | None:
+    """The answer right after a marker: the number it starts with; else, if its first clause has no digit,
+    that clause as text (`yes`, `B`); else None (`A: Janet has 16 eggs...` is reasoning, not an answer)."""
+    segment = segment.lstrip(" \t:*")
+    match = _NUMBER.match(segment)
+    if match is not None:
+        parsed = _token_value(match)
+        return None if parsed is None else format_number(*parsed)
+    clause = _CLAUSE_END.split(segment, maxsplit=1)[0]
+    if _DIGIT.search(clause):
+        return None
+    return _text_answer(clause)
+
+
+def _after_last(pattern: re.Pattern[str], text: str) -> str | None:
+    """The rest of the line after the last match of `pattern`, or None if it does not occur."""
+    last = None
+    for last in pattern.finditer(text):
+        pass
+    if last is None:
+        return None
+    rest = text[last.end():]
+    return rest.split("\n", 1)[0]
+
+
+def _boxed_content(text: str) -> str | None:
+    """The content of the last `\\boxed{...}`, braces matched (nested braces allowed), or None."""
+    last = None
+    for last in _BOXED.finditer(text):
+        pass
+    if last is None:
+        return None
+    depth, start = 1, last.end()
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i]
+    return None
+
+
+def _boxed_answer(content: str) -> str | None:
+    """A boxed answer: a number (units stripped), the right-hand side of `x = 5`, or short text (`x+1`)."""
+    content = content.rsplit("=", 1)[-1]
+    parsed = _parse_number(content)
+    if parsed is not None:
+        return format_number(*parsed)
+    return _text_answer(content)
+
+
+def extract_answer(text: str | None) -> str | None:
+    """The final answer in a completion (or a GSM8K gold solution), normalized; None if there is none.
+
+    Priority: the last `#### x` (GSM8K), then the last `\\boxed{x}`, then the last `answer is x` /
+    `answer: x`, then the last `A: x`. A marker counts only when a number follows it directly (or, for
+    non-numeric answers, a clause without digits: `The answer is yes.`); otherwise the next rule applies.
+    Without any usable marker: the last number in the text. Numbers come back
+    canonical: commas, `$`, `%`, units and trailing zeros/periods stripped (`$1,234.50` -> `1234.5`),
+    fractions as `p/q` (`\\frac{3}{4}` -> `3/4`). Only the last MAX_SCAN_CHARS characters are read."""
+    if not isinstance(text, str):
+        return None
+    if len(text) > MAX_SCAN_CHARS:
+        text = text[-MAX_SCAN_CHARS:]
+        text = text[re.match(r"\S*", text).end():]  # drop the token the cut went through
+    text = _strip_latex(text.replace("\u2212", "-"))
+    segment = _after_last(_HASHES, text)
+    if segment is not None and (found := _segment_answer(segment)) is not None:
+        return found
+    content = _boxed_content(text)
+    if content is not None and (found := _boxed_answer(content)) is not None:
+        return found
+    for marker in (_ANSWER_IS, _A_COLON):
+        segment = _after_last(marker, text)
+        if segment is not None and (found := _segment_answer(segment)) is not None:
+            return found
+    return _last_number(text)
+
+
+def _parse_number(text: str) -> tuple[Fraction, bool] | None:
+    """(value, as_fraction) if the whole of `text` is one number, optionally with `%` or unit words after it."""
+    if len(text) > MAX_SCAN_CHARS:
+        return None
+    if text.isascii() and text.isdigit() and len(text) <= MAX_NUMBER_CHARS:
+        return Fraction(int(text)), False  # the common case, `72`, without regexes
+    text = _strip_latex(text.replace("\u2212", "-")).strip().rstrip(".").strip()
+    match = _NUMBER.match(text)
+    if match is None:
+        return None
+    rest = text[match.end():].strip()
+    if rest and rest != "%" and _UNITS.fullmatch(rest) is None:
+        return None
+    return _token_value(match)
+
+
+def answer_value(answer: str) -> Fraction | str:
+    """The comparable value of an answer: a Fraction if it is a number, else casefolded, space-collapsed text.
+
+    Equal values are the same answer (Maj@K votes on them); `is_equivalent` adds the numeric tolerance."""
+    if len(answer) > MAX_SCAN_CHARS:  # never a number; kept out of the cache so it cannot hold huge strings
+        return _clean_text(_strip_latex(answer)).casefold()
+    return _cached_answer_value(answer)
+
+
+@lru_cache(maxsize=65_536)
+def _cached_answer_value(answer: str) -> Fraction | str:
+    parsed = _parse_number(answer)
+    if parsed is not None:
+        return parsed[0]
+    return _clean_text(_strip_latex(answer)).casefold()
+
+
+def values_equivalent(a: Fraction | str, b: Fraction | str) -> bool:
+    """Two `answer_value`s: numbers within |a-b| <= tol + tol*max(|a|,|b|) (tol = 1e-6), text exactly equal."""
+    if a == b:
+        return True
+    if not (isinstance(a, Fraction) and isinstance(b, Fraction)):
+        return False
+    # The same inequality multiplied through by both denominators and 1/tol: integers only (fast, exact).
+    an, ad, bn, bd = a.numerator, a.denominator, b.numerator, b.denominator
+    diff = abs(an * bd - bn * ad)
+    return diff * TOLERANCE.denominator <= TOLERANCE.numerator * (ad * bd + max(abs(an) * bd, abs(bn) * ad))
+
+
+def is_equivalent(pred: str | None, gold: str | None) -> bool:
+    """Whether an extracted answer matches the gold answer: `1/2 == 0.5`, `72.0 == 72`, `1,000 == 1000`,
+    `$5 == 5 dollars`, `50% == 50`; non-numeric answers compare as normalized text. None equals nothing."""
+    if pred is None or gold is None:
+        return False
+    return values_equivalent(answer_value(str(pred)), answer_value(str(gold)))
+
+
+def is_correct(completion: str | None, answer: str | None) -> bool:
+    """The verifier: the completion's extracted answer is equivalent to the gold answer."""
+    return is_equivalent(extract_answer(completion), answer)

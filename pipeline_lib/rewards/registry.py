@@ -1,0 +1,148 @@
+"""Reward functions by name (`REWARDS`) and their weighted sum (`combined_reward`), which configs build from
+`[{name, weight, **options}]` specs: the verifier, DAPO overlong shaping, a reward model's scores."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from pipeline_lib.losses.dapo import overlong_penalty
+from pipeline_lib.rewards.math import is_correct
+
+
+class RewardFn(Protocol):
+    """The one signature of every reward function.
+
+    `prompts[i]`, `completions[i]` are one sample; `answers[i]` is its gold answer (None when the prompt has
+    none); `lengths[i]` is the completion's length in tokens. `options` are the spec's keyword arguments,
+    fixed per config (`max_len`, `scorer`). Returns one float per sample."""
+
+    def __call__(
+        self,
+        prompts: list[str],
+        completions: list[str],
+        *,
+        answers: list[str | None],
+        lengths: list[int],
+        **options: Any,
+    ) -> list[float]: ...
+
+
+CombinedReward = Callable[..., tuple[list[float], dict[str, list[float]]]]
+REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator adding a reward function to REWARDS under `name` (a second function with that name is an error)."""
+
+    def add(fn: RewardFn) -> RewardFn:
+        if name in REWARDS:
+            raise ValueError(f"reward {name!r} is already registered")
+        REWARDS[name] = fn
+        return fn
+
+    return add
+
+
+@register_reward("verifier")
+def verifier(
+    prompts: list[str], completions: list[str], *, answers: list[str | None], lengths: list[int]
+) -> list[float]:
+    """1.0 when the extracted answer is equivalent to the gold answer, else 0.0 (a None answer scores 0)."""
+    return [1.0 if is_correct(completion, answer) else 0.0 for completion, answer in zip(completions, answers)]
+
+
+@register_reward("overlong")
+def overlong(
+    prompts: list[str],
+    completions: list[str],
+    *,
+    answers: list[str | None],
+    lengths: list[int],
+    max_len: int,
+    cache_len: int,
+) -> list[float]:
+    """DAPO §3.4 soft overlong punishment: 0 up to max_len - cache_len tokens, a ramp to -1 at max_len, -1 beyond."""
+    return overlong_penalty(list(lengths), max_len=max_len, cache_len=cache_len).tolist()
+
+
+@register_reward("reward_model")
+def reward_model(
+    prompts: list[str],
+    completions: list[str],
+    *,
+    answers: list[str | None],
+    lengths: list[int],
+    scorer: Callable[[list[str]], Sequence[float]],
+) -> list[float]:
+    """A reward model's score of prompt + completion; `scorer` maps texts to scores (e.g. RewardModelScorer)."""
+    scores = [float(score) for score in scorer([p + c for p, c in zip(prompts, completions)])]
+    if len(scores) != len(completions):
+        raise ValueError(f"reward_model: scorer returned {len(scores)} scores for {len(completions)} texts")
+    return scores
+
+
+def _component(spec: Mapping[str, Any], index: int) -> tuple[str, float, dict[str, Any]]:
+    """Validate one spec into (name, weight, options); options are checked against the function's signature."""
+    where = f"rewards[{index}]"
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+        raise ValueError(f"{where}: expected a mapping with a 'name' string, got {spec!r}")
+    options = {key: value for key, value in spec.items() if key not in ("name", "weight")}
+    name, weight = spec["name"], spec.get("weight", 1.0)
+    if name not in REWARDS:
+        raise ValueError(f"{where}.name: unknown reward {name!r}; expected one of {sorted(REWARDS)}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        raise ValueError(f"{where}.weight: expected a finite number, got {weight!r}")
+    try:
+        inspect.signature(REWARDS[name]).bind([], [], answers=[], lengths=[], **options)
+    except TypeError as exc:
+        raise ValueError(f"{where} ({name}): {exc}") from None
+    return name, float(weight), options
+
+
+def combined_reward(specs: Sequence[Mapping[str, Any]]) -> CombinedReward:
+    """The weighted sum of reward functions named by `specs` (`[{name, weight=1.0, **options}]`).
+
+    The returned callable takes RewardFn's arguments (without options) and returns `(total, components)`:
+    total[i] = Σ weight_j * component_j[i], and each component's raw values keyed by name, for logging.
+    A component returning a non-finite value or the wrong number of values raises ValueError."""
+    if not specs:
+        raise ValueError("rewards: expected at least one {name, weight} spec")
+    parts = [_component(spec, i) for i, spec in enumerate(specs)]
+    names = [name for name, _, _ in parts]
+    if len(set(names)) != len(names):
+        raise ValueError(f"rewards: each reward may appear once, got {names}")
+
+    def reward(
+        prompts: list[str], completions: list[str], *, answers: list[str | None], lengths: list[int]
+    ) -> tuple[list[float], dict[str, list[float]]]:
+        n = len(completions)
+        if not len(prompts) == len(answers) == len(lengths) == n:
+            raise ValueError(
+                f"rewards: prompts, completions, answers, lengths must have one entry per sample, got "
+                f"{len(prompts)}, {n}, {len(answers)}, {len(lengths)}"
+            )
+        components: dict[str, list[float]] = {}
+        for name, _, options in parts:
+            values = [float(v) for v in REWARDS[name](prompts, completions, answers=answers, lengths=lengths, **options)]
+            if len(values) != n:
+                raise ValueError(f"reward {name!r} returned {len(values)} values for {n} samples")
+            bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+            if bad is not None:
+                raise ValueError(f"reward {name!r} returned a non-finite value {values[bad]} for sample {bad}")
+            components[name] = values
+        total = [sum(weight * components[name][i] for name, weight, _ in parts) for i in range(n)]
+        return total, components
+
+    return reward
+
+
+def reward_metrics(total: list[float], components: Mapping[str, list[float]]) -> dict[str, float]:
+    """Batch means for logging: `rewards/total` and `rewards/<name>` per component (empty batch: no keys)."""
+    if not total:
+        return {}
+    metrics = {"rewards/total": sum(total) / len(total)}
+    metrics.update({f"rewards/{name}": sum(values) / len(values) for name, values in components.items()})
+    return metrics

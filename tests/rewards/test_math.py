@@ -1,0 +1,176 @@
+"""Answer extraction and equivalence: every shipped GSM8K gold answer, hand-written formats, hostile inputs."""
+
+from __future__ import annotations
+
+import json
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from pipeline_lib.rewards.math import (
+    MAX_SCAN_CHARS,
+    answer_value,
+    extract_answer,
+    format_number,
+    is_correct,
+    is_equivalent,
+)
+
+GSM8K = Path(__file__).resolve().parents[2] / "data" / "gsm8k"
+
+
+def gsm8k_records() -> list[dict]:
+    records = []
+    for path in sorted(GSM8K.glob("*.jsonl")):
+        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return records
+
+
+def test_every_shipped_gsm8k_gold_answer_extracts_to_the_number_after_hashes():
+    records = gsm8k_records()
+    assert len(records) == 600  # 500 train + 100 test
+    for record in records:
+        after_hashes = record["answer"].split("####")[-1].strip()
+        extracted = extract_answer(record["answer"])
+        assert extracted == after_hashes.replace(",", ""), record["answer"]
+        assert is_equivalent(extracted, after_hashes)
+        assert is_correct(record["answer"], after_hashes)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Janet sells 9 eggs.\n#### 72", "72"),
+        ("#### 1,080", "1080"),
+        ("The answer is 72", "72"),
+        ("So the final answer is: $1,234.50.", "1234.5"),
+        ("**Answer:** 42", "42"),
+        ("Q: 12+30=?\nA: 42", "42"),
+        (r"Therefore \boxed{72}.", "72"),
+        (r"\boxed{\frac{1}{2}}", "1/2"),
+        (r"\boxed{\dfrac{3}{4}}", "3/4"),
+        (r"\boxed{-\frac{1}{2}}", "-1/2"),
+        (r"\boxed{72 \text{ dollars}}", "72"),
+        (r"\boxed{x = 5}", "5"),
+        (r"it costs \$5 and then \boxed{18}", "18"),
+        ("She pays $1,234.50 in total", "1234.5"),
+        ("The temperature is -5 degrees", "-5"),
+        ("It grew by 3.25 meters", "3.25"),
+        ("About 3/4 of them", "3/4"),
+        ("a change of -1/2", "-1/2"),
+        (r"which is \frac{3}{4}", "3/4"),
+        ("Growth was 50%.", "50"),
+        ("72.0", "72"),
+        ("100.", "100"),
+        ("2e3 grains", "2000"),
+        ("\u22127 degrees", "-7"),  # unicode minus
+        ("16 - 3 - 4 = 9", "9"),
+        ("5-3 is 2", "2"),  # the minus of an expression is not a sign
+        ("The answer is yes.", "yes"),
+        # priority: #### beats boxed beats "answer is" beats "A:" beats the last number
+        (r"\boxed{3} #### 4", "4"),
+        (r"The answer is 3. \boxed{5} and then 9", "5"),
+        ("A: 2\nThe answer is 6.\n7 more", "6"),
+        ("A: 8, not 9 or 10", "8"),
+        # a marker followed by reasoning, not a number, is skipped: the last number wins
+        ("A: Janet has 16 eggs and earns 18", "18"),
+        ("I added 3 and 4 to get 7", "7"),
+        ("no digits here", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_extract_answer_formats(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_only_the_tail_of_a_long_completion_is_read():
+    hidden_marker = "#### 5 " + "x" * (MAX_SCAN_CHARS + 10) + " 7"
+    assert extract_answer(hidden_marker) == "7"
+    # a cut through a number drops the partial number instead of reading a wrong one
+    assert extract_answer("12345678" * (MAX_SCAN_CHARS // 4)) is None
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold", "expected"),
+    [
+        ("1/2", "0.5", True),
+        ("72.0", "72", True),
+        ("1,000", "1000", True),
+        ("$5", "5 dollars", True),
+        ("50%", "50", True),
+        (r"\frac{3}{4}", "0.75", True),
+        ("0.3333333", "1/3", True),  # within 1e-6 relative + absolute
+        ("0.333", "1/3", False),
+        ("1000001", "1000000", True),  # relative tolerance: |diff| = 1 <= 1e-6 * (1 + 1e6)
+        ("1000003", "1000000", False),
+        ("0.0000005", "0", True),  # absolute tolerance near zero
+        ("0.000002", "0", False),
+        ("-2", "2", False),
+        ("Yes", "yes.", True),
+        ("  Paris ", "paris", True),
+        ("paris", "london", False),
+        ("72", "seventy-two", False),
+        (None, "72", False),
+        ("72", None, False),
+        (None, None, False),
+    ],
+)
+def test_is_equivalent(pred, gold, expected):
+    assert is_equivalent(pred, gold) is expected
+    assert is_equivalent(gold, pred) is expected
+
+
+def test_format_number_is_canonical():
+    assert format_number(Fraction(2469, 2)) == "1234.5"
+    assert format_number(Fraction(-1, 8)) == "-0.125"
+    assert format_number(Fraction(1, 3)) == "1/3"  # no terminating decimal
+    assert format_number(Fraction(3, 4), as_fraction=True) == "3/4"
+    assert format_number(Fraction(-6, 2)) == "-3"
+
+
+def test_answer_value_merges_spellings_of_one_number():
+    assert answer_value("1/2") == answer_value("0.50") == answer_value(r"\frac{1}{2}") == Fraction(1, 2)
+    assert answer_value("1,000 apples") == 1000
+    assert answer_value("Some Text.") == "some text"
+
+
+HOSTILE = {
+    "10 MB of digits": "9" * 10_000_000,
+    "10 MB of comma groups": "1," * 5_000_000,
+    "power tower": "9**9**9",
+    "python injection": "__import__('os').system('x')",
+    "huge exponent": "1e999999",
+    "huge exponent after marker": "The answer is 1e999999",
+    "huge numerator": "1" * 5000 + "/3",
+    "huge denominator boxed": r"\boxed{\frac{1}{" + "7" * 5000 + "}}",
+    "unclosed boxes": "\\boxed{" * 200_000,
+    "unclosed fracs": "\\frac{" * 200_000,
+    "many markers": "The answer is " * 200_000,
+    "spaces then a digit": "72" + " " * 1_000_000 + "x5",
+    "slashes": "1/" * 500_000,
+    "dots": "1." * 500_000,
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_inputs_finish_fast_and_never_evaluate(name):
+    text = HOSTILE[name]
+    start = time.perf_counter()
+    extracted = extract_answer(text)
+    equivalent = is_equivalent(text, "9")
+    is_equivalent(extracted, "1")
+    assert time.perf_counter() - start < 1.0
+    assert equivalent is False
+    assert extracted is None or len(extracted) <= 120
+
+
+def test_hostile_values_are_rejected_not_computed():
+    assert extract_answer("1e999999") is None  # 10**999999 is never built
+    assert extract_answer("9**9**9") == "9"  # read as text, never as a power
+    assert extract_answer("__import__('os').system('x')") is None
+    assert extract_answer("9" * 10_000_000) is None  # longer than MAX_NUMBER_CHARS
+    assert extract_answer("x 1" + "0" * 150) is None
+    assert extract_answer("1/0") is None

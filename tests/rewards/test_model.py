@@ -1,0 +1,74 @@
+"""RewardModelScorer with a tiny stand-in reward model: left padding, batching, order, truncation, no_grad."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from pipeline_lib.models.tiny import build_tokenizer
+from pipeline_lib.rewards.model import RewardModelScorer
+
+TEXTS = ["12+34=46", "7+1=8", "99+99=198", "0+0=0", "5+5=10"]
+
+
+class LastTokenLength(nn.Module):
+    """score = 100 * (id of the last token) + (number of valid tokens): right only with left padding and a true mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(1, 1)
+        self.grad_enabled: list[bool] = []
+        self.batch_sizes: list[int] = []
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        self.grad_enabled.append(torch.is_grad_enabled() or self.training)
+        self.batch_sizes.append(input_ids.shape[0])
+        return 100.0 * input_ids[:, -1].float() + attention_mask.sum(dim=-1).float()  # (B,)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(["0123456789+="])
+
+
+def expected(tokenizer, text: str) -> float:
+    ids = tokenizer(text)["input_ids"]
+    return 100.0 * ids[-1] + len(ids)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 16])
+def test_scores_match_unbatched_and_keep_input_order(tokenizer, batch_size):
+    model = LastTokenLength()
+    scores = RewardModelScorer(model, tokenizer, batch_size=batch_size)(TEXTS)
+    assert scores == [expected(tokenizer, t) for t in TEXTS]
+    assert max(model.batch_sizes) <= batch_size
+    assert sum(model.batch_sizes) == len(TEXTS)
+    assert not any(model.grad_enabled)  # no_grad and eval mode in every forward
+
+
+def test_max_length_truncates_from_the_left(tokenizer):
+    scores = RewardModelScorer(LastTokenLength(), tokenizer, batch_size=4, max_length=3)(TEXTS)
+    assert scores == [100.0 * tokenizer(t)["input_ids"][-1] + 3 for t in TEXTS]
+
+
+def test_training_mode_is_restored_and_empty_input_is_empty(tokenizer):
+    model = LastTokenLength().train()
+    scorer = RewardModelScorer(model, tokenizer)
+    scorer(TEXTS[:2])
+    assert model.training
+    assert scorer([]) == []
+
+
+def test_bad_arguments_and_outputs_are_reported(tokenizer):
+    with pytest.raises(ValueError, match="batch_size"):
+        RewardModelScorer(LastTokenLength(), tokenizer, batch_size=0)
+
+    class TwoScores(LastTokenLength):
+        def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+            return torch.zeros(input_ids.shape[0], 2)
+
+    with pytest.raises(ValueError, match="expected scores of shape"):
+        RewardModelScorer(TwoScores(), tokenizer)(TEXTS)
+    with pytest.raises(ValueError, match="no tokens"):
+        RewardModelScorer(LastTokenLength(), tokenizer)(["1+1=2", ""])

@@ -1,0 +1,106 @@
+"""Reward registry: built-in rewards with hand-computed values, the weighted combinator, spec validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pipeline_lib.rewards import registry
+from pipeline_lib.rewards.registry import REWARDS, combined_reward, register_reward, reward_metrics
+
+PROMPTS = ["2+2=", "3+4=", "10-1=", "5*5="]
+COMPLETIONS = ["#### 4", "The answer is 8", "9.0", "no idea"]
+ANSWERS = ["4", "7", "9", None]
+LENGTHS = [5, 10, 15, 25]
+
+
+def test_builtins_are_registered():
+    assert {"verifier", "overlong", "reward_model"} <= set(REWARDS)
+
+
+def test_verifier_scores_correct_answers_one():
+    scores = REWARDS["verifier"](PROMPTS, COMPLETIONS, answers=ANSWERS, lengths=LENGTHS)
+    assert scores == [1.0, 0.0, 1.0, 0.0]  # None gold never matches
+
+
+def test_overlong_ramps_from_the_soft_limit():
+    """max_len 20, cache_len 10: soft start 10. 5 -> 0, 10 -> 0, 15 -> (10-15)/10 = -0.5, 25 -> -1."""
+    scores = REWARDS["overlong"](PROMPTS, COMPLETIONS, answers=ANSWERS, lengths=LENGTHS, max_len=20, cache_len=10)
+    assert scores == pytest.approx([0.0, 0.0, -0.5, -1.0])
+
+
+def test_reward_model_scores_prompt_plus_completion():
+    seen = []
+
+    def scorer(texts):
+        seen.extend(texts)
+        return [float(len(t)) for t in texts]
+
+    scores = REWARDS["reward_model"](PROMPTS, COMPLETIONS, answers=ANSWERS, lengths=LENGTHS, scorer=scorer)
+    assert seen == [p + c for p, c in zip(PROMPTS, COMPLETIONS)]
+    assert scores == [10.0, 19.0, 8.0, 11.0]
+
+
+def test_combined_reward_is_the_weighted_sum_and_keeps_components():
+    """total = 1.0 * verifier + 0.5 * overlong: [1+0, 0+0, 1-0.25, 0-0.5], mean 1.25/4 = 0.3125."""
+    reward = combined_reward([
+        {"name": "verifier", "weight": 1.0},
+        {"name": "overlong", "weight": 0.5, "max_len": 20, "cache_len": 10},
+    ])
+    total, components = reward(PROMPTS, COMPLETIONS, answers=ANSWERS, lengths=LENGTHS)
+    assert total == pytest.approx([1.0, 0.0, 0.75, -0.5])
+    assert components["verifier"] == [1.0, 0.0, 1.0, 0.0]
+    assert components["overlong"] == pytest.approx([0.0, 0.0, -0.5, -1.0])
+    assert reward_metrics(total, components) == pytest.approx(
+        {"rewards/total": 0.3125, "rewards/verifier": 0.5, "rewards/overlong": -0.375}
+    )
+
+
+def test_weight_defaults_to_one_and_scorer_plugs_in():
+    reward = combined_reward([{"name": "reward_model", "scorer": lambda texts: [2.0] * len(texts)}])
+    total, _ = reward(PROMPTS[:2], COMPLETIONS[:2], answers=ANSWERS[:2], lengths=LENGTHS[:2])
+    assert total == [2.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    ("specs", "message"),
+    [
+        ([], "at least one"),
+        ([{"weight": 1.0}], "'name'"),
+        ([{"name": "nope"}], "unknown reward 'nope'"),
+        ([{"name": "verifier", "weight": "high"}], "weight"),
+        ([{"name": "verifier", "weight": math.inf}], "weight"),
+        ([{"name": "overlong", "max_len": 20}], "cache_len"),
+        ([{"name": "verifier", "temperature": 2}], "temperature"),
+        ([{"name": "verifier"}, {"name": "verifier"}], "once"),
+    ],
+)
+def test_bad_specs_fail_at_build_time_with_the_field(specs, message):
+    with pytest.raises(ValueError, match=message):
+        combined_reward(specs)
+
+
+def test_bad_component_output_is_reported():
+    nan_rm = combined_reward([{"name": "reward_model", "scorer": lambda texts: [math.nan] * len(texts)}])
+    with pytest.raises(ValueError, match="non-finite"):
+        nan_rm(PROMPTS, COMPLETIONS, answers=ANSWERS, lengths=LENGTHS)
+    short_rm = combined_reward([{"name": "reward_model", "scorer": lambda texts: [1.0]}])
+    with pytest.raises(ValueError, match="1 scores for 4 texts"):
+        short_rm(PROMPTS, COMPLETIONS, answers=ANSWERS, lengths=LENGTHS)
+    with pytest.raises(ValueError, match="one entry per sample"):
+        combined_reward([{"name": "verifier"}])(PROMPTS, COMPLETIONS, answers=ANSWERS[:2], lengths=LENGTHS)
+
+
+def test_register_reward_adds_a_named_function(monkeypatch):
+    monkeypatch.setattr(registry, "REWARDS", dict(REWARDS))
+
+    @register_reward("length_bonus")
+    def length_bonus(prompts, completions, *, answers, lengths, scale):
+        return [scale * n for n in lengths]
+
+    reward = combined_reward([{"name": "verifier", "weight": 2.0}, {"name": "length_bonus", "weight": 1.0, "scale": 0.1}])
+    total, _ = reward(PROMPTS, COMPLETIONS, answers=ANSWERS, lengths=LENGTHS)
+    assert total == pytest.approx([2.5, 1.0, 3.5, 2.5])
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("length_bonus")(length_bonus)

@@ -1,0 +1,191 @@
+"""Pass@K and Maj@K against brute-force enumeration of every K-subset, evaluate() and the curve plots."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import random
+from fractions import Fraction
+from math import comb
+
+import numpy as np
+import polars as pl
+import pytest
+from matplotlib.figure import Figure
+
+from pipeline_lib.evaluation import (
+    count_votes,
+    evaluate,
+    maj_at_k,
+    maj_at_k_from_votes,
+    metric_key,
+    pass_at_k,
+    plot_curves,
+)
+from pipeline_lib.rewards.math import answer_value, values_equivalent
+
+
+def brute_pass(correct: list[bool], k: int) -> Fraction:
+    subsets = list(itertools.combinations(correct, k))
+    return Fraction(sum(any(s) for s in subsets), len(subsets))
+
+
+def brute_maj(answers: list[str | None], gold: str | None, k: int) -> Fraction:
+    """Mean over all k-subsets of: (#correct classes among the most-voted) / (#most-voted); Nones do not vote."""
+    total, subsets = Fraction(0), 0
+    for subset in itertools.combinations(answers, k):
+        subsets += 1
+        votes: dict = {}
+        for answer in subset:
+            if answer is not None:
+                value = answer_value(answer)
+                votes[value] = votes.get(value, 0) + 1
+        if not votes:
+            continue
+        top = max(votes.values())
+        tied = [value for value, count in votes.items() if count == top]
+        good = sum(gold is not None and values_equivalent(value, answer_value(gold)) for value in tied)
+        total += Fraction(good, len(tied))
+    return total / subsets
+
+
+def test_metric_key_never_uses_at_sign():
+    assert metric_key("pass", 8) == "eval/pass_at_8"
+    assert metric_key("maj", 1) == "eval/maj_at_1"
+    with pytest.raises(ValueError, match="kind"):
+        metric_key("pass@", 8)
+
+
+def test_pass_at_k_hand_computed():
+    """n=4, c=1: pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1/2; c=3, k=2: every pair has a correct one."""
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert pass_at_k(4, 3, 2) == 1.0
+    assert pass_at_k(4, 0, 3) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pass_at_k_matches_brute_force(seed):
+    rng = random.Random(seed)
+    correct = [[rng.random() < rng.random() for _ in range(rng.randint(1, 8))] for _ in range(30)]
+    n = np.array([len(c) for c in correct])
+    c = np.array([sum(c) for c in correct])
+    for k in range(1, 9):
+        got = pass_at_k(n, c, k)
+        assert got.shape == (30,)
+        for p, flags in enumerate(correct):
+            if k > len(flags):
+                assert np.isnan(got[p])  # documented: k > n is NaN
+            else:
+                assert got[p] == pytest.approx(float(brute_pass(flags, k)), abs=1e-12)
+
+
+def test_pass_at_k_is_stable_for_large_n():
+    n, c, k = 10_000, 7, 1000  # C(10000, 1000) overflows float64; the product form does not
+    exact = 1 - Fraction(comb(n - c, k), comb(n, k))
+    assert pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-10)
+    assert pass_at_k(np.array([n]), np.array([1]), 1)[0] == pytest.approx(1e-4, rel=1e-12)
+
+
+def test_pass_at_k_rejects_bad_input():
+    with pytest.raises(ValueError, match="k: expected an integer >= 1"):
+        pass_at_k(4, 1, 0)
+    with pytest.raises(ValueError, match="0 <= c <= n"):
+        pass_at_k(np.array([4, 3]), np.array([1, 5]), 1)
+
+
+def test_maj_at_k_hand_computed():
+    """['1','1','2'] gold 1, k=2: {1,1} wins, {1,2} twice ties -> 1/2 each: (1 + 1/2 + 1/2)/3 = 2/3.
+    ['1', None], k=1: the None sample scores 0 -> 1/2; k=2: '1' is the only vote -> 1."""
+    assert maj_at_k([["1", "1", "2"]], ["1"], 2)[0] == pytest.approx(2 / 3)
+    assert maj_at_k([["1", "1", "2"]], ["1"], 1)[0] == pytest.approx(2 / 3)
+    assert maj_at_k([["1", "1", "2"]], ["1"], 3)[0] == 1.0
+    assert maj_at_k([["1", None]], ["1"], 1)[0] == pytest.approx(0.5)
+    assert maj_at_k([["1", None]], ["1"], 2)[0] == 1.0
+    assert maj_at_k([[None, None]], ["1"], 2)[0] == 0.0
+    assert maj_at_k([["1", "2"]], [None], 1)[0] == 0.0
+    assert np.isnan(maj_at_k([["1", "2"]], ["1"], 3)[0])  # k > n
+
+
+def test_equivalent_spellings_vote_together():
+    """'0.5', '1/2' and '\\frac{1}{2}' are one class with 3 votes: it beats '3' (2 votes) at k=5."""
+    assert maj_at_k([["0.5", "1/2", r"\frac{1}{2}", "3", "3"]], ["1/2"], 5)[0] == 1.0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_maj_at_k_matches_brute_force(seed):
+    rng = random.Random(seed)
+    answers, gold = [], []
+    for _ in range(12):
+        pool = [str(rng.randint(0, 4)) for _ in range(rng.randint(1, 5))] + [None] * rng.randint(0, 2)
+        answers.append([rng.choice(pool) for _ in range(rng.randint(1, 8))])
+        gold.append(str(rng.randint(0, 4)) if rng.random() < 0.9 else None)
+    ks = list(range(1, 9))
+    got = maj_at_k_from_votes(count_votes(answers, gold), ks)
+    for q, k in enumerate(ks):
+        for p in range(len(answers)):
+            if k > len(answers[p]):
+                assert np.isnan(got[q, p])
+            else:
+                assert got[q, p] == pytest.approx(float(brute_maj(answers[p], gold[p], k)), abs=1e-12)
+
+
+def test_maj_at_k_with_two_distinct_correct_classes_matches_brute_force():
+    """'0.3333333' and '1/3' are different votes, both within tolerance of the gold 1/3."""
+    rng = random.Random(7)
+    answers = [[rng.choice(["0.3333333", "1/3", "0.3", None]) for _ in range(8)] for _ in range(10)]
+    gold = ["1/3"] * 10
+    for k in range(1, 9):
+        got = maj_at_k(answers, gold, k)
+        for p in range(10):
+            assert got[p] == pytest.approx(float(brute_maj(answers[p], gold[p], k)), abs=1e-12)
+
+
+def test_maj_at_k_many_classes_and_big_n_is_a_probability():
+    rng = np.random.default_rng(0)
+    answers = [[str(x) for x in rng.integers(0, 30, 200)] for _ in range(20)]
+    gold = [str(x) for x in rng.integers(0, 30, 20)]
+    got = maj_at_k_from_votes(count_votes(answers, gold), [1, 7, 64, 150, 200])
+    assert np.all((got >= 0) & (got <= 1))
+    votes = count_votes(answers, gold)
+    assert got[0] == pytest.approx(votes.n_correct / votes.n)  # maj@1 = fraction of correct samples
+
+
+def sample_rows(model_answers: dict[str, list[str]]) -> pl.DataFrame:
+    return pl.DataFrame([
+        {"prompt_id": pid, "sample_idx": i, "completion": f"The answer is {a}."}
+        for pid, answers in model_answers.items() for i, a in enumerate(answers)
+    ])
+
+
+def test_evaluate_rows_per_k():
+    """p1: answers 4,4,5,6 (gold 4); p2: 7,1,1,2 (gold 7).
+    pass@1 = (2/4 + 1/4)/2 = 0.375; maj@4 = (1 + 0)/2 = 0.5; pass@4 = 1."""
+    samples = sample_rows({"p1": ["4", "4", "5", "6"], "p2": ["7", "1", "1", "2"]})
+    results = evaluate(samples, {"p1": "4", "p2": "7", "unused": "0"}, [8, 1, 2, 4], model="sft", dataset="demo")
+    assert results.columns == ["model", "dataset", "k", "pass_at_k", "maj_at_k", "n_samples"]
+    assert results["k"].to_list() == [1, 2, 4]  # k=8 > 4 samples is dropped
+    assert results["pass_at_k"].to_list() == pytest.approx([0.375, 0.5 * (5 / 6 + 1 / 2), 1.0])
+    assert results["maj_at_k"][0] == pytest.approx(0.375)
+    assert results["maj_at_k"][2] == pytest.approx(0.5)
+    assert results["n_samples"].to_list() == [4, 4, 4]
+    with pytest.raises(ValueError, match="no answer for prompt_id 'p2'"):
+        evaluate(samples, {"p1": "4"}, [1], model="sft", dataset="demo")
+
+
+def test_plot_curves_one_line_per_model():
+    samples = sample_rows({"p1": ["4", "4", "5", "6"], "p2": ["7", "1", "1", "2"]})
+    results = pl.concat([
+        evaluate(samples, {"p1": "4", "p2": "7"}, [1, 2, 4], model=model, dataset="demo") for model in ("sft", "grpo")
+    ])
+    fig_pass, fig_maj = plot_curves(results)
+    for fig in (fig_pass, fig_maj):
+        assert isinstance(fig, Figure)
+        ax = fig.axes[0]
+        assert ax.get_xscale() == "log"
+        assert [line.get_label() for line in ax.get_lines()] == ["sft", "grpo"]
+        assert list(ax.get_lines()[0].get_xdata()) == [1, 2, 4]
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png")
+        assert buffer.getvalue().startswith(b"\x89PNG")
+    assert fig_pass.axes[0].get_title() == "Pass@K" and fig_maj.axes[0].get_title() == "Maj@K"

@@ -1,0 +1,121 @@
+"""Best-of-N, West-of-N and DAPO dynamic sampling on crafted groups (ties, all-correct, shaped all-wrong)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import polars as pl
+import pytest
+import torch
+
+from pipeline_lib.filters import best_of_n, content_id, dynamic_sampling, informative_groups, west_of_n
+
+
+def samples_frame(groups: dict[str, list[tuple[float | None, bool]]]) -> pl.DataFrame:
+    """One row per (prompt, sample): completion `<prompt>-<idx>`, the given reward and correctness."""
+    rows = [
+        {
+            "prompt_id": pid,
+            "sample_idx": idx,
+            "prompt": f"prompt {pid}",
+            "completion": f"{pid}-{idx}",
+            "reward": reward,
+            "is_correct": correct,
+        }
+        for pid, group in groups.items()
+        for idx, (reward, correct) in enumerate(group)
+    ]
+    return pl.DataFrame(rows, schema={"prompt_id": pl.String, "sample_idx": pl.Int64, "prompt": pl.String,
+                                      "completion": pl.String, "reward": pl.Float64, "is_correct": pl.Boolean})
+
+
+GROUPS = {
+    "mixed": [(0.2, False), (0.9, True), (0.9, True), (-0.3, False)],  # tie at the top: idx 1 wins
+    "all_correct": [(1.0, True)] * 4,  # every reward equal
+    # all wrong, but overlong shaping made the rewards differ (reward std > 0)
+    "all_wrong_shaped": [(0.0, False), (-0.25, False), (-1.0, False), (-0.5, False)],
+    "low_tie": [(0.5, True), (-0.7, False), (0.1, False), (-0.7, False)],  # tie at the bottom: idx 1
+}
+
+
+def test_best_of_n_keeps_the_top_reward_lowest_index_on_ties():
+    best = best_of_n(samples_frame(GROUPS).sample(fraction=1.0, shuffle=True, seed=3))
+    assert best.columns == ["prompt_id", "prompt", "completion", "reward"]
+    assert best.to_dicts() == [
+        {"prompt_id": "all_correct", "prompt": "prompt all_correct", "completion": "all_correct-0", "reward": 1.0},
+        {"prompt_id": "all_wrong_shaped", "prompt": "prompt all_wrong_shaped", "completion": "all_wrong_shaped-0",
+         "reward": 0.0},
+        {"prompt_id": "low_tie", "prompt": "prompt low_tie", "completion": "low_tie-0", "reward": 0.5},
+        {"prompt_id": "mixed", "prompt": "prompt mixed", "completion": "mixed-1", "reward": 0.9},
+    ]
+
+
+def test_best_of_n_ignores_unscored_samples():
+    frame = samples_frame({"p": [(None, False), (math.nan, False), (0.1, True)], "unscored": [(None, False)]})
+    best = best_of_n(frame)
+    assert best["completion"].to_list() == ["p-2"]  # NaN would sort above every number if kept
+
+
+def test_west_of_n_pairs_best_with_worst_and_skips_flat_groups():
+    pairs, skipped = west_of_n(samples_frame(GROUPS), source="bon_test")
+    assert skipped == 1  # all_correct: best reward == worst reward
+    assert pairs.columns == ["pair_id", "source", "prompt", "chosen", "rejected", "meta"]
+    by_prompt = {row["prompt"]: row for row in pairs.to_dicts()}
+    assert set(by_prompt) == {"prompt mixed", "prompt all_wrong_shaped", "prompt low_tie"}
+    mixed = by_prompt["prompt mixed"]
+    assert (mixed["chosen"], mixed["rejected"], mixed["source"]) == ("mixed-1", "mixed-3", "bon_test")
+    assert json.loads(mixed["meta"]) == {
+        "prompt_id": "mixed", "chosen_idx": 1, "rejected_idx": 3, "chosen_reward": 0.9, "rejected_reward": -0.3,
+    }
+    assert by_prompt["prompt low_tie"]["rejected"] == "low_tie-1"  # lowest index among the tied worst
+    expected_id = hashlib.sha256("prompt mixed\x1fmixed-1\x1fmixed-3".encode()).hexdigest()
+    assert mixed["pair_id"] == expected_id == content_id("prompt mixed", "mixed-1", "mixed-3")
+
+
+def test_west_of_n_single_sample_and_all_tied_prompts_give_no_pairs():
+    pairs, skipped = west_of_n(samples_frame({"one": [(0.3, True)], "tied": [(0.2, False), (0.2, True)]}))
+    assert pairs.height == 0 and skipped == 2
+    assert pairs.columns == ["pair_id", "source", "prompt", "chosen", "rejected", "meta"]
+
+
+def test_dynamic_sampling_uses_correctness_not_shaped_rewards():
+    frame = samples_frame(GROUPS)
+    shaped = frame.filter(pl.col("prompt_id") == "all_wrong_shaped")["reward"]
+    assert shaped.std() > 0  # a reward-std filter would wrongly keep this group
+    kept, stats = dynamic_sampling(frame.sample(fraction=1.0, shuffle=True, seed=1), group_size=4)
+    assert stats == {"groups_total": 4, "groups_kept": 2, "dropped_all_correct": 1, "dropped_all_wrong": 1}
+    assert kept["prompt_id"].unique(maintain_order=True).to_list() == ["low_tie", "mixed"]
+    assert kept["sample_idx"].to_list() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert kept.columns == frame.columns
+
+
+def test_informative_groups_on_flat_tensors_and_lists():
+    """Groups of 3: [T,T,T] all correct, [F,F,F] all wrong, [T,F,F] and [F,F,T] informative."""
+    flat = [True, True, True, False, False, False, True, False, False, False, False, True]
+    expected = [False, False, True, True]
+    assert informative_groups(torch.tensor(flat), 3).tolist() == expected
+    keep, stats = dynamic_sampling(flat, 3)
+    assert keep.dtype == torch.bool and keep.tolist() == expected
+    assert stats == {"groups_total": 4, "groups_kept": 2, "dropped_all_correct": 1, "dropped_all_wrong": 1}
+
+
+def test_frame_and_tensor_forms_agree():
+    frame = samples_frame(GROUPS).sort("prompt_id", "sample_idx")
+    kept, stats = dynamic_sampling(frame, 4)
+    mask, tensor_stats = dynamic_sampling(frame["is_correct"].to_list(), 4)
+    kept_ids = frame["prompt_id"].unique(maintain_order=True).filter(pl.Series(mask.tolist())).to_list()
+    assert kept_ids == kept["prompt_id"].unique(maintain_order=True).to_list()
+    assert stats == tensor_stats
+
+
+def test_dynamic_sampling_rejects_bad_groups():
+    with pytest.raises(ValueError, match="prompt 'short' has 2 samples; expected group_size=4"):
+        dynamic_sampling(samples_frame({**GROUPS, "short": [(1.0, True), (0.0, False)]}), 4)
+    with pytest.raises(ValueError, match="is_correct: 1 null"):
+        dynamic_sampling(samples_frame({"p": [(1.0, True), (0.0, None)]}), 2)
+    with pytest.raises(ValueError, match="multiple of group_size=4"):
+        informative_groups(torch.ones(6, dtype=torch.bool), 4)
+    with pytest.raises(ValueError, match=r"missing column\(s\) \['is_correct'\]"):
+        dynamic_sampling(samples_frame(GROUPS).drop("is_correct"), 4)
