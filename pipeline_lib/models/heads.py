@@ -1,0 +1,199 @@
+"""Reward model (backbone + scalar head, three poolings) and PPO value model (backbone + per-token head),
+padding-independent, saved as an HF backbone dir + a safetensors head + a small JSON config."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
+
+from pipeline_lib.models.loading import ModelLoadError, atomic_output_dir, load_pretrained
+from pipeline_lib.models.logprobs import position_ids_from_mask
+
+Pooling = Literal["last_token", "mean", "last_two_layers"]
+POOLINGS: tuple[str, ...] = ("last_token", "mean", "last_two_layers")
+
+
+# ---- helpers shared by RewardModel and ValueModel
+
+
+def _load_backbone(
+    path: str | Path, *, dtype: str | torch.dtype, device: str | torch.device, trust_remote_code: bool
+) -> PreTrainedModel:
+    """The base transformer (no LM head) of a policy or head checkpoint, safetensors only."""
+    return load_pretrained(AutoModel, path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+
+
+def _new_head(hidden_size: int, *, zero: bool, seed: int) -> nn.Linear:
+    """A float32 linear head: zeros, or N(0, 1/sqrt(hidden+1)) with bias 0, from a private generator so the
+    init is reproducible without touching the global RNG."""
+    head = nn.Linear(hidden_size, 1)
+    with torch.no_grad():
+        head.bias.zero_()
+        if zero:
+            head.weight.zero_()
+        else:
+            generator = torch.Generator().manual_seed(seed)
+            head.weight.normal_(0.0, 1.0 / math.sqrt(hidden_size + 1), generator=generator)
+    return head
+
+
+def _hidden_states(
+    backbone: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, *, all_layers: bool
+) -> tuple[Tensor, ...]:
+    """Backbone hidden states in float32; positions come from the mask so padding side does not matter."""
+    if attention_mask.shape != input_ids.shape or input_ids.dim() != 2:
+        raise ValueError(
+            f"attention_mask: expected shape {tuple(input_ids.shape)} (B, T) like input_ids, got {tuple(attention_mask.shape)}"
+        )
+    if not bool(attention_mask.bool().any(dim=-1).all()):
+        raise ValueError("attention_mask: every row needs at least one valid (1) token")
+    outputs = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        output_hidden_states=all_layers,
+        use_cache=False,
+    )
+    if all_layers:
+        return tuple(h.float() for h in outputs.hidden_states)
+    return (outputs.last_hidden_state.float(),)
+
+
+def _save(
+    out_dir: str | Path, backbone: PreTrainedModel, head: nn.Linear, kind: str, extra: dict,
+    tokenizer: PreTrainedTokenizerBase | None,
+) -> Path:
+    """Backbone via save_pretrained + `<kind>_head.safetensors` + `<kind>_config.json`, written atomically."""
+    with atomic_output_dir(out_dir) as tmp:
+        backbone.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        state = {name: tensor.detach().float().cpu().contiguous() for name, tensor in head.state_dict().items()}
+        save_file(state, str(tmp / f"{kind}_head.safetensors"))
+        config = {"kind": kind, "hidden_size": head.in_features, **extra}
+        (tmp / f"{kind}_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return Path(out_dir).resolve()
+
+
+def _load(
+    path: str | Path, kind: str, *, dtype: str | torch.dtype, device: str | torch.device, trust_remote_code: bool
+) -> tuple[PreTrainedModel, nn.Linear, dict]:
+    """Inverse of `_save`: (backbone, head, config)."""
+    model_dir = Path(path).expanduser()
+    config_file, head_file = model_dir / f"{kind}_config.json", model_dir / f"{kind}_head.safetensors"
+    if not config_file.is_file() or not head_file.is_file():
+        raise ModelLoadError(
+            f"{model_dir}: not a {kind} model dir (needs {config_file.name} and {head_file.name}); "
+            "use from_policy() to start from a policy checkpoint"
+        )
+    config = json.loads(config_file.read_text())
+    backbone = _load_backbone(model_dir, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    if int(config.get("hidden_size", -1)) != backbone.config.hidden_size:
+        raise ModelLoadError(
+            f"{config_file}: hidden_size={config.get('hidden_size')} but the backbone has {backbone.config.hidden_size}"
+        )
+    head = nn.Linear(int(config["hidden_size"]), 1)
+    head.load_state_dict(load_file(str(head_file)))
+    return backbone, head.to(backbone.device), config
+
+
+# ---- models
+
+
+class RewardModel(nn.Module):
+    """r(x, y): causal-LM backbone + scalar linear head on a pooled hidden state; scores (B,) in float32.
+
+    Poolings (the seeds' three choices): `last_token` = last layer at the last valid token;
+    `mean` = masked mean of the last layer over valid tokens; `last_two_layers` = mean of the last two
+    entries of the backbone's hidden_states (the final-normed last layer and the previous layer's output)
+    at the last valid token. The head is float32 whatever the backbone dtype."""
+
+    def __init__(self, backbone: PreTrainedModel, head: nn.Linear, pooling: Pooling = "last_token") -> None:
+        super().__init__()
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling={pooling!r}: expected one of {POOLINGS}")
+        self.backbone, self.head, self.pooling = backbone, head.float(), pooling
+
+    @classmethod
+    def from_policy(
+        cls, path: str | Path, *, pooling: Pooling = "last_token", dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto", trust_remote_code: bool = False, seed: int = 0,
+    ) -> "RewardModel":
+        """A fresh head on a policy checkpoint's backbone; head ~ N(0, 1/sqrt(hidden+1)), bias 0, so the
+        initial scores are small but differ between responses (a zero head would give BT loss log 2 and
+        no signal to the backbone on the first step)."""
+        backbone = _load_backbone(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        head = _new_head(backbone.config.hidden_size, zero=False, seed=seed)
+        return cls(backbone, head.to(backbone.device), pooling)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
+        trust_remote_code: bool = False,
+    ) -> "RewardModel":
+        backbone, head, config = _load(path, "reward", dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        return cls(backbone, head, config["pooling"])
+
+    def save_pretrained(self, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
+        return _save(out_dir, self.backbone, self.head, "reward", {"pooling": self.pooling}, tokenizer)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        hidden = _hidden_states(
+            self.backbone, input_ids, attention_mask, all_layers=self.pooling == "last_two_layers"
+        )
+        mask = attention_mask.bool()  # (B, T)
+        if self.pooling == "mean":
+            # where, not multiply: a pad position's state must not leak in even if it is inf/nan.
+            valid = torch.where(mask.unsqueeze(-1), hidden[-1], torch.zeros_like(hidden[-1]))  # (B, T, H)
+            pooled = valid.sum(dim=1) / mask.sum(dim=1, keepdim=True)  # (B, H)
+        else:
+            # Index of the LAST 1 in each mask row: right for left, right and no padding alike.
+            positions = torch.arange(mask.shape[1], device=mask.device)  # (T,)
+            last = (mask * positions).argmax(dim=-1)  # (B,)
+            rows = torch.arange(mask.shape[0], device=mask.device)  # (B,)
+            layers = hidden[-2:] if self.pooling == "last_two_layers" else hidden[-1:]
+            pooled = torch.stack([h[rows, last] for h in layers]).mean(dim=0)  # (B, H)
+        return self.head(pooled).squeeze(-1)  # (B,)
+
+
+class ValueModel(nn.Module):
+    """V(s_t) for the PPO critic: causal-LM backbone + linear head on every token's last hidden state.
+
+    Returns (B, T) float32 values, 0 at padding. from_policy starts the head at zero, so the first
+    advantages are the plain discounted returns instead of noise from a random head."""
+
+    def __init__(self, backbone: PreTrainedModel, head: nn.Linear) -> None:
+        super().__init__()
+        self.backbone, self.head = backbone, head.float()
+
+    @classmethod
+    def from_policy(
+        cls, path: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
+        trust_remote_code: bool = False,
+    ) -> "ValueModel":
+        backbone = _load_backbone(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        head = _new_head(backbone.config.hidden_size, zero=True, seed=0)
+        return cls(backbone, head.to(backbone.device))
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, *, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
+        trust_remote_code: bool = False,
+    ) -> "ValueModel":
+        backbone, head, _ = _load(path, "value", dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        return cls(backbone, head)
+
+    def save_pretrained(self, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
+        return _save(out_dir, self.backbone, self.head, "value", {}, tokenizer)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        (hidden,) = _hidden_states(self.backbone, input_ids, attention_mask, all_layers=False)  # (B, T, H)
+        values = self.head(hidden).squeeze(-1)  # (B, T)
+        return torch.where(attention_mask.bool(), values, torch.zeros_like(values))

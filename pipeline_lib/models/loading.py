@@ -1,0 +1,204 @@
+"""Load and save Hugging Face models and tokenizers safely: local dir or cached hub id, safetensors only,
+no remote code unless asked, offline failures in well under a second, atomic checkpoint writes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+# Files a model dir needs besides weights; a hub download fetches only these plus the allowed weights.
+_HUB_FILE_PATTERNS = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py", "*.safetensors"]
+
+
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer could not be loaded; the message is one line naming the path/id and the fix."""
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """"auto" → cuda when available, else cpu; anything else is passed to torch.device."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"device={device!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N' ({exc})") from None
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto" → bfloat16 on CUDA, float32 elsewhere (CPU bf16 matmuls are slow and lossy)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ModelLoadError(f"dtype={dtype!r}: expected 'auto' or one of {sorted(names)}")
+    return names[dtype]
+
+
+def _hub_offline() -> bool:
+    """The env var is read at call time too: huggingface_hub reads it once at import, a later export counts."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def resolve_model_dir(path_or_id: str | Path, *, allow_pickle: bool = False) -> Path:
+    """A local model dir for `path_or_id`: the dir itself, or the hub id's snapshot (cache only when offline)."""
+    local = Path(path_or_id).expanduser()
+    if local.is_dir():
+        return local.resolve()
+    name = str(path_or_id)
+    if local.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise ModelLoadError(f"model {name!r}: {local.resolve()} is not a model directory")
+    from huggingface_hub import snapshot_download
+
+    offline = _hub_offline()
+    patterns = _HUB_FILE_PATTERNS + (list(PICKLE_PATTERNS) if allow_pickle else [])
+    try:
+        return Path(snapshot_download(name, local_files_only=offline, allow_patterns=patterns))
+    except Exception as exc:  # noqa: BLE001 - every hub failure becomes the same one-line error
+        where = "is not in the local Hugging Face cache and HF_HUB_OFFLINE=1" if offline else \
+            f"could not be downloaded ({type(exc).__name__}); set HF_HUB_OFFLINE=1 to fail fast offline"
+        raise ModelLoadError(
+            f"model {name!r}: no local directory at {local.resolve()} and the hub id {where}; "
+            f"pass a local model dir or pre-download it into {_hub_cache()}"
+        ) from None
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def check_weights(model_dir: Path, *, allow_pickle: bool = False) -> bool:
+    """Validate `model_dir` holds a config and loadable weights; return whether they are safetensors."""
+    if not (model_dir / "config.json").is_file():
+        raise ModelLoadError(f"model dir {model_dir}: no config.json; expected a Hugging Face model directory")
+    if any(model_dir.glob("*.safetensors")) or (model_dir / "model.safetensors.index.json").is_file():
+        return True
+    pickled = sorted(p.name for pattern in PICKLE_PATTERNS for p in model_dir.glob(pattern))
+    if not pickled:
+        raise ModelLoadError(f"model dir {model_dir}: no *.safetensors weights found")
+    if not allow_pickle:
+        # Pickle files can run arbitrary code when loaded (DESIGN.md reliability rules).
+        raise ModelLoadError(
+            f"model dir {model_dir}: only pickle weights ({', '.join(pickled)}); convert them to safetensors "
+            "or pass allow_pickle=True if you trust the source"
+        )
+    return False
+
+
+def load_pretrained(
+    auto_cls: type,
+    path_or_id: str | Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+) -> PreTrainedModel:
+    """`auto_cls.from_pretrained` behind the safety checks above; the model lands on `device` in `dtype`."""
+    model_dir = resolve_model_dir(path_or_id, allow_pickle=allow_pickle)
+    safetensors = check_weights(model_dir, allow_pickle=allow_pickle)
+    target = resolve_device(device)
+    try:
+        model = auto_cls.from_pretrained(
+            model_dir,
+            dtype=resolve_dtype(dtype, target),
+            use_safetensors=safetensors,
+            trust_remote_code=trust_remote_code,
+            local_files_only=True,
+        )
+    except Exception as exc:  # noqa: BLE001 - surface one line; the chained cause keeps the detail
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelLoadError(
+            f"model dir {model_dir}: {auto_cls.__name__} could not load it ({type(exc).__name__}: {first_line})"
+        ) from exc
+    return model.to(target)
+
+
+def load_policy(
+    path_or_id: str | Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+) -> PreTrainedModel:
+    """A causal LM from a local dir or cached hub id (bf16 on CUDA, fp32 on CPU by default)."""
+    return load_pretrained(
+        AutoModelForCausalLM, path_or_id, dtype=dtype, device=device,
+        trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+    )
+
+
+def load_tokenizer(path_or_id: str | Path, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, padded on the left; a tokenizer without a pad token pads with eos.
+
+    Left padding because generation needs it, and every consumer in this project (log-probs, reward and
+    value heads) derives positions from the attention mask, so left padding is correct everywhere."""
+    model_dir = resolve_model_dir(path_or_id)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_dir, trust_remote_code=trust_remote_code, local_files_only=True, padding_side="left"
+        )
+    except Exception as exc:  # noqa: BLE001 - surface one line; the chained cause keeps the detail
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelLoadError(f"tokenizer in {model_dir}: could not load it ({type(exc).__name__}: {first_line})") from exc
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelLoadError(f"tokenizer in {model_dir}: has neither a pad token nor an eos token to pad with")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: str | Path) -> Iterator[Path]:
+    """Yield a temp dir beside `out_dir`; on success it replaces `out_dir` by rename, on error it is removed.
+
+    A reader never sees a half-written checkpoint: the new dir appears by one rename (an older dir at
+    `out_dir` is first renamed aside, then deleted)."""
+    out_dir = Path(out_dir).resolve()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path) -> Path:
+    """Save model (+ tokenizer) as safetensors into `out_dir` atomically; return the dir.
+
+    transformers 5 always writes safetensors (its `safe_serialization` flag is gone), so we check the
+    result instead of passing the flag."""
+    out_dir = Path(out_dir).resolve()
+    with atomic_output_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if not any(tmp.glob("*.safetensors")):
+            raise ModelLoadError(f"save to {out_dir}: save_pretrained wrote no *.safetensors file")
+    return out_dir

@@ -1,0 +1,148 @@
+"""Reward and value heads: padding-side independence, pooling against unpadded references, save/load round trips."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from pipeline_lib.models import POOLINGS, RewardModel, ValueModel, build_tiny_model, load_policy
+from pipeline_lib.models.loading import ModelLoadError
+
+CORPUS = [f"{a:02d}+{b:02d}={a + b}" for a in range(0, 100, 9) for b in range(0, 100, 13)]
+SEQUENCES = [[9, 10, 7, 11, 12], [8, 9, 7, 13, 14, 15, 16, 10], [11, 12]]  # lengths 5, 8, 2
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "policy", CORPUS)
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory) -> Path:
+    """Absolute position embeddings: unlike Llama's RoPE (shift-invariant), wrong position ids change scores."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=20, n_positions=32, n_embd=64, n_layer=2, n_head=2)
+    out = tmp_path_factory.mktemp("gpt2") / "policy"
+    GPT2LMHeadModel(config).save_pretrained(out)
+    return out
+
+
+def _padded(side: str, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in SEQUENCES)
+    ids = torch.full((len(SEQUENCES), width), pad_id)
+    mask = torch.zeros_like(ids)
+    for row, seq in enumerate(SEQUENCES):
+        cols = slice(width - len(seq), width) if side == "left" else slice(0, len(seq))
+        ids[row, cols] = torch.tensor(seq)
+        mask[row, cols] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def _unpadded_reference(model: RewardModel) -> torch.Tensor:
+    """Each sequence alone (no padding at all), pooled by hand from the backbone's hidden states."""
+    scores = []
+    for seq in SEQUENCES:
+        out = model.backbone(torch.tensor([seq]), output_hidden_states=True)
+        last, before = out.hidden_states[-1][0], out.hidden_states[-2][0]  # (T, H)
+        pooled = {"last_token": last[-1], "mean": last.mean(dim=0), "last_two_layers": (last[-1] + before[-1]) / 2}
+        scores.append(model.head(pooled[model.pooling]).squeeze())
+    return torch.stack(scores)
+
+
+@pytest.mark.parametrize("backbone", ["policy_dir", "gpt2_dir"])
+@pytest.mark.parametrize("pooling", POOLINGS)
+def test_reward_is_the_same_for_left_and_right_padding(request, backbone, pooling):
+    model = RewardModel.from_policy(request.getfixturevalue(backbone), pooling=pooling)
+    with torch.no_grad():
+        left = model(*_padded("left"))
+        right = model(*_padded("right"))
+    assert left.shape == (3,) and left.dtype == torch.float32
+    torch.testing.assert_close(left, right, atol=ATOL, rtol=0)
+    torch.testing.assert_close(left, _unpadded_reference(model), atol=ATOL, rtol=0)
+
+
+def test_poolings_differ(policy_dir):
+    ids, mask = _padded("left")
+    scores = [RewardModel.from_policy(policy_dir, pooling=p)(ids, mask).detach() for p in POOLINGS]
+    assert not torch.allclose(scores[0], scores[1]) and not torch.allclose(scores[0], scores[2])
+
+
+def test_pad_token_content_does_not_matter(policy_dir):
+    model = RewardModel.from_policy(policy_dir, pooling="mean")
+    ids, mask = _padded("left", pad_id=0)
+    other_ids, _ = _padded("left", pad_id=5)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, mask), model(other_ids, mask), atol=ATOL, rtol=0)
+
+
+def test_from_policy_uses_policy_weights_and_seeded_head(policy_dir):
+    policy = load_policy(policy_dir)
+    model = RewardModel.from_policy(policy_dir)
+    assert torch.equal(model.backbone.embed_tokens.weight, policy.model.embed_tokens.weight)
+    assert torch.equal(model.head.weight, RewardModel.from_policy(policy_dir).head.weight)
+    assert not torch.equal(model.head.weight, RewardModel.from_policy(policy_dir, seed=1).head.weight)
+    assert float(model.head.bias.detach()) == 0.0
+    assert 0.03 < float(model.head.weight.detach().std()) < 0.15  # N(0, 1/sqrt(129) = 0.088)
+
+
+@pytest.mark.parametrize("pooling", POOLINGS)
+def test_reward_model_round_trip(policy_dir, tmp_path, pooling):
+    model = RewardModel.from_policy(policy_dir, pooling=pooling)
+    with torch.no_grad():
+        model.head.bias.fill_(0.25)  # a non-default value must survive too
+    out = model.save_pretrained(tmp_path / "rm")
+    assert json.loads((out / "reward_config.json").read_text())["pooling"] == pooling
+    assert {"model.safetensors", "reward_head.safetensors", "config.json"} <= {p.name for p in out.iterdir()}
+    loaded = RewardModel.from_pretrained(out)
+    ids, mask = _padded("right")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, mask), model(ids, mask), atol=0, rtol=0)
+    assert loaded.pooling == pooling
+
+
+def test_value_model_round_trip_and_padding(policy_dir, tmp_path):
+    model = ValueModel.from_policy(policy_dir)
+    ids, mask = _padded("left")
+    assert torch.count_nonzero(model(ids, mask)) == 0  # zero head: V = 0 everywhere at start
+    with torch.no_grad():
+        model.head.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+        left = model(ids, mask)  # (B, T)
+        right = model(*_padded("right"))
+    assert left.shape == ids.shape
+    assert torch.all(left[mask == 0] == 0)
+    for row, seq in enumerate(SEQUENCES):  # same per-token values at the valid tokens, either padding
+        torch.testing.assert_close(left[row, -len(seq):], right[row, : len(seq)], atol=ATOL, rtol=0)
+    loaded = ValueModel.from_pretrained(model.save_pretrained(tmp_path / "critic"))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, mask), left, atol=0, rtol=0)
+
+
+def test_value_gradients_reach_backbone(policy_dir):
+    model = ValueModel.from_policy(policy_dir)
+    with torch.no_grad():
+        model.head.weight.fill_(0.01)
+    ids, mask = _padded("left")
+    model(ids, mask).sum().backward()
+    assert model.backbone.embed_tokens.weight.grad.abs().sum() > 0
+
+
+def test_bad_inputs_are_one_line_errors(policy_dir, tmp_path):
+    with pytest.raises(ValueError, match="pooling='max'"):
+        RewardModel.from_policy(policy_dir, pooling="max")
+    model = RewardModel.from_policy(policy_dir)
+    ids, mask = _padded("left")
+    mask[2] = 0
+    with pytest.raises(ValueError, match="at least one valid"):
+        model(ids, mask)
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(ids, mask[:, 1:])
+    with pytest.raises(ModelLoadError, match="reward_config.json.*from_policy"):
+        RewardModel.from_pretrained(policy_dir)
+    with pytest.raises(ModelLoadError, match="not a value model dir"):
+        ValueModel.from_pretrained(RewardModel.from_policy(policy_dir).save_pretrained(tmp_path / "rm"))

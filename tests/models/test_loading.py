@@ -1,0 +1,162 @@
+"""Safe loading: pickle refusal, fast offline failure, no remote code by default, dtype/device, atomic saves."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pipeline_lib.models import RewardModel, ValueModel, build_tiny_model, load_policy, load_tokenizer
+from pipeline_lib.models.loading import ModelLoadError, resolve_device, resolve_dtype, save_model
+
+CORPUS = ["12+34=46", "07+93=100", "hello world"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", CORPUS)
+
+
+def _pickle_only_dir(tiny_dir: Path, out: Path) -> Path:
+    """A model dir with config + pytorch_model.bin (torch.save) and no safetensors."""
+    out.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        (out / name).write_bytes((tiny_dir / name).read_bytes())
+    torch.save(load_policy(tiny_dir).state_dict(), out / "pytorch_model.bin")
+    return out
+
+
+def test_pickle_only_dir_is_refused_with_one_line(tiny_dir, tmp_path):
+    model_dir = _pickle_only_dir(tiny_dir, tmp_path / "pickled")
+    with pytest.raises(ModelLoadError) as err:
+        load_policy(model_dir)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "pytorch_model.bin" in message and "allow_pickle=True" in message and str(model_dir) in message
+
+
+def test_pickle_only_dir_loads_when_allowed(tiny_dir, tmp_path):
+    model_dir = _pickle_only_dir(tiny_dir, tmp_path / "pickled")
+    model = load_policy(model_dir, allow_pickle=True)
+    reference = load_policy(tiny_dir)
+    assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
+
+
+def test_unknown_hub_id_fails_fast_offline(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    start = time.perf_counter()
+    with pytest.raises(ModelLoadError) as err:
+        load_policy("no-such-org/no-such-model-xyz")
+    elapsed = time.perf_counter() - start
+    message = str(err.value)
+    assert elapsed < 10
+    assert "HF_HUB_OFFLINE" in message and "\n" not in message
+    assert str(tmp_path / "no-such-org" / "no-such-model-xyz") in message  # the local path it expected
+
+
+def test_tokenizer_unknown_hub_id_fails_fast_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE"):
+        load_tokenizer("no-such-org/no-such-tokenizer-xyz")
+    assert time.perf_counter() - start < 10
+
+
+def test_load_tokenizer_pads_left_and_falls_back_to_eos(tiny_dir, tmp_path):
+    copy = tmp_path / "tok"
+    copy.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (copy / name).write_bytes((tiny_dir / name).read_bytes())
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    config["padding_side"] = "right"
+    del config["pad_token"]
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(copy)
+    assert tokenizer.padding_side == "left"
+    assert tokenizer.pad_token == "</s>" and tokenizer.pad_token_id == tokenizer.eos_token_id == 2
+
+
+def test_missing_local_path_names_it(tmp_path):
+    with pytest.raises(ModelLoadError, match="not a model directory"):
+        load_policy(tmp_path / "absent")
+
+
+def test_dir_without_config_or_weights_is_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_policy(tmp_path / "empty")
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        load_policy(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("loader", [load_policy, load_tokenizer, RewardModel.from_policy,
+                                    RewardModel.from_pretrained, ValueModel.from_policy, ValueModel.from_pretrained])
+def test_trust_remote_code_defaults_false(loader):
+    assert inspect.signature(loader).parameters["trust_remote_code"].default is False
+
+
+def test_remote_code_is_not_run_unless_asked(tmp_path):
+    """A dir whose config points at custom code: loading refuses and the code never runs."""
+    model_dir = tmp_path / "remote"
+    model_dir.mkdir()
+    marker = tmp_path / "code-ran"
+    (model_dir / "config.json").write_text(json.dumps({
+        "model_type": "alignflow_custom",
+        "auto_map": {"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel"},
+    }))
+    (model_dir / "custom.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    save_file({"w": torch.zeros(1)}, str(model_dir / "model.safetensors"))
+    with pytest.raises(ModelLoadError) as err:
+        load_policy(model_dir)
+    assert "\n" not in str(err.value)
+    assert not marker.exists()
+
+
+def test_auto_dtype_and_device():
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    with pytest.raises(ModelLoadError, match="dtype='fp8'"):
+        resolve_dtype("fp8", torch.device("cpu"))
+
+
+def test_load_policy_cpu_is_fp32_and_dtype_override(tiny_dir):
+    assert load_policy(tiny_dir, device="cpu").dtype == torch.float32
+    assert load_policy(tiny_dir, device="cpu", dtype="bf16").dtype == torch.bfloat16
+
+
+def test_save_model_replaces_dir_atomically(tiny_dir, tmp_path):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "stale.txt").write_text("old checkpoint")
+    model, tokenizer = load_policy(tiny_dir), load_tokenizer(tiny_dir)
+    assert save_model(model, tokenizer, out) == out.resolve()
+    names = {p.name for p in out.iterdir()}
+    assert "stale.txt" not in names and "model.safetensors" in names and "tokenizer.json" in names
+    assert not any(p.suffix in {".bin", ".pt"} for p in out.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temp or old dirs left behind
+    reloaded = load_policy(out)
+    assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
+
+
+class _FailingTokenizer:
+    def save_pretrained(self, path):
+        raise OSError("disk full")
+
+
+def test_failed_save_leaves_previous_checkpoint(tiny_dir, tmp_path):
+    out = save_model(load_policy(tiny_dir), None, tmp_path / "ckpt")
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(OSError, match="disk full"):
+        save_model(load_policy(tiny_dir), _FailingTokenizer(), out)
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]

@@ -1,0 +1,135 @@
+"""Chunked per-token log-probs and entropies against the naive full log-softmax, with left padding and gradients."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline_lib.models import build_tiny_model, completion_logprob_sums, load_policy, sequence_logprobs
+from pipeline_lib.models.logprobs import position_ids_from_mask
+
+CORPUS = [f"{a:02d}+{b:02d}={a + b}" for a in range(0, 100, 9) for b in range(0, 100, 13)] + ["hello world"]
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_policy(build_tiny_model(tmp_path_factory.mktemp("tiny") / "policy", CORPUS), device="cpu")
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded prompt + completion rows of different lengths; completion = the last 3, 5 and 2 tokens."""
+    g = torch.Generator().manual_seed(0)
+    lengths, completion_lengths = [9, 12, 4], [3, 5, 2]
+    width = max(lengths)
+    ids = torch.zeros((3, width), dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    completion = torch.zeros_like(ids)
+    for row, (n, c) in enumerate(zip(lengths, completion_lengths)):
+        ids[row, width - n:] = torch.randint(7, 19, (n,), generator=g)
+        attention[row, width - n:] = 1
+        completion[row, width - c:] = 1
+    return ids, attention, completion
+
+
+def _naive(model, ids, attention, completion) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: full (B, T, V) log_softmax, gather, shift by one, mask."""
+    logits = model(ids, attention_mask=attention, position_ids=position_ids_from_mask(attention)).logits.float()
+    logp_all = logits.log_softmax(-1)  # (B, T, V)
+    taken = logp_all[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, T-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)[:, :-1]  # (B, T-1)
+    zero = torch.zeros((ids.shape[0], 1))
+    mask = completion.float()
+    return torch.cat([zero, taken], 1) * mask, torch.cat([zero, entropy], 1) * mask
+
+
+def test_position_ids_from_mask_by_hand():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    expected = torch.tensor([[0, 0, 0, 1, 2], [0, 1, 2, 2, 2], [0, 1, 2, 3, 4]])
+    assert torch.equal(position_ids_from_mask(mask), expected)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 64])
+def test_matches_naive_log_softmax_with_entropy(model, chunk_size):
+    ids, attention, completion = _batch()
+    with torch.no_grad():
+        logps, entropy = sequence_logprobs(model, ids, attention, completion, return_entropy=True, chunk_size=chunk_size)
+        ref_logps, ref_entropy = _naive(model, ids, attention, completion)
+    assert logps.shape == ids.shape and entropy.shape == ids.shape
+    torch.testing.assert_close(logps, ref_logps, atol=ATOL, rtol=0)
+    torch.testing.assert_close(entropy, ref_entropy, atol=ATOL, rtol=0)
+    assert torch.all(logps[completion == 0] == 0) and torch.all(logps[completion == 1] < 0)
+    assert torch.all(entropy[completion == 1] > 0)
+    assert torch.all(entropy <= torch.log(torch.tensor(float(model.config.vocab_size))) + ATOL)  # H ≤ log V
+
+
+def test_left_padding_gives_the_unpadded_values(model):
+    ids, attention, completion = _batch()
+    with torch.no_grad():
+        batched = sequence_logprobs(model, ids, attention, completion)
+        for row in range(ids.shape[0]):
+            valid = attention[row].bool()
+            alone = sequence_logprobs(model, ids[row:row + 1, valid], attention[row:row + 1, valid],
+                                      completion[row:row + 1, valid])
+            torch.testing.assert_close(batched[row, valid], alone[0], atol=ATOL, rtol=0)
+
+
+def test_position_zero_and_prompt_are_zero(model):
+    ids = torch.tensor([[8, 9, 10, 11]])
+    full = torch.ones_like(ids)
+    with torch.no_grad():
+        logps = sequence_logprobs(model, ids, full, full)
+        nothing = sequence_logprobs(model, ids, full, torch.zeros_like(ids), return_entropy=True)
+    assert logps[0, 0] == 0 and torch.all(logps[0, 1:] < 0)
+    assert all(torch.count_nonzero(t) == 0 for t in nothing)
+
+
+def test_gradients_match_the_naive_reference(model):
+    ids, attention, completion = _batch()
+    model.zero_grad()
+    logps, entropy = sequence_logprobs(model, ids, attention, completion, return_entropy=True, chunk_size=2)
+    (logps.sum() + 0.1 * entropy.sum()).backward()
+    chunked = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    ref_logps, ref_entropy = _naive(model, ids, attention, completion)
+    (ref_logps.sum() + 0.1 * ref_entropy.sum()).backward()
+    for name, p in model.named_parameters():
+        assert chunked[name].abs().sum() > 0, name  # every parameter is reached, lm_head and embeddings too
+        torch.testing.assert_close(chunked[name], p.grad, atol=ATOL, rtol=1e-4, msg=name)
+    model.zero_grad()
+
+
+def test_lm_head_only_sees_chunks(model):
+    """No full (B, T, V) logits: the output layer runs on at most chunk_size positions at a time."""
+    ids, attention, completion = _batch()
+    widths: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: widths.append(o.shape[1]))
+    try:
+        with torch.no_grad():
+            sequence_logprobs(model, ids, attention, completion, chunk_size=2)
+    finally:
+        hook.remove()
+    assert max(widths) <= 2
+    # Only the completion span is scored: columns 6..10 predict the 5-token completion of row 1.
+    assert sum(widths) == 1 + 5  # + the single position transformers keeps itself (logits_to_keep=1)
+
+
+def test_completion_logprob_sums(model):
+    ids, attention, completion = _batch()
+    with torch.no_grad():
+        sums = completion_logprob_sums(model, ids, attention, completion)
+        ref, _ = _naive(model, ids, attention, completion)
+    assert sums.shape == (3,)
+    torch.testing.assert_close(sums, ref.sum(-1), atol=ATOL, rtol=0)
+
+
+def test_bad_shapes_are_one_line_errors(model):
+    ids, attention, completion = _batch()
+    with pytest.raises(ValueError, match="completion_mask"):
+        sequence_logprobs(model, ids, attention, completion[:, 1:])
+    with pytest.raises(ValueError, match="input_ids"):
+        sequence_logprobs(model, ids[0], attention[0], completion[0])
+    with pytest.raises(ValueError, match="chunk_size=0"):
+        sequence_logprobs(model, ids, attention, completion, chunk_size=0)
