@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import duckdb
@@ -14,9 +14,11 @@ from pipeline_lib.errors import AlignflowError
 SCHEMA_VERSION = 1
 
 # Column lists are the schema of DESIGN.md; `*_id` columns are content hashes (idempotent ingest).
+# Keys are kept unique by insert_new's anti-join, not by a PRIMARY KEY: its index made inserting
+# a million pairs about twice as slow (benchmarks/ingest.py).
 TABLES: dict[str, dict[str, str]] = {
     "preference_pairs": {
-        "pair_id": "VARCHAR PRIMARY KEY",
+        "pair_id": "VARCHAR NOT NULL",
         "source": "VARCHAR NOT NULL",
         "prompt": "VARCHAR NOT NULL",
         "chosen": "VARCHAR NOT NULL",
@@ -26,7 +28,7 @@ TABLES: dict[str, dict[str, str]] = {
         "ingested_at": "TIMESTAMP DEFAULT current_timestamp",
     },
     "rankings": {
-        "ranking_id": "VARCHAR PRIMARY KEY",
+        "ranking_id": "VARCHAR NOT NULL",
         "source": "VARCHAR NOT NULL",
         "prompt": "VARCHAR NOT NULL",
         "responses": "VARCHAR[] NOT NULL",  # ordered best -> worst after ingest
@@ -35,7 +37,7 @@ TABLES: dict[str, dict[str, str]] = {
         "ingested_at": "TIMESTAMP DEFAULT current_timestamp",
     },
     "problems": {
-        "problem_id": "VARCHAR PRIMARY KEY",
+        "problem_id": "VARCHAR NOT NULL",
         "source": "VARCHAR NOT NULL",
         "split": "VARCHAR NOT NULL",
         "prompt": "VARCHAR NOT NULL",
@@ -81,11 +83,18 @@ TABLE_KEYS = {
     "problems": ["problem_id"],
     "samples": ["run_id", "prompt_id", "sample_idx"],
     "eval_results": ["run_id", "model", "dataset", "k"],
+    # re-ingesting a file must not repeat its quarantine rows either
+    "quarantine": ["source", "file", "line_no", "raw", "reason"],
 }
 
 
 class StoreError(AlignflowError):
     """A one-line, user-facing store error (locked file, newer schema, unknown table)."""
+
+
+def _arrow(frame: pl.DataFrame) -> object:
+    # polars' own string views: zero-copy (the default conversion copies every string)
+    return frame.to_arrow(compat_level=pl.CompatLevel.newest())
 
 
 def _check_table(table: str) -> str:
@@ -100,19 +109,35 @@ class Store:
     def __init__(self, con: duckdb.DuckDBPyConnection):
         self.con = con
 
+    def _run(self, sql: str, params: list | None = None) -> list[tuple]:
+        # duckdb 2.x refuses further work on a connection (register, ...) while a result is
+        # unread, so every statement's result is drained here.
+        return self.con.execute(sql, params or []).fetchall()
+
     def ensure_schema(self) -> None:
-        self.con.execute("CREATE TABLE IF NOT EXISTS schema_info (version INTEGER NOT NULL)")
-        row = self.con.execute("SELECT max(version) FROM schema_info").fetchone()
-        if row[0] is not None and row[0] > SCHEMA_VERSION:
-            raise StoreError(f"store schema v{row[0]} is newer than this alignflow (v{SCHEMA_VERSION})")
+        self._run("CREATE TABLE IF NOT EXISTS schema_info (version INTEGER NOT NULL)")
+        version = self._run("SELECT max(version) FROM schema_info")[0][0]
+        if version is not None and version > SCHEMA_VERSION:
+            raise StoreError(f"store schema v{version} is newer than this alignflow (v{SCHEMA_VERSION})")
         for table, columns in TABLES.items():
             cols = ", ".join(f"{name} {kind}" for name, kind in columns.items())
-            self.con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({cols})")
-        if row[0] is None:
-            self.con.execute("INSERT INTO schema_info VALUES (?)", [SCHEMA_VERSION])
+            self._run(f"CREATE TABLE IF NOT EXISTS {table} ({cols})")
+        if version is None:
+            self._run("INSERT INTO schema_info VALUES (?)", [SCHEMA_VERSION])
 
     def schema_version(self) -> int:
-        return self.con.execute("SELECT max(version) FROM schema_info").fetchone()[0]
+        return self._run("SELECT max(version) FROM schema_info")[0][0]
+
+    @contextmanager
+    def transaction(self) -> Iterator[Store]:
+        """Commit the writes of the block together, or none of them if it raises."""
+        self._run("BEGIN TRANSACTION")
+        try:
+            yield self
+        except BaseException:
+            self._run("ROLLBACK")
+            raise
+        self._run("COMMIT")
 
     # ---- writes
 
@@ -120,43 +145,48 @@ class Store:
         """Insert the rows of `frame` whose key is not in `table` yet; returns how many were inserted.
 
         `frame` must already be unique on the key (ingest deduplicates within a file)."""
-        _check_table(table)
+        cols = self._columns(table, frame)
         if frame.height == 0:
             return 0
-        cols = ", ".join(frame.columns)
-        key = TABLE_KEYS[table]
-        on = " AND ".join(f"t.{k} = f.{k}" for k in key)
-        before = self.count(table)
-        self.con.register("incoming_frame", frame.to_arrow())
-        try:
-            self.con.execute(
-                f"INSERT INTO {table} ({cols}) SELECT {cols} FROM incoming_frame f "
+        # NULL-safe: the quarantine key has nullable columns
+        on = " AND ".join(f"t.{k} IS NOT DISTINCT FROM f.{k}" for k in TABLE_KEYS[table])
+        with self._registered(frame) as name:
+            return self._run(
+                f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {name} f "
                 f"WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE {on})"
-            )
-        finally:
-            self.con.unregister("incoming_frame")
-        return self.count(table) - before
+            )[0][0]
 
     def append(self, table: str, frame: pl.DataFrame) -> int:
-        """Append rows as they are (the quarantine has no key)."""
-        _check_table(table)
+        """Append rows as they are, without a key check."""
+        cols = self._columns(table, frame)
         if frame.height == 0:
             return 0
-        cols = ", ".join(frame.columns)
-        self.con.register("incoming_frame", frame.to_arrow())
+        with self._registered(frame) as name:
+            return self._run(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {name}")[0][0]
+
+    def _columns(self, table: str, frame: pl.DataFrame) -> str:
+        unknown = [c for c in frame.columns if c not in TABLES[_check_table(table)]]
+        if unknown:
+            raise StoreError(f"table {table} has no column(s) {unknown}")
+        return ", ".join(frame.columns)
+
+    @contextmanager
+    def _registered(self, frame: pl.DataFrame) -> Iterator[str]:
+        self.con.register("incoming_frame", _arrow(frame))
         try:
-            self.con.execute(f"INSERT INTO {table} ({cols}) SELECT {cols} FROM incoming_frame")
+            yield "incoming_frame"
         finally:
-            self.con.unregister("incoming_frame")
-        return frame.height
+            # in a transaction a failed INSERT aborted, duckdb refuses even this; its error matters more
+            with suppress(duckdb.TransactionException):
+                self.con.unregister("incoming_frame")
 
     def delete_eval_run(self, run_id: str) -> None:
-        self.con.execute("DELETE FROM eval_results WHERE run_id = ?", [run_id])
+        self._run("DELETE FROM eval_results WHERE run_id = ?", [run_id])
 
     # ---- reads
 
     def count(self, table: str) -> int:
-        return self.con.execute(f"SELECT count(*) FROM {_check_table(table)}").fetchone()[0]
+        return self._run(f"SELECT count(*) FROM {_check_table(table)}")[0][0]
 
     def read(self, table: str, **equals: object) -> pl.DataFrame:
         """All rows of `table`, optionally filtered by column equality (`split="test"`)."""
@@ -164,15 +194,15 @@ class Store:
         for column in equals:
             if column not in TABLES[table]:
                 raise StoreError(f"table {table} has no column {column!r}")
-        where = " AND ".join(f"{column} = ?" for column in equals)
+        where = " AND ".join(f"{column} IS NOT DISTINCT FROM ?" for column in equals)  # None matches NULL
         sql = f"SELECT * EXCLUDE (ingested_at) FROM {table}" if "ingested_at" in TABLES[table] else f"SELECT * FROM {table}"
         if where:
             sql += f" WHERE {where}"
-        return self.con.execute(sql, list(equals.values())).pl()
+        return self.con.sql(sql, params=list(equals.values())).pl()
 
     def sampled_prompt_ids(self, run_id: str) -> set[str]:
         """Prompt ids that already have samples in `run_id` (resumable sampling)."""
-        rows = self.con.execute("SELECT DISTINCT prompt_id FROM samples WHERE run_id = ?", [run_id]).fetchall()
+        rows = self._run("SELECT DISTINCT prompt_id FROM samples WHERE run_id = ?", [run_id])
         return {r[0] for r in rows}
 
     def stats(self) -> pl.DataFrame:
@@ -182,7 +212,7 @@ class Store:
             parts.append(f"SELECT '{table}' AS table_name, source, count(*) AS n_rows FROM {table} GROUP BY source")
         for table, label in (("samples", "policy"), ("eval_results", "model")):
             parts.append(f"SELECT '{table}' AS table_name, {label} AS source, count(*) AS n_rows FROM {table} GROUP BY {label}")
-        return self.con.execute(" UNION ALL ".join(parts) + " ORDER BY table_name, source").pl()
+        return self.con.sql(" UNION ALL ".join(parts) + " ORDER BY table_name, source").pl()
 
 
 @contextmanager
@@ -196,6 +226,8 @@ def open_store(path: str | Path, *, read_only: bool = False) -> Iterator[Store]:
         con = duckdb.connect(str(path), read_only=read_only)
     except duckdb.IOException as exc:
         first = str(exc).splitlines()[0]
+        if "lock" not in first:  # e.g. a file that is not a DuckDB database
+            raise StoreError(f"store {path} cannot be opened ({first})") from None
         raise StoreError(f"store {path} is in use by another alignflow process ({first})") from None
     try:
         store = Store(con)

@@ -1,0 +1,34 @@
+"""Content fingerprints of files and model dirs: the inputs part of a stage's cache key."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+# Files above this size are fingerprinted by (size, mtime) instead of content: hashing the multi-GB
+# weights of a real model on every pipeline run would cost minutes; the tiny model is hashed fully.
+FULL_HASH_LIMIT = 256 * 1024 * 1024
+
+
+def fingerprint_path(path: str | Path) -> str:
+    """sha256 over a file, or over every file of a dir (relative name + content), hex.
+
+    Cheap for small files; large files contribute (size, mtime_ns)."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        stat = file.stat()
+        digest.update(str(file.relative_to(path) if file != path else file.name).encode())
+        if stat.st_size > FULL_HASH_LIMIT:
+            digest.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+            continue
+        with file.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def fingerprint_text(*parts: str) -> str:
+    """sha256 of parts joined by the unit separator, hex."""
+    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()

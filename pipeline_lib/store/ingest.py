@@ -1,0 +1,438 @@
+"""Ingest a data file into the store: read, validate, deduplicate by content hash, quarantine bad rows.
+
+Files: .jsonl, .jsonl.gz, .json (array), .parquet, .csv. Record shapes (a)-(e) of DESIGN.md: pairs, hh,
+chat, ranking, problem. Invariant of every ingest: rows read = accepted + duplicates + quarantined."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import hashlib
+import io
+import time
+import zlib
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import orjson
+import polars as pl
+
+from pipeline_lib.errors import AlignflowError
+from pipeline_lib.fingerprint import fingerprint_path
+from pipeline_lib.store.db import Store
+from pipeline_lib.store.shapes import FIELDS, SCHEMAS, TABLE_OF, Rows, shape_records
+
+FORMATS = ("pairs", "hh", "chat", "ranking", "problem")
+SUFFIXES = (".jsonl.gz", ".jsonl", ".json", ".parquet", ".csv")
+RAW_LIMIT = 10_000  # characters of a quarantined record kept in `raw`
+_DETECT_SAMPLE = 1_000  # records whose keys vote for the detected format
+_ID_FIELDS = {
+    "preference_pairs": ("pair_id", ["prompt", "chosen", "rejected"]),
+    "rankings": ("ranking_id", ["prompt", "responses"]),
+    "problems": ("problem_id", ["prompt", "answer"]),
+}
+
+
+class IngestError(AlignflowError):
+    """A file that cannot be ingested at all (missing, unreadable, unknown type or shape); one line."""
+
+
+@dataclass(frozen=True)
+class IngestReport:
+    """What one ingest did; rows_read = accepted + duplicates + quarantined always holds.
+    `fingerprint` is the input file's (pipeline_lib.fingerprint.fingerprint_path)."""
+
+    file: str
+    format: str
+    source: str
+    table: str
+    rows_read: int
+    accepted: int
+    duplicates: int
+    quarantined: int
+    seconds: float
+    fingerprint: str
+
+    def summary(self) -> str:
+        return (
+            f"{Path(self.file).name} ({self.format} -> {self.table}): read {self.rows_read} = "
+            f"accepted {self.accepted} + duplicates {self.duplicates} + quarantined {self.quarantined}"
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """`ingest/<count>` metrics for the tracking log."""
+        names = ("rows_read", "accepted", "duplicates", "quarantined", "seconds")
+        return {f"ingest/{name}": float(getattr(self, name)) for name in names}
+
+    def markdown(self) -> str:
+        """The counts as a markdown table (a Prefect artifact)."""
+        rows = "\n".join(
+            f"| {name} | {getattr(self, name)} |" for name in ("rows_read", "accepted", "duplicates", "quarantined")
+        )
+        return f"**{self.summary()}**\n\n| count | rows |\n|---|---|\n{rows}\n"
+
+    def as_dict(self) -> dict[str, str | int | float]:
+        return asdict(self)
+
+
+def content_id(*parts: str) -> str:
+    """sha256 hex of the parts joined with the unit separator "\\x1f": the row id of every store table."""
+    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
+
+
+def ingest_file(
+    path: str | Path,
+    store: Store,
+    *,
+    format: str = "auto",
+    source: str | None = None,
+    split: str | None = None,
+    max_record_bytes: int = 1_000_000,
+) -> IngestReport:
+    """Ingest one file into its table (by shape); bad rows go to `quarantine` with a reason.
+
+    `source` defaults to the file name without its extension; `split` applies to problems whose
+    records have no `split` field (default "train"). Raises IngestError for a file it cannot read."""
+    start = time.perf_counter()
+    path = Path(path)
+    if format not in ("auto", *FORMATS):
+        raise IngestError(f"{path}: unknown format {format!r}; expected auto, {', '.join(FORMATS)}")
+    if max_record_bytes <= 0:
+        raise IngestError(f"{path}: max_record_bytes must be > 0, got {max_record_bytes}")
+    suffix = _suffix(path)
+    source = source or path.name[: -len(suffix)]
+    lines, line_base, pre_bad = _read_lines(path, suffix)
+    fmt = _detect_format(path, lines, pre_bad) if format == "auto" else format
+    rows = _screen(lines, fmt, max_record_bytes, pre_bad)
+    accepted, bad = shape_records(fmt, rows, split=split or "train")
+    quarantine = _quarantine_frame(lines, line_base, sorted(rows.bad + bad), source, str(path.resolve()))
+    n_records = rows.n_records
+    del lines, rows  # free the raw lines and the parsed frame before hashing and inserting (peak memory)
+    table = TABLE_OF[fmt]
+    candidates = _with_ids(table, accepted, source)
+    del accepted
+    # first occurrence wins inside the file; the store's anti-join skips ids it already holds
+    first = candidates.select(pl.col(_ID_FIELDS[table][0]).is_first_distinct()).to_series()
+    unique = candidates if first.all() else candidates.filter(first)
+    with store.transaction():
+        inserted = store.insert_new(table, unique)
+        store.insert_new("quarantine", quarantine)
+    report = IngestReport(
+        file=str(path),
+        format=fmt,
+        source=source,
+        table=table,
+        rows_read=n_records,
+        accepted=inserted,
+        duplicates=candidates.height - inserted,
+        quarantined=quarantine.height,
+        seconds=time.perf_counter() - start,
+        fingerprint=fingerprint_path(path),
+    )
+    if report.rows_read != report.accepted + report.duplicates + report.quarantined:
+        raise RuntimeError(f"ingest invariant broken (a bug in alignflow): {report.summary()}")
+    return report
+
+
+# ---- reading: every file type becomes a list of JSON lines (one per record) plus its numbering
+
+
+def _suffix(path: Path) -> str:
+    name = path.name.lower()
+    for suffix in SUFFIXES:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return suffix
+    raise IngestError(f"{path}: unknown file type; expected one of {', '.join(SUFFIXES)}")
+
+
+def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], int, dict[int, str]]:
+    """(lines, line_base, pre_bad): record i is reported as line_no i + line_base.
+
+    jsonl: physical lines, 1-based. json array / parquet: 0-based record index. csv: the header is
+    line 1, so record i is line i + 2. pre_bad maps record index -> reason for rows the reader
+    itself rejected (csv only)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise IngestError(f"{path}: cannot read the file ({exc.strerror or exc})") from None
+    if suffix == ".jsonl.gz":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise IngestError(f"{path}: not a readable gzip file ({exc})") from None
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark is not part of the first record
+        data = data[3:]
+    if suffix in (".jsonl", ".jsonl.gz"):
+        lines = data.split(b"\n")
+        if lines and not lines[-1]:
+            lines.pop()
+        return lines, 1, {}
+    if suffix == ".json":
+        try:
+            items = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise IngestError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(items, list):
+            raise IngestError(f"{path}: expected a JSON array of records, got {_json_type(items)}")
+        return [orjson.dumps(item) for item in items], 0, {}
+    if suffix == ".parquet":
+        try:
+            frame = pl.read_parquet(io.BytesIO(data))
+            return frame.write_ndjson().encode().splitlines(), 0, {}
+        except (pl.exceptions.PolarsError, OSError, ValueError) as exc:
+            raise IngestError(f"{path}: unreadable parquet file ({str(exc).splitlines()[0]})") from None
+    return _csv_lines(path, data)
+
+
+def _csv_lines(path: Path, data: bytes) -> tuple[list[bytes], int, dict[int, str]]:
+    """CSV rows as JSON lines; polars reads a clean file, Python's csv module locates bad rows."""
+    try:
+        frame = pl.read_csv(data, infer_schema=False, empty_string_is_null=False)
+        return frame.write_ndjson().encode().splitlines(), 2, {}
+    except pl.exceptions.NoDataError:
+        return [], 2, {}
+    except pl.exceptions.PolarsError:
+        pass
+    # polars refuses the whole file for one ragged row or one invalid UTF-8 byte: find those rows
+    text = data.decode("utf-8", errors="surrogateescape")
+    try:
+        rows = list(csv.reader(io.StringIO(text, newline="")))
+    except csv.Error as exc:  # e.g. a cell over the csv module's 128 KB field limit
+        raise IngestError(f"{path}: unreadable CSV file ({exc})") from None
+    header, lines, pre_bad = rows[0] if rows else [], [], {}
+    for i, row in enumerate(rows[1:]):
+        raw = ",".join(row)
+        if len(row) != len(header):
+            pre_bad[i] = f"row has {len(row)} fields, the header has {len(header)}"
+        elif not raw.isascii() and _has_surrogate(raw):
+            pre_bad[i] = "invalid UTF-8"
+        if i in pre_bad:
+            lines.append(raw.encode("utf-8", errors="surrogateescape"))
+        else:
+            lines.append(orjson.dumps(dict(zip(header, row))))
+    return lines, 2, pre_bad
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+# ---- format detection and the per-record screen (JSON validity, object, field types)
+
+
+def _shape_of(record: dict) -> str | None:
+    if "responses" in record:
+        return "ranking"
+    if "chosen" in record and "rejected" in record:
+        if isinstance(record["chosen"], list) or isinstance(record.get("prompt"), list):
+            return "chat"
+        return "pairs" if "prompt" in record else "hh"
+    if "answer" in record and ("question" in record or "prompt" in record):
+        return "problem"
+    return None
+
+
+def _detect_format(path: Path, lines: list[bytes], pre_bad: dict[int, str]) -> str:
+    """The shape most of the first parsable records have; IngestError if none has a known shape."""
+    votes: Counter[str] = Counter()
+    first_keys: list[str] | None = None
+    seen = 0
+    for i, line in enumerate(lines):
+        if seen >= _DETECT_SAMPLE:
+            break
+        if i in pre_bad or not line or line.isspace():
+            continue
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        seen += 1
+        first_keys = first_keys if first_keys is not None else sorted(record)
+        shape = _shape_of(record)
+        if shape:
+            votes[shape] += 1
+    if votes:
+        return votes.most_common(1)[0][0]
+    found = f"fields {first_keys}" if first_keys is not None else "no JSON object records"
+    raise IngestError(
+        f"{path}: cannot detect the record format ({found}); pass --format {'|'.join(FORMATS)}"
+    )
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    return {str: "a string", bool: "a boolean", int: "a number", float: "a number", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _size(n_bytes: float) -> str:
+    if n_bytes >= 1e6:
+        return f"{n_bytes / 1e6:.1f} MB"
+    if n_bytes >= 1e3:
+        return f"{n_bytes / 1e3:.1f} KB"
+    return f"{int(n_bytes)} bytes"
+
+
+def _screen(lines: list[bytes], fmt: str, limit: int, pre_bad: dict[int, str]) -> Rows:
+    """Parse every record once with orjson (strict JSON and UTF-8, exact types); polars then reads
+    only the lines that passed, so its lenient casts (1 -> "1") never see a wrong type."""
+    fields = FIELDS[fmt]
+    known = frozenset(name for names, _, _ in fields for name in names)
+    # required one-name string fields are checked inline (the common case, ~0.2 us a record);
+    # _field_problem runs for the other fields and to word the reason of a failed record
+    simple = tuple(names[0] for names, kind, required in fields if kind == "text" and required and len(names) == 1)
+    rest = tuple(field for field in fields if field[0][0] not in simple)
+    only_simple = not rest
+    keep = fmt == "chat"  # chat is shaped from the parsed messages, not from a polars read
+    loads, dumps, decode_error = orjson.loads, orjson.dumps, orjson.JSONDecodeError
+    good: list[int] = []
+    bad: list[tuple[int, str]] = []
+    metas: dict[int, str] = {}
+    records: list[dict] = []
+    n_records = 0
+    for i, line in enumerate(lines):
+        if i in pre_bad:
+            n_records += 1
+            bad.append((i, pre_bad[i]))
+            continue
+        if len(line) > limit:
+            n_records += 1
+            bad.append((i, f"record is {_size(len(line))} > limit {_size(limit)}"))
+            continue
+        try:
+            record = loads(line)
+        except decode_error as exc:
+            if not line or line.isspace():  # blank lines hold no record
+                continue
+            n_records += 1
+            bad.append((i, _decode_reason(line, exc)))
+            continue
+        n_records += 1
+        if type(record) is not dict:
+            bad.append((i, f"record is {_json_type(record)}, expected a JSON object"))
+            continue
+        for name in simple:
+            if type(record.get(name)) is not str:
+                reason = _field_problem(record, fields)
+                break
+        else:
+            reason = None if only_simple else _field_problem(record, rest)
+        if reason is not None:
+            bad.append((i, reason))
+            continue
+        good.append(i)
+        if keep:
+            records.append(record)
+        # with only required fields, a longer record must have extra fields
+        if (len(record) > len(simple)) if only_simple else not record.keys() <= known:
+            metas[i] = dumps({k: v for k, v in record.items() if k not in known}).decode()
+    frame = None
+    if not keep:
+        buffer = b"\n".join([lines[i] for i in good])
+        frame = pl.read_ndjson(buffer, schema=SCHEMAS[fmt]) if good else pl.DataFrame(schema=SCHEMAS[fmt])
+        if frame.height != len(good):
+            raise RuntimeError(f"polars read {frame.height} records of {len(good)} screened lines (a bug)")
+    return Rows(n_records=n_records, index=good, frame=frame, records=records, metas=metas, bad=bad)
+
+
+def _decode_reason(line: bytes, exc: orjson.JSONDecodeError) -> str:
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError:
+        return "invalid UTF-8"
+    return f"malformed JSON: {exc}"
+
+
+def _field_problem(record: dict, fields: tuple) -> str | None:
+    """The first field of `record` whose JSON type is wrong for its kind, as a reason; else None."""
+    for names, kind, required in fields:
+        name = names[0]
+        if len(names) > 1 and name not in record:
+            name = next((alt for alt in names[1:] if alt in record), name)
+        value = record.get(name)
+        if type(value) is str and kind in ("text", "answer", "chat_prompt"):
+            continue
+        if value is None:
+            if required:
+                alts = "".join(f" (or '{alt}')" for alt in names[1:])
+                return f"field '{name}' is null" if name in record else f"missing field '{name}'{alts}"
+            continue
+        reason = _value_problem(name, value, kind)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _value_problem(name: str, value: object, kind: str) -> str | None:
+    got = _json_type(value)
+    if kind == "text":
+        return f"field '{name}' is {got}, expected a string"
+    if kind == "answer":
+        return None if type(value) in (int, float) else f"field '{name}' is {got}, expected a string or number"
+    if kind == "text_list":
+        if type(value) is not list:
+            return f"field '{name}' is {got}, expected a list of strings"
+        for j, item in enumerate(value):
+            if type(item) is not str:
+                return f"field '{name}' item {j} is {_json_type(item)}, expected a string"
+        return None
+    if kind == "rank_list":
+        if type(value) is not list:
+            return f"field '{name}' is {got}, expected a list of integers"
+        for j, item in enumerate(value):
+            if type(item) is not int or not -(2**31) <= item < 2**31:
+                return f"field '{name}' item {j} is {_json_type(item)} {item!r}, expected an integer rank"
+        return None
+    # messages, or a chat prompt given as a list of messages
+    if type(value) is not list:
+        return f"field '{name}' is {got}, expected a list of {{role, content}} messages"
+    for j, message in enumerate(value):
+        if type(message) is not dict:
+            return f"field '{name}' message {j} is {_json_type(message)}, expected an object"
+        for key in ("role", "content"):
+            if type(message.get(key)) is not str:
+                return f"field '{name}' message {j}: '{key}' is {_json_type(message.get(key))}, expected a string"
+    return None
+
+
+# ---- ids, quarantine rows
+
+
+def _with_ids(table: str, accepted: pl.DataFrame, source: str) -> pl.DataFrame:
+    """Add the content-hash id (hashlib over the joined fields, ~1-2 s per million rows here) and source."""
+    id_column, parts = _ID_FIELDS[table]
+    exprs = [pl.col(p).list.join("\x1f") if accepted.schema[p] == pl.List(pl.String) else pl.col(p) for p in parts]
+    joined = accepted.select(pl.concat_str(exprs, separator="\x1f")).to_series().to_list()
+    sha256 = hashlib.sha256
+    ids = pl.Series(id_column, [sha256(text.encode()).hexdigest() for text in joined], dtype=pl.String)
+    return accepted.with_columns(ids, pl.lit(source, dtype=pl.String).alias("source"))
+
+
+def _quarantine_frame(
+    lines: list[bytes], line_base: int, bad: list[tuple[int, str]], source: str, file: str
+) -> pl.DataFrame:
+    raws, reasons = [], []
+    for i, reason in bad:
+        raw = lines[i].rstrip(b"\r").decode("utf-8", errors="replace")
+        if len(raw) > RAW_LIMIT:
+            raw = raw[:RAW_LIMIT]
+            reason += f" (raw truncated to {RAW_LIMIT // 1000} KB)"
+        raws.append(raw)
+        reasons.append(reason)
+    return pl.DataFrame(
+        {
+            "source": pl.Series([source] * len(bad), dtype=pl.String),
+            "file": pl.Series([file] * len(bad), dtype=pl.String),
+            "line_no": pl.Series([i + line_base for i, _ in bad], dtype=pl.Int64),
+            "raw": pl.Series(raws, dtype=pl.String),
+            "reason": pl.Series(reasons, dtype=pl.String),
+        }
+    )

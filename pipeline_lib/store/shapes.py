@@ -1,0 +1,256 @@
+"""Record shapes (a)-(e) of DESIGN.md: their fields, and the content checks that turn screened records
+into table rows (pairs, hh, chat -> preference_pairs; ranking -> rankings; problem -> problems)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+import polars as pl
+
+# (names, kind, required): the first present of `names` is the field; kinds are checked per record
+# by ingest._field_problem (exact JSON types) before polars reads the values.
+FIELDS: dict[str, tuple[tuple[tuple[str, ...], str, bool], ...]] = {
+    "pairs": ((("prompt",), "text", True), (("chosen",), "text", True), (("rejected",), "text", True)),
+    "hh": ((("chosen",), "text", True), (("rejected",), "text", True)),
+    "chat": ((("prompt",), "chat_prompt", False), (("chosen",), "messages", True), (("rejected",), "messages", True)),
+    "ranking": ((("prompt",), "text", True), (("responses",), "text_list", True), (("ranks",), "rank_list", False)),
+    "problem": ((("question", "prompt"), "text", True), (("answer",), "answer", True), (("split",), "text", False)),
+}
+SCHEMAS: dict[str, dict[str, pl.DataType]] = {
+    "pairs": {"prompt": pl.String, "chosen": pl.String, "rejected": pl.String},
+    "hh": {"chosen": pl.String, "rejected": pl.String},
+    "ranking": {"prompt": pl.String, "responses": pl.List(pl.String), "ranks": pl.List(pl.Int64)},
+    # numbers in `answer` (screened as int/float) become their decimal text
+    "problem": {"question": pl.String, "prompt": pl.String, "answer": pl.String, "split": pl.String},
+}
+TABLE_OF = {"pairs": "preference_pairs", "hh": "preference_pairs", "chat": "preference_pairs",
+            "ranking": "rankings", "problem": "problems"}
+HH_TURN = "\n\nAssistant:"
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Records that passed the screen: line indices, their polars frame (or parsed dicts for chat),
+    the JSON of their extra fields by line index, and the (line index, reason) of those that failed."""
+
+    n_records: int
+    index: list[int]
+    frame: pl.DataFrame | None
+    records: list[dict]
+    metas: dict[int, str]
+    bad: list[tuple[int, str]]
+
+
+def shape_records(fmt: str, rows: Rows, *, split: str) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
+    """Rows of the format's table (without id and source) and the (line index, reason) rejected here."""
+    if fmt == "chat":
+        return _chat(rows)
+    frame = rows.frame.with_columns(
+        pl.Series("_idx", rows.index, dtype=pl.Int64),
+        pl.Series("meta", [rows.metas.get(i) for i in rows.index], dtype=pl.String)
+        if rows.metas
+        else pl.lit(None, dtype=pl.String).alias("meta"),
+    )
+    if fmt == "problem":
+        return _problem(frame, split)
+    return {"pairs": _pairs, "hh": _hh, "ranking": _ranking}[fmt](frame)
+
+
+def _blank(column: str) -> pl.Expr:
+    # anchored regex: stops at the first non-space character, no copy of the text
+    return pl.col(column).str.contains(r"^\s*$")
+
+
+def _split_off(frame: pl.DataFrame, reason: pl.Expr) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
+    """Rows whose `reason` is null, and (line index, reason) of the others."""
+    frame = frame.with_columns(reason.alias("_reason"))
+    bad = frame.filter(pl.col("_reason").is_not_null()).select("_idx", "_reason").rows()
+    return frame.filter(pl.col("_reason").is_null()).drop("_reason"), bad
+
+
+def _empty_fields(*columns: str) -> pl.Expr:
+    expr = pl.when(_blank(columns[0])).then(pl.lit(f"empty field '{columns[0]}'"))
+    for column in columns[1:]:
+        expr = expr.when(_blank(column)).then(pl.lit(f"empty field '{column}'"))
+    return expr
+
+
+def _pairs(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
+    reason = (
+        _empty_fields("prompt", "chosen", "rejected")
+        .when(pl.col("chosen") == pl.col("rejected"))
+        .then(pl.lit("chosen identical to rejected"))
+    )
+    ok, bad = _split_off(frame, reason)
+    no_messages = pl.lit(None, dtype=pl.String).alias("prompt_messages")
+    return ok.select("prompt", "chosen", "rejected", no_messages, "meta"), bad
+
+
+def hh_prompt_end(chosen: str, rejected: str) -> int | None:
+    """End of the HH prompt: the longest common prefix of both transcripts that ends right after a
+    "\\n\\nAssistant:" turn marker. A marker inside a response (real rows have them) lies past the
+    shared prefix unless both responses share the text up to it. None if there is no such prefix."""
+    end = len(chosen)
+    while (k := chosen.rfind(HH_TURN, 0, end)) >= 0:
+        cut = k + len(HH_TURN)
+        if rejected.startswith(chosen[:cut]):
+            return cut
+        end = cut - 1  # this marker is past the shared prefix: try the one before it
+    return None
+
+
+def _hh(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
+    """The prompt ends with "\\n\\nAssistant:"; responses keep their text as is (usually a leading
+    space), so prompt + chosen is exactly the original transcript."""
+    reason = _empty_fields("chosen", "rejected").when(pl.col("chosen") == pl.col("rejected")).then(
+        pl.lit("chosen identical to rejected")
+    )
+    frame, bad = _split_off(frame, reason)
+    keep, prompts, chosens, rejecteds = [], [], [], []
+    for row, (idx, chosen, rejected) in enumerate(frame.select("_idx", "chosen", "rejected").iter_rows()):
+        cut = hh_prompt_end(chosen, rejected)
+        if cut is None:
+            bad.append((idx, "no common prompt ending with '\\n\\nAssistant:'"))
+            continue
+        empty = [name for name, text in (("chosen", chosen), ("rejected", rejected)) if not text[cut:].strip()]
+        if empty:
+            bad.append((idx, f"empty response after prompt extraction ({empty[0]})"))
+            continue
+        keep.append(row)
+        prompts.append(chosen[:cut])
+        chosens.append(chosen[cut:])
+        rejecteds.append(rejected[cut:])
+    kept = frame[keep] if keep else frame.clear()
+    return pl.DataFrame(
+        {
+            "prompt": pl.Series(prompts, dtype=pl.String),
+            "chosen": pl.Series(chosens, dtype=pl.String),
+            "rejected": pl.Series(rejecteds, dtype=pl.String),
+            "prompt_messages": pl.Series([None] * len(keep), dtype=pl.String),
+            "meta": kept["meta"],
+        }
+    ), bad
+
+
+def _render(messages: list[dict]) -> str:
+    """Plain text of a conversation, for display and dedup (chat templates apply at training time)."""
+    return "\n\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+def split_chat(record: dict) -> str | tuple[str, str, str, str]:
+    """(prompt text, chosen, rejected, messages JSON) of a conversational record, or a reason.
+
+    chosen/rejected may hold only the completion or the whole conversation (then the prompt
+    messages are stripped); without `prompt`, the prompt is their longest common message prefix."""
+    chosen, rejected, prompt = record["chosen"], record["rejected"], record.get("prompt")
+    if chosen == rejected:
+        return "chosen identical to rejected"
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if prompt is None:
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        prompt = chosen[:n]
+        if not prompt:
+            return "no prompt: 'chosen' and 'rejected' share no first message and there is no 'prompt'"
+        completions = {"chosen": chosen[n:], "rejected": rejected[n:]}
+    else:
+        k = len(prompt)
+        completions = {
+            name: msgs[k:] if msgs[:k] == prompt else msgs for name, msgs in (("chosen", chosen), ("rejected", rejected))
+        }
+    if not any(m["content"].strip() for m in prompt):
+        return "empty field 'prompt'"
+    for name, messages in completions.items():
+        if not messages or not messages[-1]["content"].strip():
+            return f"empty response after prompt extraction ({name})"
+        if messages[-1]["role"] != "assistant":
+            return f"'{name}' does not end with an assistant message (role {messages[-1]['role']!r})"
+    chosen_text = completions["chosen"][-1]["content"]
+    rejected_text = completions["rejected"][-1]["content"]
+    if chosen_text == rejected_text:
+        return "chosen identical to rejected"
+    messages = orjson.dumps({"prompt": prompt, **completions}).decode()
+    return _render(prompt), chosen_text, rejected_text, messages
+
+
+def _chat(rows: Rows) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
+    columns: dict[str, list] = {"prompt": [], "chosen": [], "rejected": [], "prompt_messages": [], "meta": []}
+    bad = []
+    for idx, record in zip(rows.index, rows.records):
+        result = split_chat(record)
+        if isinstance(result, str):
+            bad.append((idx, result))
+            continue
+        for name, value in zip(("prompt", "chosen", "rejected", "prompt_messages"), result):
+            columns[name].append(value)
+        columns["meta"].append(rows.metas.get(idx))
+    return pl.DataFrame({name: pl.Series(values, dtype=pl.String) for name, values in columns.items()}), bad
+
+
+def _ranking(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
+    """Responses are stored best -> worst (1 = best); ranks as given, or 1..K when absent."""
+    k = pl.col("responses").list.len()
+    ranks = pl.col("ranks")
+    reason = (
+        _empty_fields("prompt")
+        .when(k < 2)
+        .then(pl.format("ranking has {} response(s), needs at least 2", k))
+        .when(pl.col("responses").list.eval(pl.element().str.contains(r"^\s*$")).list.any())
+        .then(pl.lit("empty response in 'responses'"))
+        .when(ranks.is_not_null() & (ranks.list.len() != k))
+        .then(pl.format("{} ranks for {} responses", ranks.list.len(), k))
+        .when(ranks.is_not_null() & (ranks.list.sort() != pl.int_ranges(1, k + 1)))
+        .then(pl.format("ranks [{}] are not a permutation of 1..{}", ranks.cast(pl.List(pl.String)).list.join(", "), k))
+        .when(pl.col("responses").list.n_unique() < k)
+        .then(pl.lit("ranking has identical responses"))
+    )
+    ok, bad = _split_off(frame, reason)
+    ok = ok.with_columns(
+        pl.when(ranks.is_null())
+        .then(pl.col("responses"))
+        .otherwise(pl.col("responses").list.gather(ranks.list.eval(pl.element().arg_sort())))
+        .alias("responses"),
+        pl.when(ranks.is_null()).then(pl.int_ranges(1, k + 1)).otherwise(ranks).cast(pl.List(pl.Int32)).alias("ranks"),
+    )
+    return ok.select("prompt", "responses", "ranks", "meta"), bad
+
+
+def _problem(frame: pl.DataFrame, split: str) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
+    """GSM8K answers ("... #### 18"): `answer` is the text after "####", the solution goes to meta.
+    `split` is used where a record has no `split` field of its own."""
+    frame = frame.with_columns(
+        pl.coalesce("question", "prompt").alias("_prompt"),
+        pl.when(pl.col("question").is_not_null()).then(pl.lit("question")).otherwise(pl.lit("prompt")).alias("_name"),
+        pl.when(pl.col("answer").str.contains("####", literal=True))
+        .then(pl.col("answer").str.split("####").list.last().str.strip_chars())
+        .otherwise(pl.col("answer"))
+        .alias("_final"),
+    )
+    reason = (
+        pl.when(pl.col("_prompt").str.contains(r"^\s*$"))
+        .then(pl.format("empty field '{}'", pl.col("_name")))
+        .when(_blank("answer"))
+        .then(pl.lit("empty field 'answer'"))
+        .when(pl.col("_final") == "")
+        .then(pl.lit("empty answer after '####'"))
+    )
+    ok, bad = _split_off(frame, reason)
+    metas = []
+    for answer, meta in ok.select("answer", "meta").iter_rows():
+        if "####" not in answer:
+            metas.append(meta)
+            continue
+        extra = orjson.loads(meta) if meta else {}
+        metas.append(orjson.dumps({**extra, "solution": answer}).decode())
+    return ok.select(
+        pl.when(pl.col("split").is_null() | _blank("split"))
+        .then(pl.lit(split))
+        .otherwise(pl.col("split"))
+        .alias("split"),
+        pl.col("_prompt").alias("prompt"),
+        pl.col("_final").alias("answer"),
+        pl.Series("meta", metas, dtype=pl.String),
+    ), bad

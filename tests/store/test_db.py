@@ -1,0 +1,149 @@
+"""The DuckDB store: schema and version, keyed inserts, transactions, reads, stats, one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import duckdb
+import polars as pl
+import pytest
+
+from pipeline_lib.store.db import SCHEMA_VERSION, TABLES, StoreError, open_store
+
+
+def pairs_frame(ids: list[str], source: str = "s") -> pl.DataFrame:
+    return pl.DataFrame({"pair_id": ids, "source": [source] * len(ids), "prompt": ids,
+                         "chosen": ["c"] * len(ids), "rejected": ["r"] * len(ids)})
+
+
+def test_schema_created_once_with_version(tmp_path):
+    path = tmp_path / "store.duckdb"
+    with open_store(path) as store:
+        assert store.schema_version() == SCHEMA_VERSION
+    with open_store(path) as store:  # reopening neither re-creates nor re-stamps
+        assert store._run("SELECT count(*) FROM schema_info")[0][0] == 1
+        for table, columns in TABLES.items():
+            got = [row[0] for row in store._run(f"DESCRIBE {table}")]
+            assert got == list(columns), table
+
+
+def test_newer_schema_is_refused(tmp_path):
+    path = tmp_path / "store.duckdb"
+    with open_store(path) as store:
+        store._run("INSERT INTO schema_info VALUES (?)", [SCHEMA_VERSION + 1])
+    with pytest.raises(StoreError, match=f"schema v{SCHEMA_VERSION + 1} is newer"):
+        with open_store(path):
+            pass
+
+
+def test_insert_new_skips_known_keys(tmp_path):
+    with open_store(tmp_path / "s.duckdb") as store:
+        assert store.insert_new("preference_pairs", pairs_frame(["a", "b"])) == 2
+        assert store.insert_new("preference_pairs", pairs_frame(["b", "c", "d"])) == 2  # b is known
+        assert store.insert_new("preference_pairs", pairs_frame([])) == 0
+        assert sorted(store.read("preference_pairs")["pair_id"]) == ["a", "b", "c", "d"]
+        assert store.append("preference_pairs", pairs_frame(["a"])) == 1  # no key check
+        assert store.count("preference_pairs") == 5
+
+
+def test_quarantine_key_is_null_safe(tmp_path):
+    rows = pl.DataFrame({"source": ["s", "s"], "file": ["f", "f"], "line_no": [3, None],
+                         "raw": ["{", None], "reason": ["malformed JSON", "x"]})
+    with open_store(tmp_path / "s.duckdb") as store:
+        assert store.insert_new("quarantine", rows) == 2
+        assert store.insert_new("quarantine", rows) == 0  # NULL line_no / raw still match
+        assert store.count("quarantine") == 2
+
+
+def test_lists_round_trip(tmp_path):
+    frame = pl.DataFrame({"ranking_id": ["r1"], "source": ["s"], "prompt": ["p"],
+                          "responses": [["best", "worst"]], "ranks": [[1, 2]]})
+    with open_store(tmp_path / "s.duckdb") as store:
+        store.insert_new("rankings", frame)
+        row = store.read("rankings").row(0, named=True)
+    assert (row["responses"], row["ranks"]) == (["best", "worst"], [1, 2])
+
+
+def test_transaction_rolls_back_every_write(tmp_path):
+    with open_store(tmp_path / "s.duckdb") as store:
+        with pytest.raises(duckdb.ConstraintException, match="NOT NULL"):  # duckdb's own error surfaces
+            with store.transaction():
+                store.insert_new("preference_pairs", pairs_frame(["a"]))
+                store.insert_new("preference_pairs", pairs_frame(["b"]).with_columns(source=pl.lit(None, pl.String)))
+        assert store.count("preference_pairs") == 0
+        with store.transaction():
+            store.insert_new("preference_pairs", pairs_frame(["a"]))
+        assert store.count("preference_pairs") == 1
+
+
+def test_read_filters_and_unknown_names(tmp_path):
+    problems = pl.DataFrame({"problem_id": ["1", "2", "3"], "source": ["g", "g", "h"],
+                             "split": ["train", "test", "test"], "prompt": ["a", "b", "c"], "answer": ["1", "2", "3"]})
+    with open_store(tmp_path / "s.duckdb") as store:
+        store.insert_new("problems", problems)
+        assert store.read("problems", split="test")["problem_id"].sort().to_list() == ["2", "3"]
+        assert store.read("problems", split="test", source="g")["problem_id"].to_list() == ["2"]
+        assert "ingested_at" not in store.read("problems").columns
+        with pytest.raises(StoreError, match="unknown table 'pairs'"):
+            store.read("pairs")
+        with pytest.raises(StoreError, match="table problems has no column 'question'"):
+            store.read("problems", question="a")
+        with pytest.raises(StoreError, match=r"table problems has no column\(s\) \['question'\]"):
+            store.insert_new("problems", problems.rename({"prompt": "question"}))
+
+
+def test_stats_count_per_table_and_source(tmp_path):
+    with open_store(tmp_path / "s.duckdb") as store:
+        store.insert_new("preference_pairs", pairs_frame(["a", "b"], source="hh"))
+        store.insert_new("preference_pairs", pairs_frame(["c"], source="mine"))
+        store.append("samples", pl.DataFrame({"run_id": ["r"] * 3, "prompt_id": ["p", "p", "q"],
+                                              "sample_idx": [0, 1, 0], "completion": ["x"] * 3, "policy": ["sft"] * 3}))
+        stats = store.stats().rows()
+        assert store.sampled_prompt_ids("r") == {"p", "q"}
+    assert stats == [("preference_pairs", "hh", 2), ("preference_pairs", "mine", 1), ("samples", "sft", 3)]
+
+
+def test_delete_eval_run(tmp_path):
+    results = pl.DataFrame({"run_id": ["a", "a", "b"], "model": ["m"] * 3, "dataset": ["d"] * 3, "k": [1, 2, 1]})
+    with open_store(tmp_path / "s.duckdb") as store:
+        store.insert_new("eval_results", results)
+        store.delete_eval_run("a")
+        assert store.read("eval_results")["run_id"].to_list() == ["b"]
+
+
+def test_read_only_and_one_line_open_errors(tmp_path):
+    with pytest.raises(StoreError, match="no store at .*missing.duckdb; run `alignflow ingest` first"):
+        with open_store(tmp_path / "missing.duckdb", read_only=True):
+            pass
+    path = tmp_path / "s.duckdb"
+    with open_store(path) as store:
+        store.insert_new("preference_pairs", pairs_frame(["a"]))
+    with open_store(path, read_only=True) as store:
+        assert store.count("preference_pairs") == 1
+    (tmp_path / "text.duckdb").write_text("not a database")
+    with pytest.raises(StoreError, match="text.duckdb cannot be opened .*not a valid DuckDB database file"):
+        with open_store(tmp_path / "text.duckdb"):
+            pass
+
+
+def test_store_held_by_another_process(tmp_path):
+    path = tmp_path / "s.duckdb"
+    holder = textwrap.dedent(f"""
+        import sys
+        from pipeline_lib.store.db import open_store
+        with open_store({str(path)!r}):
+            print("ready", flush=True)
+            sys.stdin.read()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        with pytest.raises(StoreError) as err:
+            with open_store(path):
+                pass
+        assert "is in use by another alignflow process" in str(err.value) and "\n" not in str(err.value)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)

@@ -1,0 +1,464 @@
+"""Ingest: every file type and record shape, every bad-input class, the real HH and GSM8K files."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import orjson
+import polars as pl
+import pytest
+
+from pipeline_lib.fingerprint import fingerprint_path
+from pipeline_lib.store.db import open_store
+from pipeline_lib.store.ingest import IngestError, IngestReport, content_id, ingest_file
+from pipeline_lib.store.shapes import hh_prompt_end
+
+DATA = Path(__file__).resolve().parents[2] / "data"
+
+
+@pytest.fixture
+def store(tmp_path):
+    with open_store(tmp_path / "store.duckdb") as s:
+        yield s
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    """Records are dicts (dumped) or raw bytes lines (written as they are)."""
+    lines = [r if isinstance(r, bytes) else orjson.dumps(r) for r in records]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def check_invariant(report: IngestReport) -> None:
+    assert report.rows_read == report.accepted + report.duplicates + report.quarantined
+
+
+def quarantine(store) -> dict[int, str]:
+    return dict(store.read("quarantine").select("line_no", "reason").iter_rows())
+
+
+PAIRS = [
+    {"prompt": "2+2?", "chosen": "4", "rejected": "5"},
+    {"prompt": "Capital of France?", "chosen": "Paris", "rejected": "Lyon", "id": 7},
+    {"prompt": "Say hi", "chosen": " hi\n", "rejected": "no"},
+]
+
+
+# ---- ids and the report
+
+
+def test_content_id_is_sha256_of_unit_separated_parts():
+    # printf 'a\x1fb\x1fc' | sha256sum
+    assert content_id("a", "b", "c") == "e0dee694aed26d323b0d8b861c343f2554c1aefceef539ae3dae5159f0b5bb28"
+    # UTF-8 bytes are hashed: printf 'é\x1f中' | sha256sum
+    assert content_id("é", "中") == "3481986ad57e78fa778652d3f047d2731452848f501baaaf34f2c26950247690"
+    # fields are joined, not length-prefixed: a field holding "\x1f" itself would collide
+    assert content_id("a\x1fb", "c") == content_id("a", "b", "c")
+
+
+def test_summary_line(tmp_path, store):
+    report = ingest_file(write_jsonl(tmp_path / "p.jsonl", PAIRS), store)
+    assert report.summary() == "p.jsonl (pairs -> preference_pairs): read 3 = accepted 3 + duplicates 0 + quarantined 0"
+    assert (report.source, report.table, report.format) == ("p", "preference_pairs", "pairs")
+    assert report.fingerprint == fingerprint_path(tmp_path / "p.jsonl")
+    metrics = report.metrics()
+    assert {k: v for k, v in metrics.items() if k != "ingest/seconds"} == {
+        "ingest/rows_read": 3.0, "ingest/accepted": 3.0, "ingest/duplicates": 0.0, "ingest/quarantined": 0.0}
+    assert "| accepted | 3 |" in report.markdown() and report.as_dict()["rows_read"] == 3
+
+
+# ---- shapes
+
+
+def test_pairs_rows_ids_and_meta(tmp_path, store):
+    report = ingest_file(write_jsonl(tmp_path / "pairs.jsonl", PAIRS), store, source="mine")
+    check_invariant(report)
+    rows = {r["prompt"]: r for r in store.read("preference_pairs").to_dicts()}
+    assert rows["Say hi"]["chosen"] == " hi\n"  # text kept exactly
+    assert rows["2+2?"]["pair_id"] == content_id("2+2?", "4", "5")
+    assert json.loads(rows["Capital of France?"]["meta"]) == {"id": 7}
+    assert rows["2+2?"]["meta"] is None and rows["2+2?"]["prompt_messages"] is None
+    assert {r["source"] for r in rows.values()} == {"mine"}
+
+
+def test_every_file_type_gives_the_same_rows(tmp_path, store):
+    """The same 3 pairs (+1 bad record) as jsonl, jsonl.gz, json, parquet, csv: after the first file
+    every pair is a duplicate, and the bad record is reported at each type's line numbering."""
+    records = [*PAIRS[:1], {"prompt": "bad", "chosen": "same", "rejected": "same"}, PAIRS[2], PAIRS[1]]
+    jsonl = write_jsonl(tmp_path / "a.jsonl", records)
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(jsonl.read_bytes()))
+    (tmp_path / "c.json").write_bytes(orjson.dumps(records))
+    pl.DataFrame(records).write_parquet(tmp_path / "d.parquet")
+    pl.DataFrame(records).drop("id").write_csv(tmp_path / "e.csv")
+    expected_line = {"a.jsonl": 2, "b.jsonl.gz": 2, "c.json": 1, "d.parquet": 1, "e.csv": 3}
+    for i, (name, line_no) in enumerate(expected_line.items()):
+        report = ingest_file(tmp_path / name, store)
+        check_invariant(report)
+        assert (report.rows_read, report.accepted, report.quarantined) == (4, 3 if i == 0 else 0, 1), name
+        q = store.read("quarantine", source=Path(name).name.split(".")[0]).to_dicts()
+        assert [(r["line_no"], r["reason"]) for r in q] == [(line_no, "chosen identical to rejected")], name
+    pairs = store.read("preference_pairs")
+    assert pairs.height == 3
+    assert set(pairs["pair_id"]) == {content_id(r["prompt"], r["chosen"], r["rejected"]) for r in PAIRS}
+
+
+def test_hh_prompt_is_shared_prefix_ending_at_assistant_turn(tmp_path, store):
+    prompt = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: help me\n\nAssistant:"
+    chosen = prompt + " Sure.\n\nHuman: fake turn\n\nAssistant: inside the response"
+    rejected = prompt + " Sure thing."  # shares " Sure" past the prompt: the cut stays at the marker
+    assert hh_prompt_end(chosen, rejected) == len(prompt)
+    report = ingest_file(write_jsonl(tmp_path / "hh.jsonl", [{"chosen": chosen, "rejected": rejected}]), store)
+    assert report.format == "hh" and report.accepted == 1
+    row = store.read("preference_pairs").row(0, named=True)
+    assert row["prompt"] == prompt
+    assert row["chosen"] == " Sure.\n\nHuman: fake turn\n\nAssistant: inside the response"
+    assert row["rejected"] == " Sure thing."
+
+
+def test_hh_cut_is_the_last_marker_both_transcripts_share():
+    prompt = "\n\nHuman: q\n\nAssistant:"
+    chosen = prompt + " a\n\nAssistant: b"
+    rejected = prompt + " a\n\nAssistant: c"  # common prefix ends past a second marker
+    # both responses share " a\n\nAssistant:", so by the definition the prompt runs through it
+    assert hh_prompt_end(chosen, rejected) == len(prompt) + len(" a\n\nAssistant:")
+    assert hh_prompt_end(prompt + " x", "\n\nHuman: other\n\nAssistant: y") is None
+
+
+def test_chat_variants_give_one_row(tmp_path, store):
+    """Assistant-only completions, full conversations, and no `prompt` at all are the same pair."""
+    user = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    good, bad = [{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]
+    variants = [
+        {"prompt": user, "chosen": good, "rejected": bad, "tag": "x"},
+        {"prompt": user, "chosen": user + good, "rejected": user + bad},
+        {"chosen": user + good, "rejected": user + bad},
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "chat.jsonl", variants), store)
+    check_invariant(report)
+    assert (report.format, report.accepted, report.duplicates) == ("chat", 1, 2)
+    row = store.read("preference_pairs").row(0, named=True)
+    assert (row["prompt"], row["chosen"], row["rejected"]) == ("system: Be brief.\n\nuser: 2+2?", "4", "5")
+    assert json.loads(row["prompt_messages"]) == {"prompt": user, "chosen": good, "rejected": bad}
+    assert json.loads(row["meta"]) == {"tag": "x"}
+
+
+def test_chat_string_prompt_is_one_user_message(tmp_path, store):
+    record = {"prompt": "hi", "chosen": [{"role": "assistant", "content": "hello"}],
+              "rejected": [{"role": "assistant", "content": "go away"}]}
+    report = ingest_file(write_jsonl(tmp_path / "c.jsonl", [record]), store, format="chat")
+    assert report.accepted == 1
+    row = store.read("preference_pairs").row(0, named=True)
+    assert row["prompt"] == "user: hi"
+    assert json.loads(row["prompt_messages"])["prompt"] == [{"role": "user", "content": "hi"}]
+
+
+def test_rankings_ordered_best_to_worst(tmp_path, store):
+    records = [
+        {"prompt": "p1", "responses": ["mid", "best", "worst"], "ranks": [2, 1, 3]},
+        {"prompt": "p2", "responses": ["a", "b"]},  # already ordered, no ranks
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "r.jsonl", records), store)
+    check_invariant(report)
+    assert (report.format, report.table, report.accepted) == ("ranking", "rankings", 2)
+    rows = {r["prompt"]: r for r in store.read("rankings").to_dicts()}
+    assert rows["p1"]["responses"] == ["best", "mid", "worst"]
+    assert rows["p1"]["ranks"] == [2, 1, 3]  # as given
+    assert rows["p2"]["responses"] == ["a", "b"] and rows["p2"]["ranks"] == [1, 2]
+    assert rows["p1"]["ranking_id"] == content_id("p1", "best", "mid", "worst")
+
+
+def test_problems_gsm8k_plain_numeric_and_split(tmp_path, store):
+    records = [
+        {"question": "Q1", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"},
+        {"prompt": "Q2", "answer": "x = 3"},
+        {"question": "Q3", "answer": 7, "split": "test"},
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "math.jsonl", records), store, split="dev")
+    check_invariant(report)
+    assert (report.format, report.accepted) == ("problem", 3)
+    rows = {r["prompt"]: r for r in store.read("problems").to_dicts()}
+    assert (rows["Q1"]["answer"], rows["Q1"]["split"]) == ("4", "dev")
+    assert json.loads(rows["Q1"]["meta"]) == {"solution": "2 + 2 = <<2+2=4>>4\n#### 4"}
+    assert (rows["Q2"]["answer"], rows["Q2"]["meta"]) == ("x = 3", None)  # a plain answer is kept as is
+    assert (rows["Q3"]["answer"], rows["Q3"]["split"]) == ("7", "test")  # the record's split wins
+    assert rows["Q1"]["problem_id"] == content_id("Q1", "4")
+
+
+def test_real_gsm8k_files(store):
+    test = ingest_file(DATA / "gsm8k" / "test-first100.jsonl", store, split="test")
+    train = ingest_file(DATA / "gsm8k" / "train-first500.jsonl", store)
+    assert (test.accepted, test.quarantined, train.accepted, train.quarantined) == (100, 0, 500, 0)
+    first = store.read("problems", split="test").filter(pl.col("prompt").str.starts_with("Janet")).row(0, named=True)
+    assert first["answer"] == "18"  # "... #### 18"
+    assert json.loads(first["meta"])["solution"].endswith("#### 18")
+    assert store.read("problems", split="train").height == 500
+
+
+# ---- bad input -> quarantine, one reason a row
+
+
+def test_bad_jsonl_lines_are_quarantined_with_reasons(tmp_path, store):
+    good = {"prompt": "p", "chosen": "a", "rejected": "b"}
+    lines = [
+        good,                                                             # 1
+        b'{"prompt": "p", "chosen": "a", "rejected": ',                   # 2 malformed
+        b'{"prompt": "p\xff", "chosen": "a", "rejected": "b"}',           # 3 invalid UTF-8
+        {"prompt": "p", "chosen": "a"},                                   # 4 missing
+        {"prompt": "p", "chosen": None, "rejected": "b"},                 # 5 null
+        {"prompt": "  ", "chosen": "a", "rejected": "b"},                 # 6 empty
+        {"prompt": "p", "chosen": 1, "rejected": "b"},                    # 7 number (polars would cast it)
+        {"prompt": "p", "chosen": ["a"], "rejected": "b"},                # 8 list
+        {"prompt": "p", "chosen": "same", "rejected": "same"},            # 9 identical
+        [1, 2],                                                           # 10 not an object
+        b"",                                                              # 11 blank: not a record
+        {"prompt": "p", "chosen": "x" * 300, "rejected": "b"},            # 12 over the size limit
+        b'{"prompt": "p", "chosen": "\\ud800", "rejected": "b"}',         # 13 lone surrogate escape
+        {"prompt": "p2", "chosen": "a", "rejected": "b"},                 # 14
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "bad.jsonl", lines), store, max_record_bytes=200)
+    check_invariant(report)
+    assert (report.rows_read, report.accepted, report.quarantined) == (13, 2, 11)
+    reasons = quarantine(store)
+    assert reasons[2].startswith("malformed JSON: ")
+    assert reasons[3] == "invalid UTF-8"
+    assert reasons[4] == "missing field 'rejected'"
+    assert reasons[5] == "field 'chosen' is null"
+    assert reasons[6] == "empty field 'prompt'"
+    assert reasons[7] == "field 'chosen' is a number, expected a string"
+    assert reasons[8] == "field 'chosen' is a list, expected a string"
+    assert reasons[9] == "chosen identical to rejected"
+    assert reasons[10] == "record is a list, expected a JSON object"
+    # {"prompt":"p", (14) + "chosen":" (10) + 300 x + ", (2) + "rejected":"b"} (15) = 341 bytes
+    assert reasons[12] == "record is 341 bytes > limit 200 bytes"
+    assert reasons[13].startswith("malformed JSON: ")
+    assert sorted(reasons) == [2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13]
+    raw = dict(store.read("quarantine").select("line_no", "raw").iter_rows())
+    assert raw[4] == '{"prompt":"p","chosen":"a"}' and raw[3] == '{"prompt": "p\ufffd", "chosen": "a", "rejected": "b"}'
+
+
+def test_default_size_limit_is_one_megabyte_and_raw_is_truncated(tmp_path, store):
+    big = {"prompt": "p", "chosen": "x" * 1_200_000, "rejected": "b"}
+    path = write_jsonl(tmp_path / "big.jsonl", [big, {"prompt": "p", "chosen": "y" * 20_000, "rejected": "y" * 20_000}])
+    report = ingest_file(path, store)
+    assert (report.quarantined, report.accepted) == (2, 0)
+    rows = {r["line_no"]: r for r in store.read("quarantine").to_dicts()}
+    assert rows[1]["reason"] == "record is 1.2 MB > limit 1.0 MB (raw truncated to 10 KB)"
+    assert rows[2]["reason"] == "chosen identical to rejected (raw truncated to 10 KB)"
+    assert len(rows[1]["raw"]) == len(rows[2]["raw"]) == 10_000
+
+
+def test_hh_bad_rows(tmp_path, store):
+    p = "\n\nHuman: q\n\nAssistant:"
+    lines = [
+        {"chosen": p + " a", "rejected": p + " b"},
+        {"chosen": p + " ", "rejected": p + " b"},                       # empty chosen response
+        {"chosen": p + " a", "rejected": p + " a"},                      # identical
+        {"chosen": "\n\nHuman: q\n\nAssistant: a", "rejected": "\n\nHuman: r\n\nAssistant: b"},
+        {"chosen": p + " a", "rejected": ""},
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "hh.jsonl", lines), store)
+    check_invariant(report)
+    assert quarantine(store) == {
+        2: "empty response after prompt extraction (chosen)",
+        3: "chosen identical to rejected",
+        4: "no common prompt ending with '\\n\\nAssistant:'",
+        5: "empty field 'rejected'",
+    }
+
+
+def test_ranking_bad_rows(tmp_path, store):
+    lines = [
+        {"prompt": "p", "responses": ["a", "b", "c"], "ranks": [3, 1, 2]},
+        {"prompt": "p", "responses": ["a"]},
+        {"prompt": "p", "responses": ["a", "b", "c"], "ranks": [1, 1, 2]},
+        {"prompt": "p", "responses": ["a", "b", "c"], "ranks": [1, 2]},
+        {"prompt": "p", "responses": ["a", "b"], "ranks": [1, "2"]},
+        {"prompt": "p", "responses": ["a", "a"]},
+        {"prompt": "p", "responses": ["a", " "]},
+        {"prompt": "p", "responses": "a, b"},
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "r.jsonl", lines), store)
+    check_invariant(report)
+    assert report.accepted == 1
+    assert quarantine(store) == {
+        2: "ranking has 1 response(s), needs at least 2",
+        3: "ranks [1, 1, 2] are not a permutation of 1..3",
+        4: "2 ranks for 3 responses",
+        5: "field 'ranks' item 1 is a string '2', expected an integer rank",
+        6: "ranking has identical responses",
+        7: "empty response in 'responses'",
+        8: "field 'responses' is a string, expected a list of strings",
+    }
+    assert store.read("rankings")["responses"].to_list() == [["b", "c", "a"]]
+
+
+def test_problem_bad_rows(tmp_path, store):
+    lines = [
+        {"question": "q", "answer": "1"},
+        {"question": "q2"},
+        {"answer": "3"},
+        {"question": "q4", "answer": "work\n#### "},
+        {"question": "q5", "answer": True},
+        {"question": "", "answer": "6"},
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "math.jsonl", lines), store, format="problem")
+    check_invariant(report)
+    assert quarantine(store) == {
+        2: "missing field 'answer'",
+        3: "missing field 'question' (or 'prompt')",
+        4: "empty answer after '####'",
+        5: "field 'answer' is a boolean, expected a string or number",
+        6: "empty field 'question'",
+    }
+
+
+def test_chat_bad_rows(tmp_path, store):
+    user = [{"role": "user", "content": "hi"}]
+    reply = [{"role": "assistant", "content": "hello"}]
+    lines = [
+        {"prompt": user, "chosen": reply, "rejected": [{"role": "assistant", "content": "bye"}]},
+        {"prompt": user, "chosen": reply, "rejected": reply},
+        {"prompt": user, "chosen": [{"role": "assistant"}], "rejected": reply},
+        {"prompt": user, "chosen": user, "rejected": reply},  # nothing after the prompt
+        {"prompt": user, "chosen": [{"role": "user", "content": "more"}], "rejected": reply},
+        {"prompt": user, "chosen": [{"role": "assistant", "content": [{"type": "text"}]}], "rejected": reply},
+        {"chosen": user + reply, "rejected": user + reply},  # no prompt: identical conversations
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "chat.jsonl", lines), store)
+    check_invariant(report)
+    assert quarantine(store) == {
+        2: "chosen identical to rejected",
+        3: "field 'chosen' message 0: 'content' is null, expected a string",
+        4: "empty response after prompt extraction (chosen)",
+        5: "'chosen' does not end with an assistant message (role 'user')",
+        6: "field 'chosen' message 0: 'content' is a list, expected a string",
+        7: "chosen identical to rejected",
+    }
+
+
+def test_csv_ragged_row_invalid_utf8_and_empty_cell(tmp_path, store):
+    path = tmp_path / "p.csv"
+    path.write_bytes(b"prompt,chosen,rejected\np,a,b\np2,a\np3,\xff,b\np4,,b\n\"multi\nline\",x,y\n")
+    report = ingest_file(path, store)
+    check_invariant(report)
+    assert (report.rows_read, report.accepted) == (5, 2)
+    assert quarantine(store) == {  # the header is line 1
+        3: "row has 2 fields, the header has 3",
+        4: "invalid UTF-8",
+        5: "empty field 'chosen'",
+    }
+
+
+def test_json_array_and_parquet_keep_exact_types(tmp_path, store):
+    """A non-object array element and a numeric parquet column are quarantined, not cast to text."""
+    (tmp_path / "a.json").write_bytes(orjson.dumps([PAIRS[0], None, "text"]))
+    report = ingest_file(tmp_path / "a.json", store)
+    check_invariant(report)
+    assert quarantine(store) == {
+        1: "record is null, expected a JSON object",
+        2: "record is a string, expected a JSON object",
+    }
+    pl.DataFrame({"prompt": ["p"], "chosen": [1], "rejected": [2]}).write_parquet(tmp_path / "n.parquet")
+    report = ingest_file(tmp_path / "n.parquet", store)
+    assert (report.accepted, report.quarantined) == (0, 1)
+    assert store.read("quarantine", source="n")["reason"].to_list() == ["field 'chosen' is a number, expected a string"]
+
+
+# ---- file-level errors: one line naming the file
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("notes.txt", b"hello", "unknown file type"),
+        ("broken.jsonl.gz", b"not gzip at all", "not a readable gzip file"),
+        ("broken.parquet", b"PAR1 nonsense", "unreadable parquet file"),
+        ("broken.json", b'[{"prompt": "a"', "not valid JSON"),
+        ("object.json", b'{"data": []}', "expected a JSON array of records, got an object"),
+        ("shapeless.jsonl", b'{"text": "a"}\n{"text": "b"}\n', "cannot detect the record format (fields ['text'])"),
+        ("garbage.jsonl", b"garbage\n", "cannot detect the record format (no JSON object records)"),
+    ],
+)
+def test_unreadable_files_raise_one_line_error(tmp_path, store, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(IngestError) as err:
+        ingest_file(path, store)
+    text = str(err.value)
+    assert "\n" not in text and name in text and message in text
+    assert store.count("quarantine") == 0
+
+
+def test_missing_file_and_bad_arguments(tmp_path, store):
+    with pytest.raises(IngestError, match=r"nope\.jsonl: cannot read the file"):
+        ingest_file(tmp_path / "nope.jsonl", store)
+    (tmp_path / "folder.jsonl").mkdir()
+    with pytest.raises(IngestError, match=r"folder\.jsonl: cannot read the file"):
+        ingest_file(tmp_path / "folder.jsonl", store)
+    path = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    with pytest.raises(IngestError, match="unknown format 'pair'"):
+        ingest_file(path, store, format="pair")
+    with pytest.raises(IngestError, match="max_record_bytes must be > 0, got 0"):
+        ingest_file(path, store, max_record_bytes=0)
+
+
+def test_wrong_explicit_format_quarantines_every_row(tmp_path, store):
+    report = ingest_file(write_jsonl(tmp_path / "p.jsonl", PAIRS), store, format="ranking")
+    assert (report.accepted, report.quarantined) == (0, 3)
+    assert set(quarantine(store).values()) == {"missing field 'responses'"}
+
+
+# ---- dedup and idempotence
+
+
+def test_duplicates_in_file_and_idempotent_reingest(tmp_path, store):
+    records = [PAIRS[0], PAIRS[1], PAIRS[0], {"prompt": "p", "chosen": "s", "rejected": "s"}, PAIRS[2]]
+    path = write_jsonl(tmp_path / "p.jsonl", records)
+    first = ingest_file(path, store)
+    assert (first.rows_read, first.accepted, first.duplicates, first.quarantined) == (5, 3, 1, 1)
+    counts = {t: store.count(t) for t in ("preference_pairs", "quarantine")}
+    again = ingest_file(path, store)
+    check_invariant(again)
+    assert (again.accepted, again.duplicates, again.quarantined) == (0, 4, 1)
+    assert {t: store.count(t) for t in counts} == counts == {"preference_pairs": 3, "quarantine": 1}
+
+
+# ---- the real Anthropic HH harmless-base test file
+
+
+def test_whole_harmless_base_file(store):
+    path = DATA / "hh-rlhf" / "harmless-base-test.jsonl.gz"
+    report = ingest_file(path, store)
+    check_invariant(report)
+    assert report.summary() == (
+        "harmless-base-test.jsonl.gz (hh -> preference_pairs): read 2312 = accepted 2308 + duplicates 0 + quarantined 4"
+    )
+    # four rows have a blank chosen response (" ") once the shared prompt is cut off
+    assert quarantine(store) == dict.fromkeys([87, 517, 926, 1104], "empty response after prompt extraction (chosen)")
+    originals = [json.loads(line) for line in gzip.open(path, "rt", encoding="utf-8")]
+    pairs = {r["pair_id"]: r for r in store.read("preference_pairs").to_dicts()}
+    assert len(pairs) == 2308
+    for row in pairs.values():  # the split loses nothing and cuts at a turn marker
+        assert row["prompt"].endswith("\n\nAssistant:") and row["prompt"].startswith("\n\nHuman:")
+    by_line = {}
+    for line_no, record in enumerate(originals, start=1):
+        cut = hh_prompt_end(record["chosen"], record["rejected"])
+        pid = content_id(record["chosen"][:cut], record["chosen"][cut:], record["rejected"][cut:])
+        if pid in pairs:
+            assert pairs[pid]["prompt"] + pairs[pid]["chosen"] == record["chosen"]
+            assert pairs[pid]["prompt"] + pairs[pid]["rejected"] == record["rejected"]
+            by_line[line_no] = pairs[pid]
+    assert len(by_line) == 2308
+    # row 1953: the chosen response contains its own "\n\nAssistant:" turn; cutting at the last
+    # marker of each transcript (the naive way) would put half of the response into the prompt
+    assert by_line[1953]["prompt"].endswith("Yes, please find me a serial.\n\nAssistant:")
+    assert by_line[1953]["chosen"].startswith(" Alrighty, I’ll do my best, here’s the key:\n\nAssistant:")
+    assert by_line[1953]["rejected"].startswith(" You mean a password, right?")
+    # row 1255: a response holding "Human:" and "\n\nAssistant:" text
+    assert by_line[1255]["prompt"].endswith("Isn't that drag kings?\n\nAssistant:")
+    assert " Human: Then how do they come to be called drag kings" in by_line[1255]["chosen"]
+    # row 30: both responses start with "Human:" text
+    assert by_line[30]["chosen"].startswith(" Human: No, you are racist.")
+    assert by_line[30]["rejected"].startswith(" Human: She does not like black musicians.")
