@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline_lib.errors import AlignflowError
 
@@ -67,3 +67,494 @@ def load_yaml(path: str | Path) -> dict:
 def load_config(model: type[M], path: str | Path) -> M:
     """Load a YAML (or JSON) preset file into a stage config."""
     return validate_config(model, load_yaml(path), origin=str(path))
+
+
+# ---- training stages (SFT, RM, DPO); the loops live in pipeline_lib/train/
+
+
+class TrainLoopConfig(BaseModel):
+    """Optimizer, schedule, batching and checkpoint settings shared by the SFT, RM and DPO loops."""
+
+    model_config = STRICT
+
+    max_steps: int = Field(500, ge=1)
+    """Optimizer updates to run; the data order repeats in seeded epochs as needed."""
+    batch_size: int = Field(64, ge=1)
+    """Rows (SFT), pairs/rankings (RM) or pairs (DPO) per optimizer update, summed over all ranks."""
+    grad_accum_steps: int = Field(1, ge=1)
+    """Micro-batches per update (memory only: the update is the same); must divide batch_size / world size."""
+    lr: float = Field(1e-4, gt=0)
+    """Peak AdamW learning rate (SFT 1e-5..1e-3, RM 1e-5..1e-4, DPO 5e-7..1e-5 on real models)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay (Loshchilov & Hutter 2019), typically 0..0.1."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps before the schedule."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    """After warm-up: constant, linear decay to 0, or cosine decay to 10% of the peak."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value; None disables clipping."""
+    max_length: int = Field(256, ge=2)
+    """Max tokens of prompt + response; longer rows lose prompt tokens from the left."""
+    save_every: int = Field(100, ge=1)
+    """Write a resumable checkpoint (model, optimizer, scheduler, RNG, step) every N steps."""
+    eval_every: int = Field(0, ge=0)
+    """Held-out evaluation every N steps (0: only before and after training)."""
+    log_every: int = Field(10, ge=1)
+    """Log training metrics every N steps."""
+    seed: int = 0
+    """Seeds the data order, the held-out split and torch's RNG."""
+    device: str = "auto"
+    """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
+    trust_remote_code: bool = False
+    """Allow model code shipped with a hub checkpoint (off: DESIGN.md reliability rules)."""
+
+    @model_validator(mode="after")
+    def _accumulation_divides_batch(self):
+        if self.batch_size % self.grad_accum_steps:
+            raise ValueError(f"batch_size {self.batch_size} is not a multiple of grad_accum_steps {self.grad_accum_steps}")
+        return self
+
+
+class SFTConfig(TrainLoopConfig):
+    """Supervised fine-tuning: next-token loss on the response tokens only."""
+
+    model_path: str
+    """Starting causal LM: a local HF model dir (the tiny base model in the demo) or a cached hub id."""
+    data: Literal["problems", "pairs", "best_of_n"] = "problems"
+    """`problems`: gold answers of the problems table; `pairs`: the chosen responses of preference_pairs;
+    `best_of_n`: the top-reward sample per prompt of a sampling run (rejection-sampling SFT, RS-SFT)."""
+    split: str = "train"
+    """Problems split to train on (data=problems); the `test` split, when present, gives eval/loss."""
+    source: str | None = None
+    """Only rows whose `source` column equals this (problems / preference_pairs); None keeps all."""
+    samples_run_id: str | None = None
+    """samples.run_id of the sampling run whose Best-of-N selection is the data (data=best_of_n)."""
+    min_reward: float | None = None
+    """data=best_of_n: drop prompts whose best sample scored below this (1.0 with the verifier keeps only
+    verified answers); None keeps the best of every prompt."""
+    chat_template: bool = False
+    """Render problem prompts as one user turn with the tokenizer's chat template, as SampleConfig does for
+    instruct models; False trains on the raw text (`12+34=`). Pairs with stored messages always use it."""
+    lr: float = Field(1e-3, gt=0)
+    """Peak AdamW learning rate (1e-3 for the tiny demo model; 1e-5..2e-5 for real LMs)."""
+    batch_size: int = Field(128, ge=1)
+    """Rows per optimizer update, summed over all ranks."""
+
+    @model_validator(mode="after")
+    def _best_of_n_needs_run(self):
+        if self.data == "best_of_n" and not self.samples_run_id:
+            raise ValueError("data=best_of_n needs samples_run_id (the sampling run to select from)")
+        return self
+
+
+class RMConfig(TrainLoopConfig):
+    """Reward model: causal-LM backbone + scalar head trained on preferences."""
+
+    model_path: str
+    """Backbone init: the SFT checkpoint (usual) or the base model."""
+    loss: Literal["bradley_terry", "plackett_luce"] = "bradley_terry"
+    """`bradley_terry` on preference_pairs (InstructGPT eq. 1) or `plackett_luce` on rankings (K responses)."""
+    pooling: Literal["last_token", "mean", "last_two_layers"] = "last_token"
+    """Hidden state fed to the head: last token, masked mean, or mean of the last two layers at the last token."""
+    margin: float = 0.0
+    """Bradley-Terry margin m in -log σ(r_w - r_l - m) (Llama 2 eq. 2); 0 is the plain loss."""
+    source: str | None = None
+    """Only pairs/rankings whose `source` equals this; None keeps all."""
+    eval_fraction: float = Field(0.1, gt=0, lt=1)
+    """Seeded share of pairs/rankings held out for eval/rm_accuracy."""
+    lr: float = Field(3e-4, gt=0)
+    """Peak AdamW learning rate (3e-4 for the tiny demo model; 1e-5..1e-4 for real LMs)."""
+
+
+class DPOConfig(TrainLoopConfig):
+    """Direct Preference Optimization on preference_pairs, reference = the starting policy."""
+
+    policy_path: str
+    """Starting policy (usually the SFT checkpoint); also the frozen reference."""
+    beta: float = Field(0.1, gt=0)
+    """KL strength β, typically 0.1-0.5 (Rafailov et al. 2023)."""
+    label_smoothing: float = Field(0.0, ge=0, le=0.5)
+    """Conservative-DPO label noise ε (Mitchell 2023); 0 is plain DPO."""
+    source: str | None = None
+    """Only pairs whose `source` equals this (e.g. a West-of-N run's synthetic pairs); None keeps all."""
+    eval_fraction: float = Field(0.1, gt=0, lt=1)
+    """Seeded share of pairs held out for eval/pref_accuracy and eval/logp_margin."""
+    ref_batch_size: int = Field(256, ge=1)
+    """Rows per forward pass of the one-time reference log-prob computation."""
+    lora_r: int = Field(0, ge=0)
+    """LoRA rank through peft (Hu et al. 2021), e.g. 8-64; 0 trains all weights. With LoRA the reference is
+    the policy with adapters disabled (no second copy) and the final model has the adapters merged."""
+    lora_alpha: float = Field(16.0, gt=0)
+    """LoRA scaling numerator: the update is (alpha / r) · B A."""
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the LoRA input, 0..0.1."""
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    """Module names that get adapters (Llama attention projections by default)."""
+    lr: float = Field(5e-7, gt=0)
+    """Peak AdamW learning rate (5e-7..5e-6 on real LMs; the tiny demo model needs ~1e-4)."""
+
+
+# ---- sampling stage (pipeline_lib/sampling/stage.py)
+
+
+class SampleConfig(BaseModel):
+    """N samples per problem from a policy, scored and written to the `samples` table (`alignflow sample`)."""
+
+    model_config = STRICT
+
+    model_path: str
+    """Policy to sample from: a local HF model dir (a cached hub id also works with the hf backend)."""
+    problems_source: str | None = None
+    """Only problems whose `source` equals this (e.g. `problems` for data/demo/problems.jsonl); None keeps all."""
+    split: str = "test"
+    """Problems split to sample: `train` for Best-of-N / West-of-N data, `test` for evaluation."""
+    max_problems: int | None = Field(None, ge=1)
+    """Sample only the first K problems in problem_id order; None samples them all."""
+    n: int = Field(16, ge=1)
+    """Samples per prompt: N of Best-of-N, G of GRPO, the K budget of Pass@K (typically 4-64)."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Generation budget per sample; longer samples end with finish_reason `length` (demo: 6, GSM8K: 256+)."""
+    temperature: float = Field(1.0, ge=0)
+    """Softmax temperature; 0 is greedy (then all n samples are equal). RL rollouts use 1.0."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass (Holtzman et al. 2020); 1.0 disables it."""
+    seed: int = 0
+    """Batch b of the run is sampled with seed + b, so a resumed run reproduces an uninterrupted one."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a sample early (cut from the text, finish_reason `stop`); eos always stops."""
+    chat_template: bool = False
+    """Render each prompt as one user turn with the tokenizer's chat template (instruct models);
+    False sends the problem text raw (the demo's `12+34=`)."""
+    backend: Literal["hf", "vllm"] = "hf"
+    """`hf`: in-process transformers generate; `vllm`: vLLM's server in its own venv (`make vllm-env`)."""
+    vllm_url: str | None = None
+    """Base URL of an already running vLLM server to use instead of starting one (backend vllm only)."""
+    vllm_max_model_len: int | None = Field(None, ge=16)
+    """Context length the started vLLM server reserves KV cache for; None: the model's maximum."""
+    device: str = "auto"
+    """Device of the hf backend: `auto` (CUDA when available), `cpu`, `cuda`, `cuda:N`."""
+    batch_size: int = Field(32, ge=1)
+    """Prompts per generate call and per store write (a crash loses at most one batch); part of the run id,
+    since the hf backend's random stream depends on the batch."""
+    rewards: tuple[dict[str, str | int | float], ...] = ({"name": "verifier", "weight": 1.0},)
+    """Reward specs `{name, weight, **options}` summed into `samples.reward` (pipeline_lib.rewards.registry):
+    `verifier` (1 if correct), `overlong` (DAPO shaping, max_len/cache_len), `reward_model`."""
+    reward_model_path: str | None = None
+    """Reward model dir scoring prompt + completion, needed when `rewards` names `reward_model`."""
+    run_id: str | None = None
+    """samples.run_id; None derives it from this config and the model dir's content fingerprint, so a
+    rerun of the same config resumes (skips prompts already sampled) and a retrained model starts a new run."""
+    policy_name: str | None = None
+    """samples.policy label; None uses model_path."""
+
+    @model_validator(mode="after")
+    def _check_backend_and_rewards(self):
+        if self.vllm_url is not None and self.backend != "vllm":
+            raise ValueError("vllm_url is set but backend is not 'vllm'")
+        if any(spec.get("name") == "reward_model" for spec in self.rewards) and not self.reward_model_path:
+            raise ValueError("rewards name 'reward_model' but reward_model_path is not set")
+        return self
+
+
+# ---- online RL stages (pipeline_lib/train/grpo.py, ppo.py)
+
+
+def _check_reward_specs(rewards: tuple[dict, ...], reward_model_path: str | None) -> None:
+    """Each spec names a reward; `reward_model` needs the RM dir (names are checked by the loop's registry)."""
+    if not rewards:
+        raise ValueError("rewards: expected at least one {name, weight} spec")
+    for i, spec in enumerate(rewards):
+        if not isinstance(spec.get("name"), str):
+            raise ValueError(f"rewards[{i}]: expected a 'name' string, got {spec!r}")
+    if any(spec["name"] == "reward_model" for spec in rewards) and not reward_model_path:
+        raise ValueError("rewards name 'reward_model' but reward_model_path is not set")
+
+
+class GRPOConfig(BaseModel):
+    """GRPO (DeepSeekMath, arXiv:2402.03300): G samples per prompt from θ_old, group-normalized advantages,
+    clipped surrogate + β·k3 KL to the reference, μ updates per rollout. Defaults are the paper's."""
+
+    model_config = STRICT
+
+    policy_path: str
+    """Starting policy (the SFT checkpoint); also the frozen reference when beta > 0."""
+    problems_source: str | None = None
+    """Only problems whose `source` equals this; None keeps all."""
+    split: str = "train"
+    """Problems split whose prompts are the rollout prompts."""
+    rewards: tuple[dict[str, str | int | float], ...] = ({"name": "verifier", "weight": 1.0},)
+    """Reward specs `{name, weight, **options}` summed per sample (pipeline_lib.rewards.registry):
+    `verifier` (1 if correct), `overlong` (DAPO shaping, max_len/cache_len), `reward_model`."""
+    reward_model_path: str | None = None
+    """Reward model dir, needed when `rewards` names `reward_model`."""
+    loss: Literal["grpo", "dapo"] = "grpo"
+    """Policy loss from losses.LOSSES: `grpo` (per-sequence token mean, symmetric clip, k3 KL) or `dapo`
+    (token-level mean, clip-higher, no KL term)."""
+    max_steps: int = Field(200, ge=1)
+    """Rollout steps: each generates one batch, then runs num_iterations passes of mini-batch updates."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Prompts per rollout; completions per step = prompts_per_step * group_size (paper: 1024 completions)."""
+    group_size: int = Field(64, ge=2)
+    """G samples per prompt (DeepSeekMath: 64; DAPO: 16)."""
+    num_iterations: int = Field(1, ge=1)
+    """μ: passes over each rollout batch with θ_old fixed (DeepSeekMath: 1, a single update per rollout)."""
+    mini_batch_size: int | None = Field(None, ge=1)
+    """Completions per optimizer update; None updates once on the whole rollout batch per iteration."""
+    lr: float = Field(1e-6, gt=0)
+    """Peak AdamW learning rate (DeepSeekMath and DAPO: 1e-6; the tiny demo model: 2e-4; >= 3e-4 collapses it)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay (DAPO: 0.1)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up, in optimizer updates."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After warm-up: constant, linear decay to 0, or cosine decay to 10% of the peak."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value; None disables clipping."""
+    max_new_tokens: int = Field(1024, ge=1)
+    """Generation budget per completion (DeepSeekMath: 1024; the demo: 6)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature of the rollouts; 1.0 keeps θ_old's log-probs those of the sampled distribution."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass; 1.0 disables it (anything else biases the ratio π/π_old)."""
+    beta: float = Field(0.04, ge=0)
+    """β of the k3 KL term to the reference (DeepSeekMath: 0.04); 0 loads no reference model."""
+    clip_eps_low: float = Field(0.2, gt=0, lt=1)
+    """ε (ε_low for DAPO): the ratio is clipped below at 1 - ε."""
+    clip_eps_high: float = Field(0.2, gt=0)
+    """ε_high: the ratio is clipped above at 1 + ε_high; DAPO's clip-higher uses 0.28, GRPO keeps it = ε_low."""
+    scale_rewards: bool = True
+    """Divide the group-centred rewards by the group std (GRPO); False is Dr.GRPO (arXiv:2503.20783)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: keep only groups with 0 < #correct < G (raw verifier outcome) and refill."""
+    max_refill_rounds: int = Field(4, ge=0)
+    """Extra rollout rounds to refill a batch emptied by dynamic sampling; after them it trains on what it has."""
+    backend: Literal["hf", "vllm"] = "hf"
+    """`hf`: in-process transformers generate on the live policy; `vllm`: a vLLM server in its own venv that
+    reloads the policy's saved weights before every rollout."""
+    vllm_max_model_len: int | None = Field(None, ge=16)
+    """Context length the vLLM server reserves KV cache for; None: the sampling client's default (256)."""
+    save_every: int = Field(50, ge=1)
+    """Write a resumable checkpoint (policy, optimizer, scheduler, RNG, data position) every N steps."""
+    log_every: int = Field(1, ge=1)
+    """Log metrics every N steps."""
+    seed: int = 0
+    """Seeds the prompt order, each rollout's sampling and the mini-batch order."""
+    device: str = "auto"
+    """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
+    trust_remote_code: bool = False
+    """Allow model code shipped with a hub checkpoint (off: DESIGN.md reliability rules)."""
+
+    @model_validator(mode="after")
+    def _check_loss_options(self):
+        _check_reward_specs(self.rewards, self.reward_model_path)
+        if self.loss == "grpo" and self.clip_eps_high != self.clip_eps_low:
+            raise ValueError("loss 'grpo' clips symmetrically: clip_eps_high must equal clip_eps_low (use loss 'dapo')")
+        if self.loss == "dapo" and self.beta != 0:
+            raise ValueError("loss 'dapo' has no KL term: beta must be 0 (use loss 'grpo' for a KL penalty)")
+        for spec in self.rewards:
+            if spec["name"] == "overlong" and int(spec.get("max_len", 0)) > self.max_new_tokens:
+                raise ValueError(f"rewards overlong max_len {spec['max_len']} exceeds max_new_tokens {self.max_new_tokens}")
+        return self
+
+
+class DAPOConfig(GRPOConfig):
+    """DAPO (arXiv:2503.14476) as a GRPO preset: clip-higher, token-level loss, overlong reward shaping,
+    dynamic sampling, no KL. Only the defaults differ; the loop is train_grpo."""
+
+    rewards: tuple[dict[str, str | int | float], ...] = (
+        {"name": "verifier", "weight": 1.0},
+        {"name": "overlong", "weight": 1.0, "max_len": 20480, "cache_len": 4096},
+    )
+    """Verifier plus the soft overlong punishment: L_max = 20480, L_cache = 4096 (DAPO §3.4)."""
+    loss: Literal["grpo", "dapo"] = "dapo"
+    """Token-level policy-gradient loss (DAPO §3.3)."""
+    prompts_per_step: int = Field(512, ge=1)
+    """Prompt batch of 512 (DAPO §4.1)."""
+    group_size: int = Field(16, ge=2)
+    """16 responses per prompt (DAPO §4.1)."""
+    mini_batch_size: int | None = Field(512, ge=1)
+    """512 completions per update: 16 updates per rollout (DAPO §4.1)."""
+    weight_decay: float = Field(0.1, ge=0)
+    """AdamW weight decay 0.1 (DAPO §4.1)."""
+    warmup_steps: int = Field(10, ge=0)
+    """10 linear warm-up updates (DAPO §4.1)."""
+    max_new_tokens: int = Field(20480, ge=1)
+    """L_max: 16384 expected + 4096 soft-punishment cache (DAPO §4.1)."""
+    beta: float = Field(0.0, ge=0)
+    """No KL term (DAPO §2.3: the policy is meant to move away from the initial model)."""
+    clip_eps_high: float = Field(0.28, gt=0)
+    """Clip-higher ε_high = 0.28 (DAPO §3.1)."""
+    dynamic_sampling: bool = True
+    """Keep only groups with 0 < #correct < G and refill (DAPO §3.2)."""
+
+
+class PPOConfig(BaseModel):
+    """PPO for RLHF (InstructGPT; Ziegler et al. 2019): actor, frozen reference, reward model and critic;
+    RM score + per-token KL penalty, GAE, clipped policy and value losses over several epochs."""
+
+    model_config = STRICT
+
+    policy_path: str
+    """Starting policy (the SFT checkpoint); also the frozen reference."""
+    reward_model_path: str
+    """Reward model dir from the RM stage (backbone + scalar head)."""
+    critic_init: Literal["reward_model", "policy"] = "reward_model"
+    """Backbone the critic starts from (InstructGPT: the RM); its value head starts at zero."""
+    prompts_table: Literal["problems", "preference_pairs"] = "problems"
+    """Where the rollout prompts come from: problem prompts, or the prompts of preference pairs."""
+    problems_source: str | None = None
+    """Only rows whose `source` equals this; None keeps all."""
+    split: str = "train"
+    """Problems split whose prompts are used (prompts_table problems)."""
+    max_steps: int = Field(200, ge=1)
+    """Rollout steps: each generates a batch, then runs ppo_epochs passes of mini-batch updates."""
+    prompts_per_step: int = Field(64, ge=1)
+    """Prompts per rollout (one completion each)."""
+    ppo_epochs: int = Field(4, ge=1)
+    """Passes over each rollout batch (PPO: 4; InstructGPT: 1..4)."""
+    mini_batch_size: int | None = Field(16, ge=1)
+    """Completions per optimizer update; None updates on the whole batch."""
+    lr: float = Field(1e-5, gt=0)
+    """Actor AdamW learning rate (InstructGPT 1.3B: ~1e-5)."""
+    critic_lr: float = Field(5e-6, gt=0)
+    """Critic AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW decoupled weight decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up, in optimizer updates."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """After warm-up: constant, linear decay to 0, or cosine decay to 10% of the peak."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm (actor and critic together); None disables clipping."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Generation budget per completion."""
+    temperature: float = Field(1.0, gt=0)
+    """Rollout sampling temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass; 1.0 disables it."""
+    kl_coef: float = Field(0.02, ge=0)
+    """β_kl of the per-token penalty -β_kl·(log π - log π_ref) (InstructGPT: 0.02); the adaptive start value."""
+    adaptive_kl: bool = False
+    """Adapt β_kl toward kl_target (Ziegler et al. 2019, §2.2); False keeps it fixed."""
+    kl_target: float = Field(6.0, gt=0)
+    """Target sequence KL in nats for the adaptive controller (Ziegler et al.: 6)."""
+    kl_horizon: int = Field(10000, ge=1)
+    """Horizon of the adaptive controller, in samples (Ziegler et al.: 10000)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """GAE discount γ (1.0 for RLHF: the reward comes at the end)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE λ (0.95)."""
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    """PPO ratio clip ε."""
+    value_clip_eps: float = Field(0.2, gt=0)
+    """Clip of the value update around the rollout values."""
+    vf_coef: float = Field(0.1, ge=0)
+    """Weight of the value loss in actor + critic loss."""
+    whiten_advantages: bool = True
+    """Normalize advantages over the batch's valid tokens (mean 0, std 1)."""
+    backend: Literal["hf", "vllm"] = "hf"
+    """`hf`: in-process transformers generate on the live policy; `vllm`: a vLLM server that reloads the
+    policy's saved weights before every rollout."""
+    vllm_max_model_len: int | None = Field(None, ge=16)
+    """Context length the vLLM server reserves KV cache for; None: the sampling client's default (256)."""
+    save_every: int = Field(50, ge=1)
+    """Write a resumable checkpoint (actor, critic, optimizer, scheduler, RNG, KL coefficient) every N steps."""
+    log_every: int = Field(1, ge=1)
+    """Log metrics every N steps."""
+    seed: int = 0
+    """Seeds the prompt order, each rollout's sampling and the mini-batch order."""
+    device: str = "auto"
+    """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
+    trust_remote_code: bool = False
+    """Allow model code shipped with a hub checkpoint (off: DESIGN.md reliability rules)."""
+
+
+# ---- model preparation (the tiny offline model of the demo and the tests)
+
+
+class TinyModelConfig(BaseModel):
+    """A tiny Llama + character-level tokenizer built offline from the store's texts (pipeline_lib/models/tiny.py)."""
+
+    model_config = STRICT
+
+    corpus_sources: tuple[str, ...] | None = None
+    """Store sources whose texts train the tokenizer (every character the model will see); None = all."""
+    vocab_size: int | None = None
+    """BPE vocabulary size; None = alphabet + specials only, every digit its own token (DEMO-CALIBRATION.md)."""
+    hidden_size: int = Field(128, ge=8)
+    """Model width (128 in the calibrated demo)."""
+    num_layers: int = Field(2, ge=1)
+    """Transformer blocks."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads."""
+    head_dim: int = Field(32, ge=32)
+    """Per-head width; >= 32 so vLLM's CPU attention can serve the model."""
+    intermediate_size: int = Field(512, ge=8)
+    """MLP width."""
+    max_position_embeddings: int = Field(256, ge=16)
+    """Longest sequence (prompt + response) the model accepts."""
+    seed: int = 0
+    """Init seed: same corpus + seed give byte-identical weights."""
+
+
+# ---- evaluation stage (pipeline_lib/evaluation.py: run_eval_stage)
+
+
+class EvalConfig(BaseModel):
+    """Pass@K / Maj@K of one model on held-out problems: n samples per problem, then exact estimators."""
+
+    model_config = STRICT
+
+    model_path: str
+    """Model to evaluate (a local HF model dir)."""
+    model_name: str | None = None
+    """Label of the model in eval_results, plots and metrics (e.g. `sft`, `grpo`); None uses model_path."""
+    problems_source: str | None = None
+    """Only problems whose `source` equals this; None keeps all."""
+    split: str = "test"
+    """Problems split evaluated (held out from training)."""
+    max_problems: int | None = Field(None, ge=1)
+    """Evaluate only the first K problems in problem_id order; None evaluates all."""
+    n: int = Field(16, ge=1)
+    """Samples per problem (n >= the largest K; the unbiased estimators use all n)."""
+    ks: tuple[int, ...] = (1, 2, 4, 8, 16)
+    """K values of the Pass@K and Maj@K curves (each <= n)."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Generation budget per sample."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature (1.0: the policy's own distribution, as in DEMO-CALIBRATION.md's Pass@1)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass; 1.0 disables it."""
+    seed: int = 0
+    """Sampling seed (per batch, so reruns reproduce)."""
+    chat_template: bool = False
+    """Render prompts with the tokenizer's chat template (instruct models)."""
+    backend: Literal["hf", "vllm"] = "hf"
+    """Sampling backend: in-process transformers or a vLLM server."""
+    vllm_url: str | None = None
+    """An already running vLLM server to use (backend vllm)."""
+    device: str = "auto"
+    """Device of the hf backend."""
+    batch_size: int = Field(32, ge=1)
+    """Prompts per generate call."""
+
+    @model_validator(mode="after")
+    def _ks_fit_n(self):
+        if not self.ks or max(self.ks) > self.n or min(self.ks) < 1:
+            raise ValueError(f"ks {list(self.ks)}: expected values in 1..n={self.n}")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.model_name or self.model_path
+
+    @property
+    def sample_config(self) -> SampleConfig:
+        """The sampling run this evaluation reads (verifier reward; resumable like any sampling run)."""
+        return SampleConfig(
+            model_path=self.model_path, problems_source=self.problems_source, split=self.split,
+            max_problems=self.max_problems, n=self.n, max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature, top_p=self.top_p, seed=self.seed, chat_template=self.chat_template,
+            backend=self.backend, vllm_url=self.vllm_url, device=self.device, batch_size=self.batch_size,
+            policy_name=self.label,
+        )

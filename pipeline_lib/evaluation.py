@@ -13,7 +13,10 @@ import polars as pl
 from matplotlib.figure import Figure
 from numpy.lib.stride_tricks import sliding_window_view
 
+from pipeline_lib.config import EvalConfig
 from pipeline_lib.rewards.math import answer_value, extract_answer, values_equivalent
+from pipeline_lib.store.db import Store
+from pipeline_lib.tracking import LogFn, no_log
 
 MAX_SAMPLES = 1024  # C(1024, 512) ~ 4.5e306: subset counts above this overflow float64
 METRIC_KINDS = ("pass", "maj")
@@ -292,3 +295,22 @@ def plot_curves(results: pl.DataFrame) -> tuple[Figure, Figure]:
         ax.legend()
         figures.append(fig)
     return figures[0], figures[1]
+
+
+def run_eval_stage(cfg: EvalConfig, store: Store, *, log: LogFn = no_log, progress: bool = True) -> pl.DataFrame:
+    """The evaluation stage: sample (resumable), score Pass@K / Maj@K against the gold answers, replace the
+    run's rows in eval_results, log `eval/pass_at_K` and `eval/maj_at_K`. Returns the results table."""
+    from pipeline_lib.sampling.stage import run_sample_stage
+
+    report = run_sample_stage(cfg.sample_config, store, log=log, progress=progress)
+    samples = store.read("samples", run_id=report.run_id)
+    problems = store.read("problems", split=cfg.split, **({"source": cfg.problems_source} if cfg.problems_source else {}))
+    gold = dict(zip(problems["problem_id"].to_list(), problems["answer"].to_list()))
+    dataset = f"{cfg.problems_source or 'all'}/{cfg.split}"
+    results = evaluate(samples, gold, cfg.ks, model=cfg.label, dataset=dataset)
+    with store.transaction():
+        store.delete_eval_run(report.run_id)
+        store.append("eval_results", results.with_columns(pl.lit(report.run_id).alias("run_id")))
+    for row in results.iter_rows(named=True):
+        log({metric_key("pass", row["k"]): row["pass_at_k"], metric_key("maj", row["k"]): row["maj_at_k"]}, 0)
+    return results

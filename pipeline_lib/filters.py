@@ -3,7 +3,6 @@ DAPO dynamic sampling (keep groups with 0 < #correct < G), over `samples`-shaped
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 
@@ -11,10 +10,8 @@ import polars as pl
 import torch
 from torch import Tensor
 
-
-def content_id(*parts: str) -> str:
-    """sha256 hex of the parts joined by the unit separator \\x1f: the content hash of preference_pairs."""
-    return hashlib.sha256("\x1f".join(parts).encode("utf-8")).hexdigest()
+from pipeline_lib.fingerprint import content_id
+from pipeline_lib.store.db import Store
 
 
 def _require(samples: pl.DataFrame, columns: Sequence[str]) -> None:
@@ -145,3 +142,38 @@ def dynamic_sampling(
     kept_ids = sizes["prompt_id"].filter(pl.Series(keep.tolist(), dtype=pl.Boolean))
     kept = ordered.filter(pl.col("prompt_id").is_in(kept_ids.implode()))
     return kept, dynamic_sampling_stats(correct, group_size)
+
+
+# ---- the filter stages over a sampling run in the store
+
+
+def run_west_of_n_stage(store: Store, *, run_id: str, source: str = "west_of_n") -> dict[str, int]:
+    """West-of-N pairs of a sampling run into preference_pairs (idempotent: content-hash ids)."""
+    samples = store.read("samples", run_id=run_id)
+    if samples.height == 0:
+        raise ValueError(f"samples: no rows for run_id {run_id!r}; run the sampling stage first")
+    pairs, skipped = west_of_n(samples, source=source)
+    inserted = store.insert_new("preference_pairs", pairs)
+    return {"filter/prompts": samples["prompt_id"].n_unique(), "filter/pairs": pairs.height,
+            "filter/pairs_inserted": inserted, "filter/skipped_ties": skipped}
+
+
+def run_best_of_n_stage(store: Store, *, run_id: str) -> dict[str, float]:
+    """Best-of-N statistics of a sampling run (the selection itself is RS-SFT's data, `data: best_of_n`):
+    the reward and accuracy of the selected completions against all samples'."""
+    samples = store.read("samples", run_id=run_id)
+    if samples.height == 0:
+        raise ValueError(f"samples: no rows for run_id {run_id!r}; run the sampling stage first")
+    best = best_of_n(samples).join(samples.select("prompt_id", "completion", "is_correct").unique(),
+                                   on=["prompt_id", "completion"], how="left")
+    return {"filter/prompts": best.height, "filter/best_reward_mean": float(best["reward"].mean()),
+            "filter/all_reward_mean": float(samples["reward"].mean()),
+            "filter/best_accuracy": float(best["is_correct"].cast(pl.Float64).mean()),
+            "filter/all_accuracy": float(samples["is_correct"].cast(pl.Float64).mean())}
+
+
+def run_dynamic_filter_stage(store: Store, *, run_id: str, group_size: int) -> dict[str, int]:
+    """DAPO dynamic-sampling statistics of a sampling run: how many groups carry a learning signal."""
+    samples = store.read("samples", run_id=run_id)
+    _, stats = dynamic_sampling(samples, group_size)
+    return {f"filter/{key}": value for key, value in stats.items()}

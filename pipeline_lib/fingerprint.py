@@ -29,6 +29,7 @@ def fingerprint_path(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def fingerprint_text(*parts: str) -> str:
-    """sha256 of parts joined by the unit separator, hex."""
+def content_id(*parts: str) -> str:
+    """sha256 hex of the parts joined with the unit separator "\\x1f": the row id of every store table
+    (re-ingesting is idempotent) and the key of content-addressed stage dirs."""
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()

@@ -120,8 +120,12 @@ def pipeline_run(
     mlflow.end_run(status="FINISHED")
 
 
-def log_figure(figure: Any, artifact_file: str) -> None:
-    mlflow.log_figure(figure, artifact_file)
+def log_figure(figure: Any, artifact_file: str, *, run_id: str | None = None) -> None:
+    """Into the active run of this thread, or into `run_id` (e.g. the pipeline run, from a task thread)."""
+    if run_id:
+        MlflowClient().log_figure(run_id, figure, artifact_file)
+    else:
+        mlflow.log_figure(figure, artifact_file)
 
 
 def log_artifact(path: str | Path, artifact_path: str | None = None) -> None:
@@ -147,3 +151,17 @@ def find_runs(workspace: Workspace, filter_string: str = "") -> list[Any]:
         [experiment_id], filter_string=filter_string, order_by=["attributes.start_time DESC"]
     )
 
+
+
+def log_text(text: str, artifact_file: str, *, run_id: str | None = None) -> None:
+    if run_id:
+        MlflowClient().log_text(run_id, text, artifact_file)
+    else:
+        mlflow.log_text(text, artifact_file)
+
+
+def log_metrics_to(run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
+    """Metrics into a given run (the pipeline run's summary metrics, logged from a task thread)."""
+    client = MlflowClient()
+    for key, value in metrics.items():
+        client.log_metric(run_id, key, float(value), step=step)

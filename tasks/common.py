@@ -1,10 +1,30 @@
-"""What every task needs: the current workspace and the Prefect run ids as MLflow tags."""
+"""What every task needs: the workspace, Prefect run ids as MLflow tags, content-addressed stage dirs,
+the cache settings of deterministic stages, and the I/O-only retry rule."""
 
 from __future__ import annotations
 
-from prefect.runtime import flow_run
+from pathlib import Path
 
+from prefect.cache_policies import INPUTS, TASK_SOURCE, CacheKeyFnPolicy
+from prefect.runtime import flow_run
+from pydantic import BaseModel
+
+from pipeline_lib.errors import AlignflowError
+from pipeline_lib.fingerprint import content_id
 from pipeline_lib.workspace import Workspace, resolve_workspace
+
+
+def _workspace_key(context, parameters) -> str:
+    return str(resolve_workspace().root)
+
+
+# A stage task's inputs are its config and the fingerprints of what it reads, so an unchanged stage is
+# a cache hit across processes; the workspace is part of the key (its paths are in the results), and
+# results persist under PREFECT_HOME (inside the workspace).
+CACHED = {
+    "cache_policy": INPUTS + TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_workspace_key),
+    "persist_result": True,
+}
 
 
 def current_workspace() -> Workspace:
@@ -16,3 +36,21 @@ def run_tags() -> dict[str, str]:
     """MLflow tags linking a stage run to its Prefect flow run."""
     run_id = flow_run.get_id()
     return {"prefect.flow_run_id": str(run_id)} if run_id else {}
+
+
+def stage_dir(workspace: Workspace, stage: str, cfg: BaseModel, inputs_fingerprint: str) -> Path:
+    """`models/<stage>/<hash>`: the same config and inputs map to the same dir, so a rerun of a killed
+    stage finds its checkpoint and resumes, and different configs never overwrite each other."""
+    key = content_id(stage, cfg.model_dump_json(), inputs_fingerprint)
+    return workspace.models_dir / stage / key[:16]
+
+
+def retry_on_io(task, task_run, state) -> bool:
+    """Retry transient I/O failures only: a user error (bad file, bad config) fails at once."""
+    try:
+        state.result()
+    except AlignflowError as exc:
+        return "in use by another" in str(exc)  # the store is briefly locked by another process
+    except Exception:
+        return True
+    return False

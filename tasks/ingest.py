@@ -9,10 +9,10 @@ from pipeline_lib import tracking
 from pipeline_lib.config import IngestConfig
 from pipeline_lib.store.db import open_store
 from pipeline_lib.store.ingest import ingest_file
-from tasks.common import current_workspace, run_tags
+from tasks.common import current_workspace, retry_on_io, run_tags
 
 
-@task(name="ingest-file", retries=2, retry_delay_seconds=2)  # retries: the store file may be briefly locked
+@task(name="ingest-file", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_on_io)
 def ingest_task(cfg: IngestConfig) -> dict:
     workspace = current_workspace()
     with tracking.stage_run(workspace, "ingest", cfg, tags=run_tags(), echo=False) as log:

@@ -10,7 +10,8 @@ import polars as pl
 import pytest
 import torch
 
-from pipeline_lib.filters import best_of_n, content_id, dynamic_sampling, informative_groups, west_of_n
+from pipeline_lib.filters import best_of_n, dynamic_sampling, informative_groups, west_of_n
+from pipeline_lib.fingerprint import content_id
 
 
 def samples_frame(groups: dict[str, list[tuple[float | None, bool]]]) -> pl.DataFrame:

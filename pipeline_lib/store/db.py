@@ -205,6 +205,32 @@ class Store:
         rows = self._run("SELECT DISTINCT prompt_id FROM samples WHERE run_id = ?", [run_id])
         return {r[0] for r in rows}
 
+    def corpus_texts(self, sources: list[str] | None = None) -> list[str]:
+        """Every prompt/response text of the store (optionally of some sources): a tokenizer's training corpus."""
+        parts = [
+            "SELECT source, prompt AS text FROM preference_pairs UNION ALL SELECT source, chosen FROM preference_pairs",
+            "SELECT source, rejected FROM preference_pairs",
+            "SELECT source, prompt FROM problems UNION ALL SELECT source, answer FROM problems",
+            "SELECT source, prompt FROM rankings UNION ALL SELECT source, unnest(responses) FROM rankings",
+        ]
+        sql = f"SELECT text FROM ({' UNION ALL '.join(parts)})"
+        if sources is None:
+            return [row[0] for row in self._run(sql)]
+        return [row[0] for row in self._run(sql + " WHERE list_contains(?, source)", [sources])]
+
+    def fingerprint(self, table: str, **equals: object) -> str:
+        """md5 over the sorted content ids of the selected rows: changes iff the selected data changes."""
+        _check_table(table)
+        key = ", ".join(TABLE_KEYS[table])
+        where = " AND ".join(f"{column} IS NOT DISTINCT FROM ?" for column in equals) or "TRUE"
+        for column in equals:
+            if column not in TABLES[table]:
+                raise StoreError(f"table {table} has no column {column!r}")
+        row = self._run(
+            f"SELECT count(*), md5(coalesce(string_agg(concat_ws('|', {key}), ',' ORDER BY {key}), '')) "
+            f"FROM {table} WHERE {where}", list(equals.values()))[0]
+        return f"{table}:{row[0]}:{row[1]}"
+
     def stats(self) -> pl.DataFrame:
         """Row counts per table and source (`alignflow data stats`)."""
         parts = []

@@ -19,7 +19,7 @@ import orjson
 import polars as pl
 
 from pipeline_lib.errors import AlignflowError
-from pipeline_lib.fingerprint import fingerprint_path
+from pipeline_lib.fingerprint import content_id, fingerprint_path
 from pipeline_lib.store.db import Store
 from pipeline_lib.store.shapes import FIELDS, SCHEMAS, TABLE_OF, Rows, shape_records
 
@@ -74,11 +74,6 @@ class IngestReport:
 
     def as_dict(self) -> dict[str, str | int | float]:
         return asdict(self)
-
-
-def content_id(*parts: str) -> str:
-    """sha256 hex of the parts joined with the unit separator "\\x1f": the row id of every store table."""
-    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
 
 
 def ingest_file(

@@ -12,7 +12,8 @@ import pytest
 
 from pipeline_lib.fingerprint import fingerprint_path
 from pipeline_lib.store.db import open_store
-from pipeline_lib.store.ingest import IngestError, IngestReport, content_id, ingest_file
+from pipeline_lib.fingerprint import content_id
+from pipeline_lib.store.ingest import IngestError, IngestReport, ingest_file
 from pipeline_lib.store.shapes import hh_prompt_end
 
 DATA = Path(__file__).resolve().parents[2] / "data"

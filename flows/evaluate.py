@@ -1,0 +1,13 @@
+"""Evaluation flow: Pass@K / Maj@K of one model on held-out problems (`alignflow eval`)."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from pipeline_lib.config import EvalConfig
+from tasks.evaluation import eval_task
+
+
+@flow(name="evaluate", log_prints=True)
+def eval_flow(cfg: EvalConfig) -> list[dict]:
+    return eval_task(cfg)

@@ -1,0 +1,14 @@
+"""Model preparation flow: the tiny offline model, its tokenizer trained on the store's texts."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from pipeline_lib.config import TinyModelConfig
+from tasks.models import build_tiny_model_task
+from tasks.store import corpus_fingerprint_task
+
+
+@flow(name="prepare-model", log_prints=True)
+def prepare_model_flow(cfg: TinyModelConfig) -> str:
+    return build_tiny_model_task(cfg, corpus_fingerprint_task(cfg.corpus_sources))

@@ -1,0 +1,49 @@
+"""Evaluation tasks: Pass@K / Maj@K of one model (metrics, curves, table artifact) and the comparison plot."""
+
+from __future__ import annotations
+
+import polars as pl
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+
+from pipeline_lib import tracking
+from pipeline_lib.config import EvalConfig
+from pipeline_lib.evaluation import plot_curves, run_eval_stage
+from pipeline_lib.store.db import open_store
+from tasks.common import current_workspace, run_tags
+
+
+@task(name="evaluate", retries=1, retry_delay_seconds=5)  # sampling resumes where a failed try stopped
+def eval_task(cfg: EvalConfig) -> list[dict]:
+    workspace = current_workspace()
+    with tracking.stage_run(workspace, f"eval-{cfg.label}", cfg, tags=run_tags(), echo=False) as log:
+        with open_store(workspace.store_path) as store:
+            results = run_eval_stage(cfg, store, log=log)
+        fig_pass, fig_maj = plot_curves(results)
+        tracking.log_figure(fig_pass, "plots/pass_at_k.png")
+        tracking.log_figure(fig_maj, "plots/maj_at_k.png")
+    create_markdown_artifact(results_markdown(results), key="eval-results", description=f"Pass@K / Maj@K of {cfg.label}")
+    print(results_markdown(results))
+    return results.to_dicts()
+
+
+@task(name="compare-models")
+def compare_task(rows: list[dict], pipeline_run_id: str) -> str:
+    """All models' curves in one plot and one table, logged to the pipeline's MLflow run."""
+    tracking.configure(current_workspace())
+    results = pl.DataFrame(rows)
+    fig_pass, fig_maj = plot_curves(results)
+    tracking.log_figure(fig_pass, "plots/pass_at_k_by_model.png", run_id=pipeline_run_id)
+    tracking.log_figure(fig_maj, "plots/maj_at_k_by_model.png", run_id=pipeline_run_id)
+    table = results_markdown(results)
+    tracking.log_text(table, "eval_results.md", run_id=pipeline_run_id)
+    create_markdown_artifact(table, key="eval-comparison", description="Pass@K / Maj@K per model")
+    return table
+
+
+def results_markdown(results: pl.DataFrame) -> str:
+    lines = ["| model | dataset | K | Pass@K | Maj@K | n |", "|---|---|---|---|---|---|"]
+    for row in results.sort("model", "k").iter_rows(named=True):
+        lines.append(f"| {row['model']} | {row['dataset']} | {row['k']} | {row['pass_at_k']:.3f} | "
+                     f"{row['maj_at_k']:.3f} | {row['n_samples']} |")
+    return "\n".join(lines)
