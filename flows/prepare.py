@@ -10,5 +10,6 @@ from tasks.store import corpus_fingerprint_task
 
 
 @flow(name="prepare-model", log_prints=True)
-def prepare_model_flow(cfg: TinyModelConfig) -> str:
-    return build_tiny_model_task(cfg, corpus_fingerprint_task(cfg.corpus_sources))
+def prepare_model_flow(cfg: TinyModelConfig, force: bool = False) -> str:
+    build = build_tiny_model_task.with_options(refresh_cache=force)
+    return build(cfg, corpus_fingerprint_task(cfg.corpus_sources))

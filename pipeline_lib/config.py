@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pipeline_lib.errors import AlignflowError
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 STRICT = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 M = TypeVar("M", bound=BaseModel)
 
@@ -31,6 +32,13 @@ class IngestConfig(BaseModel):
     """Split for problems (`train`/`test`); a `split` field in the records wins; default `train`."""
     max_record_bytes: int = 1_000_000
     """Records larger than this many bytes are quarantined (default 1 MB)."""
+
+    @property
+    def resolved_path(self) -> Path:
+        """`path` as given if it exists, else relative to the alignflow checkout (its shipped data/)."""
+        path = Path(self.path).expanduser()
+        shipped = REPO_ROOT / path
+        return path if path.exists() or path.is_absolute() or not shipped.exists() else shipped
 
 
 def format_validation_error(exc: ValidationError, origin: str) -> str:
@@ -558,3 +566,86 @@ class EvalConfig(BaseModel):
             backend=self.backend, vllm_url=self.vllm_url, device=self.device, batch_size=self.batch_size,
             policy_name=self.label,
         )
+
+
+# ---- the pipeline: stage configs chained by `from:<stage>` references (flows/pipeline.py)
+
+FROM = "from:"
+# Stages in the order the pipeline runs them; a `from:X` reference must name an enabled earlier stage.
+STAGE_ORDER = ("base", "sft", "rm", "sample", "rs_sft", "dpo", "grpo", "dapo", "ppo")
+REF_FIELDS = ("model_path", "policy_path", "reward_model_path", "samples_run_id")
+
+
+class PipelineConfig(BaseModel):
+    """A whole pipeline: the stages to run, each with its own config. A path field written `from:<stage>`
+    (e.g. `policy_path: from:sft`) takes that stage's output when the pipeline runs; an explicit path is
+    used as is. Omitted stages are skipped."""
+
+    model_config = STRICT
+
+    name: str = "pipeline"
+    """Name of the pipeline's MLflow parent run and Prefect deployments."""
+    schedule_cron: str | None = None
+    """Cron schedule of the pipeline deployment registered by `alignflow serve` (e.g. `0 3 * * *`)."""
+    ingest: tuple[IngestConfig, ...] = ()
+    """Files ingested first (relative paths resolve against the working dir, then the alignflow checkout)."""
+    base: TinyModelConfig | None = None
+    """Build the tiny offline model as the base policy (demo, tests); else set base_model_path."""
+    base_model_path: str | None = None
+    """A local HF model dir (or cached hub id) used as the base policy, for `from:base`."""
+    sft: SFTConfig | None = None
+    """Supervised fine-tuning of the base model."""
+    rm: RMConfig | None = None
+    """Reward model (Bradley-Terry or Plackett-Luce)."""
+    sample: SampleConfig | None = None
+    """N-way sampling whose groups feed Best-of-N (rs_sft) and West-of-N (pairs for dpo)."""
+    west_of_n_source: str = "west_of_n"
+    """preference_pairs.source of the West-of-N pairs made from the `sample` stage."""
+    rs_sft: SFTConfig | None = None
+    """Rejection-sampling SFT on the Best-of-N selection of the `sample` stage (data: best_of_n)."""
+    dpo: DPOConfig | None = None
+    """Direct Preference Optimization."""
+    grpo: GRPOConfig | None = None
+    """GRPO online RL."""
+    dapo: DAPOConfig | None = None
+    """DAPO online RL (a GRPO preset)."""
+    ppo: PPOConfig | None = None
+    """PPO with actor, critic, reference and reward model."""
+    eval: EvalConfig | None = None
+    """Evaluation template: every model in eval_models is evaluated with it (its model_path is replaced)."""
+    eval_models: tuple[str, ...] = ("sft", "rs_sft", "dpo", "grpo", "dapo", "ppo")
+    """Stages whose output models are evaluated (those enabled), compared in one Pass@K / Maj@K plot."""
+
+    @model_validator(mode="after")
+    def _references_point_back(self):
+        if (self.base is None) == (self.base_model_path is None) and self.stage_refs():
+            raise ValueError("set exactly one of base (tiny model) and base_model_path")
+        enabled = {"base"} | {s for s in STAGE_ORDER[1:] if getattr(self, s) is not None}
+        for stage, field, target in self.stage_refs():
+            if target not in enabled or STAGE_ORDER.index(target) >= STAGE_ORDER.index(stage):
+                raise ValueError(f"{stage}.{field}: 'from:{target}' must name an enabled earlier stage of {STAGE_ORDER}")
+        unknown = set(self.eval_models) - set(STAGE_ORDER)
+        if unknown:
+            raise ValueError(f"eval_models: unknown stage(s) {sorted(unknown)}; expected names from {STAGE_ORDER}")
+        return self
+
+    def stage_refs(self) -> list[tuple[str, str, str]]:
+        """(stage, field, referenced stage) of every `from:` field."""
+        refs = []
+        for stage in STAGE_ORDER[1:]:
+            cfg = getattr(self, stage)
+            for field in REF_FIELDS:
+                value = getattr(cfg, field, None) if cfg is not None else None
+                if isinstance(value, str) and value.startswith(FROM):
+                    refs.append((stage, field, value[len(FROM):]))
+        return refs
+
+    def resolved(self, stage: str, outputs: dict[str, str]) -> BaseModel:
+        """The stage's config with its `from:` fields replaced by the outputs of earlier stages."""
+        cfg = getattr(self, stage)
+        update = {field: outputs[target] for s, field, target in self.stage_refs() if s == stage}
+        return cfg.model_copy(update=update)
+
+    @property
+    def evaluated(self) -> tuple[str, ...]:
+        return tuple(s for s in self.eval_models if s == "base" or getattr(self, s) is not None)

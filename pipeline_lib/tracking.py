@@ -136,8 +136,11 @@ def log_artifact(path: str | Path, artifact_path: str | None = None) -> None:
         mlflow.log_artifact(str(path), artifact_path)
 
 
-def log_dict(value: Mapping[str, Any], artifact_file: str) -> None:
-    mlflow.log_dict(dict(value), artifact_file)
+def log_dict(value: Mapping[str, Any], artifact_file: str, *, run_id: str | None = None) -> None:
+    if run_id:
+        MlflowClient().log_dict(run_id, dict(value), artifact_file)
+    else:
+        mlflow.log_dict(dict(value), artifact_file)
 
 
 def set_tags(tags: Mapping[str, str]) -> None:

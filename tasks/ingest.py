@@ -17,7 +17,7 @@ def ingest_task(cfg: IngestConfig) -> dict:
     workspace = current_workspace()
     with tracking.stage_run(workspace, "ingest", cfg, tags=run_tags(), echo=False) as log:
         with open_store(workspace.store_path) as store:
-            report = ingest_file(cfg.path, store, format=cfg.format, source=cfg.source,
+            report = ingest_file(cfg.resolved_path, store, format=cfg.format, source=cfg.source,
                                  split=cfg.split, max_record_bytes=cfg.max_record_bytes)
         log(report.metrics(), 0)
         tracking.set_tags({"data.fingerprint": report.fingerprint, "data.table": report.table})

@@ -1,0 +1,86 @@
+"""Deployments of a pipeline preset (the pipeline on its cron, each stage on demand) and the local UI
+servers (Prefect + MLflow on 127.0.0.1) behind `alignflow serve` and `alignflow ui`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from pipeline_lib.config import FROM, PipelineConfig
+from pipeline_lib.workspace import Workspace
+
+STAGE_FLOWS = ("sft", "rm", "sample", "dpo", "grpo", "dapo", "ppo", "eval")
+
+
+def build_deployments(cfg: PipelineConfig) -> list:
+    """The pipeline deployment (cron from the preset) and one per stage flow. A stage's preset config is
+    its default parameter when it has no `from:` reference; otherwise the UI asks for the paths."""
+    from flows.cli import load_flow
+    from flows.pipeline import pipeline_flow
+
+    deployments = [pipeline_flow.to_deployment(name=cfg.name, cron=cfg.schedule_cron,
+                                               parameters={"cfg": cfg.model_dump(mode="json")})]
+    for stage in STAGE_FLOWS:
+        stage_cfg = getattr(cfg, stage)
+        dumped = stage_cfg.model_dump(mode="json") if stage_cfg is not None else None
+        params = {"cfg": dumped} if dumped and not any(str(v).startswith(FROM) for v in dumped.values()) else {}
+        deployments.append(load_flow(stage).to_deployment(name=f"{cfg.name}-{stage}", parameters=params))
+    return deployments
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url} exited with {process.returncode}; see {log}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not healthy after {timeout:.0f} s; see {log}")
+
+
+def run_ui(workspace: Workspace, *, prefect_port: int, mlflow_port: int) -> None:
+    """Prefect server + MLflow UI until SIGINT/SIGTERM; both bound to 127.0.0.1, logs in the workspace."""
+    bin_dir = Path(sys.executable).parent
+    logs = workspace.root / "logs"
+    logs.mkdir(exist_ok=True)
+    commands = {
+        "prefect": ([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
+                    f"http://127.0.0.1:{prefect_port}/api/health"),
+        "mlflow": ([str(bin_dir / "mlflow"), "server", "--backend-store-uri", workspace.tracking_uri,
+                    "--default-artifact-root", workspace.mlflow_artifacts.as_uri(), "--host", "127.0.0.1",
+                    "--port", str(mlflow_port), "--workers", "1"], f"http://127.0.0.1:{mlflow_port}/health"),
+    }
+    processes = {}
+    try:
+        for name, (command, health) in commands.items():
+            log = logs / f"{name}-server.log"
+            processes[name] = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                               start_new_session=True, env=os.environ.copy())
+            wait_healthy(health, processes[name], 90, log)
+        print(f"Prefect UI: http://127.0.0.1:{prefect_port}   (export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api)")
+        print(f"MLflow UI:  http://127.0.0.1:{mlflow_port}")
+        print("Ctrl-C stops both.", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        while all(p.poll() is None for p in processes.values()):
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in processes.values():
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)

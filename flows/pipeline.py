@@ -1,0 +1,52 @@
+"""The pipeline flow: stage flows chained in plain Python from a PipelineConfig (a YAML preset in
+flows/configs/). Each stage's task is cached on its config and input fingerprints, so a rerun recomputes
+only what changed (and what depends on it); `force` names stages to recompute anyway."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows.dapo import dapo_flow
+from flows.dpo import dpo_flow
+from flows.evaluate import eval_flow
+from flows.filters import filter_flow
+from flows.grpo import grpo_flow
+from flows.ingest import ingest_flow
+from flows.ppo import ppo_flow
+from flows.prepare import prepare_model_flow
+from flows.rm import rm_flow
+from flows.sample import sample_flow
+from flows.sft import sft_flow
+from pipeline_lib import tracking
+from pipeline_lib.config import PipelineConfig
+from tasks.common import current_workspace, run_tags
+from tasks.evaluation import compare_task
+
+TRAINING_FLOWS = {"sft": sft_flow, "rm": rm_flow, "rs_sft": sft_flow, "dpo": dpo_flow,
+                  "grpo": grpo_flow, "dapo": dapo_flow, "ppo": ppo_flow}
+
+
+@flow(name="pipeline", log_prints=True)
+def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str, str]:
+    """Run every enabled stage in order; returns each stage's output (model dir or sampling run id)."""
+    with tracking.pipeline_run(current_workspace(), cfg.name, cfg, tags=run_tags()) as pipeline_run_id:
+        for ingest_cfg in cfg.ingest:
+            ingest_flow(ingest_cfg)
+        outputs = {"base": prepare_model_flow(cfg.base, force="base" in force) if cfg.base else cfg.base_model_path}
+        for stage in ("sft", "rm", "sample", "rs_sft", "dpo", "grpo", "dapo", "ppo"):
+            if getattr(cfg, stage) is None:
+                continue
+            stage_cfg = cfg.resolved(stage, outputs)
+            if stage == "sample":
+                outputs["sample"] = sample_flow(stage_cfg)["run_id"]
+                filter_flow("best_of_n", outputs["sample"])
+                filter_flow("west_of_n", outputs["sample"])
+                continue
+            outputs[stage] = TRAINING_FLOWS[stage](stage_cfg, force=stage in force)
+        rows = []
+        for stage in cfg.evaluated:
+            rows += eval_flow(cfg.eval.model_copy(update={"model_path": outputs[stage], "model_name": stage}))
+        if rows:
+            print(compare_task(rows, pipeline_run_id))
+        tracking.log_dict(outputs, "outputs.json", run_id=pipeline_run_id)
+    return outputs
