@@ -21,7 +21,7 @@ demo: setup
 	$(BIN)/alignflow demo
 
 # the whole suite: slow learning tests and the vLLM test included (CI runs this)
-test: setup
+test: setup vllm-env
 	$(BIN)/pytest -q
 
 # inner loop, a few minutes

@@ -23,6 +23,7 @@ LogFn = Callable[[Mapping[str, float], int], None]
 EXPERIMENT = "alignflow"
 PARENT_ENV = "ALIGNFLOW_PARENT_RUN_ID"  # set by the pipeline flow so stage runs nest under it
 MAX_PARAM_CHARS = 500  # MLflow's param value limit is 6000; keep the UI readable
+TRUNCATED = "...[truncated]"
 
 
 def no_log(metrics: Mapping[str, float], step: int) -> None:
@@ -59,7 +60,7 @@ def flatten_params(value: Any, prefix: str = "") -> dict[str, str]:
         return flat
     text = json.dumps(value) if isinstance(value, (list, tuple)) else str(value)
     if len(text) > MAX_PARAM_CHARS:
-        text = text[: MAX_PARAM_CHARS - 15] + "...[truncated]"
+        text = text[: MAX_PARAM_CHARS - len(TRUNCATED)] + TRUNCATED
     return {prefix.rstrip("."): text}
 
 

@@ -1,0 +1,150 @@
+"""In-process sampling with transformers `generate`: one batched, KV-cached, left-padded call per request,
+`num_return_sequences=n`, seeded without disturbing the caller's RNG; CPU or CUDA."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from pipeline_lib.sampling.base import Completion, SamplingError, check_sampling_args
+
+
+class HFSampler:
+    """`Sampler` over a loaded causal LM and its tokenizer (see `from_pretrained` to load both)."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
+                 add_special_tokens: bool = True):
+        if tokenizer.pad_token_id is None:
+            raise SamplingError("tokenizer: has no pad token; load it with pipeline_lib.models.load_tokenizer")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.add_special_tokens = add_special_tokens
+        eos = model.generation_config.eos_token_id
+        eos = tokenizer.eos_token_id if eos is None else eos
+        self.eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+        if not self.eos_ids:
+            raise SamplingError("model: no eos_token_id in its generation_config or tokenizer")
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: str = "auto", dtype: str = "auto",
+                        add_special_tokens: bool = True) -> "HFSampler":
+        from pipeline_lib.models import load_policy, load_tokenizer
+
+        return cls(load_policy(path, dtype=dtype, device=device), load_tokenizer(path),
+                   add_special_tokens=add_special_tokens)
+
+    def _generation_kwargs(self, temperature: float, top_p: float, stop: Sequence[str]) -> dict:
+        """Explicit sampling settings: `generate` otherwise fills unset ones from the model's
+        generation_config and its global defaults (top_k=50), which vLLM would not apply."""
+        kwargs: dict = {
+            "do_sample": temperature > 0,
+            "repetition_penalty": 1.0,
+            "no_repeat_ngram_size": 0,
+            "min_new_tokens": 0,
+            "pad_token_id": self.tokenizer.pad_token_id,
+            "eos_token_id": sorted(self.eos_ids),
+        }
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_p=top_p, top_k=0, typical_p=1.0,
+                          epsilon_cutoff=0.0, eta_cutoff=0.0)
+            if self.model.generation_config.min_p is not None:
+                kwargs["min_p"] = 0.0
+        else:
+            # greedy: neutral values, so generate does not warn that sampling flags are ignored
+            kwargs.update(temperature=1.0, top_p=1.0)
+        if stop:
+            kwargs.update(stop_strings=list(stop), tokenizer=self.tokenizer)
+        return kwargs
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[str],
+        *,
+        n: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        logprobs: bool = False,
+    ) -> list[list[Completion]]:
+        check_sampling_args(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        if not prompts:
+            return []
+        device = self.model.device
+        batch = self.tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left",
+                               add_special_tokens=self.add_special_tokens).to(device)
+        lengths = batch["attention_mask"].sum(dim=1)  # (B,)
+        if int(lengths.min()) == 0:
+            empty = int((lengths == 0).nonzero()[0])
+            raise SamplingError(f"prompts[{empty}]: empty after tokenization; expected at least one token")
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        prompt_len = batch["input_ids"].shape[1]
+        if limit is not None and prompt_len + max_new_tokens > limit:
+            raise SamplingError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds the "
+                                f"model's max_position_embeddings {limit}")
+        # fork_rng: a seeded call must not reset the RNG stream of a training loop calling us.
+        devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(
+                **batch,
+                max_new_tokens=max_new_tokens,
+                # greedy rejects num_return_sequences > 1: decode once, copy below
+                num_return_sequences=n if temperature > 0 else 1,
+                use_cache=True,
+                return_dict_in_generate=True,
+                output_logits=logprobs,
+                **self._generation_kwargs(temperature, top_p, stop),
+            )
+        generated = out.sequences[:, prompt_len:]  # (B*n, T) rows grouped by prompt: p0 x n, p1 x n, ...
+        token_logps = _chosen_logprobs(out.logits, generated) if logprobs else None  # (B*n, T)
+        generated = generated.cpu()  # one device sync, not one per row
+        rows = [self._completion(generated[r], None if token_logps is None else token_logps[r], stop)
+                for r in range(generated.shape[0])]
+        if temperature == 0:
+            rows = [row for row in rows for _ in range(n)]
+        return [rows[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _completion(self, tokens: Tensor, token_logps: Tensor | None, stop: Sequence[str]) -> Completion:
+        """Cut one generated row at its end: the first eos (kept) or the token completing a stop string,
+        whichever comes first (generate pads finished rows, with eos itself when pad == eos)."""
+        ids = tokens.tolist()
+        eos_at = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
+        end, reason = (len(ids), "length") if eos_at is None else (eos_at + 1, "stop")
+        stop_at = self._stop_string_end(ids[:end], stop) if stop else None
+        if stop_at is not None and (eos_at is None or stop_at <= eos_at):
+            end, reason = stop_at, "stop"
+        ids = ids[:end]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if stop_at is not None and end == stop_at:
+            text = text[:min(i for i in (text.find(s) for s in stop) if i >= 0)]
+        logps = None if token_logps is None else token_logps[:end].tolist()
+        return Completion(text=text, token_ids=ids, finish_reason=reason, logprobs=logps)
+
+    def _stop_string_end(self, ids: list[int], stop: Sequence[str]) -> int | None:
+        """Length of the shortest prefix whose text contains a stop string (generate stopped the row there)."""
+        if not any(s in self.tokenizer.decode(ids, skip_special_tokens=True) for s in stop):
+            return None
+        for k in range(1, len(ids) + 1):
+            text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
+            if any(s in text for s in stop):
+                return k
+        return None
+
+
+def _chosen_logprobs(step_logits: tuple[Tensor, ...], generated: Tensor) -> Tensor:
+    """log softmax of the raw logits at each step, gathered at the generated token; step by step, so no
+    (B*n, T, V) log-prob tensor is built beside the logits generate already holds."""
+    columns = [
+        torch.log_softmax(logits.float(), dim=-1).gather(1, generated[:, t:t + 1])  # (B*n, 1)
+        for t, logits in enumerate(step_logits)
+    ]
+    return torch.cat(columns, dim=1).cpu()  # (B*n, T)

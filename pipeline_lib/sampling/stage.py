@@ -1,0 +1,287 @@
+"""The sampling stage: N samples per problem, scored by the reward spec and the verifier, written to the
+`samples` table batch by batch; a rerun of the same run skips prompts already sampled (resumable)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import polars as pl
+from tqdm.auto import tqdm
+
+from pipeline_lib.config import SampleConfig
+from pipeline_lib.fingerprint import fingerprint_path
+from pipeline_lib.rewards.math import is_correct
+from pipeline_lib.rewards.registry import combined_reward
+from pipeline_lib.sampling.base import Sampler, SamplingError
+from pipeline_lib.store.db import Store
+from pipeline_lib.tracking import LogFn, no_log
+
+RewardFn = Callable[..., list[float]]
+SAMPLE_SCHEMA = {
+    "run_id": pl.String, "prompt_id": pl.String, "sample_idx": pl.Int32, "prompt": pl.String,
+    "completion": pl.String, "n_tokens": pl.Int32, "finish_reason": pl.String, "reward": pl.Float64,
+    "is_correct": pl.Boolean, "policy": pl.String,
+}
+# Fields that change where or how fast samples are made, not which samples: left out of the run id.
+_RUN_ID_EXCLUDE = {"run_id", "vllm_url", "vllm_max_model_len", "device", "policy_name", "max_problems"}
+
+
+@dataclass(frozen=True)
+class SampleReport:
+    """What one call of the stage did (`*_now`) and what the whole run holds (the rest)."""
+
+    run_id: str
+    policy: str
+    n_problems: int
+    prompts_skipped: int
+    prompts_sampled_now: int
+    rows_written_now: int
+    tokens_now: int
+    generate_seconds: float
+    n_rows: int
+    mean_reward: float
+    accuracy: float
+    mean_tokens: float
+    truncated_fraction: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_now / self.generate_seconds if self.generate_seconds > 0 else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "sample/prompts": self.n_problems,
+            "sample/prompts_skipped": self.prompts_skipped,
+            "sample/rows": self.n_rows,
+            "sample/rows_written": self.rows_written_now,
+            "sample/mean_reward": self.mean_reward,
+            "sample/accuracy": self.accuracy,
+            "sample/mean_tokens": self.mean_tokens,
+            "sample/truncated_fraction": self.truncated_fraction,
+            "sample/tokens_per_s": self.tokens_per_s,
+        }
+
+    def summary(self) -> str:
+        return (f"sample {self.run_id}: {self.n_problems} prompts ({self.prompts_skipped} already done), "
+                f"{self.rows_written_now} rows written, {self.n_rows} in the run | mean reward "
+                f"{self.mean_reward:.3f} | accuracy {self.accuracy:.3f} | {self.tokens_per_s:,.0f} tok/s")
+
+    def markdown(self) -> str:
+        lines = ["| metric | value |", "|---|---|", f"| run_id | `{self.run_id}` |", f"| policy | `{self.policy}` |"]
+        lines += [f"| {key} | {value:.4g} |" for key, value in self.metrics().items()]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s}
+
+
+def sample_problems(
+    sampler: Sampler,
+    problems: pl.DataFrame,
+    store: Store,
+    *,
+    run_id: str,
+    n: int,
+    reward_fn: RewardFn,
+    policy_name: str,
+    batch_size: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop: Sequence[str] = (),
+    render: Callable[[str], str] | None = None,
+    progress: bool = True,
+    log: LogFn = no_log,
+) -> SampleReport:
+    """Sample `n` completions for each row of `problems` (problem_id, prompt, answer) into `samples`.
+
+    Batches are cut from the problems in problem_id order and batch b is sampled with `seed + b`; a batch
+    is written in one INSERT, so a crash loses at most that batch, and a rerun skips the prompts already in
+    `run_id`: the resumed run holds the same rows as an uninterrupted one. `render` maps a problem's
+    prompt to the text sent to the model (chat template); the table keeps the problem's own prompt."""
+    missing = {"problem_id", "prompt", "answer"} - set(problems.columns)
+    if missing:
+        raise SamplingError(f"problems: missing column(s) {sorted(missing)}")
+    if batch_size < 1:
+        raise SamplingError(f"batch_size={batch_size}: expected at least 1")
+    problems = problems.sort("problem_id")
+    ids, prompts, answers = (problems[c].to_list() for c in ("problem_id", "prompt", "answer"))
+    done = store.sampled_prompt_ids(run_id)
+    skipped = sum(pid in done for pid in ids)
+    written = sampled = tokens = 0
+    generate_seconds = 0.0
+    bar = tqdm(total=len(ids), initial=skipped, unit="prompt", desc=f"sample {run_id}", disable=not progress)
+    for b, start in enumerate(range(0, len(ids), batch_size)):
+        todo = [i for i in range(start, min(start + batch_size, len(ids))) if ids[i] not in done]
+        if not todo:
+            continue
+        texts = [render(prompts[i]) if render else prompts[i] for i in todo]
+        began = time.perf_counter()
+        outputs = sampler.generate(texts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_p=top_p, seed=seed + b, stop=stop)
+        batch_seconds = time.perf_counter() - began
+        generate_seconds += batch_seconds
+        if len(outputs) != len(todo) or any(len(group) != n for group in outputs):
+            raise SamplingError(f"sampler returned {[len(g) for g in outputs]} samples for {len(todo)} prompts x n={n}")
+        rows = [(i, j, c) for i, group in zip(todo, outputs) for j, c in enumerate(group)]
+        row_prompts = [prompts[i] for i, _, _ in rows]
+        row_answers = [answers[i] for i, _, _ in rows]
+        completions = [c.text for _, _, c in rows]
+        lengths = [c.n_tokens for _, _, c in rows]
+        rewards = reward_fn(row_prompts, completions, answers=row_answers, lengths=lengths)
+        correct = [is_correct(text, answer) for text, answer in zip(completions, row_answers)]
+        frame = pl.DataFrame({
+            "run_id": [run_id] * len(rows),
+            "prompt_id": [ids[i] for i, _, _ in rows],
+            "sample_idx": [j for _, j, _ in rows],
+            "prompt": row_prompts,
+            "completion": completions,
+            "n_tokens": lengths,
+            "finish_reason": [c.finish_reason for _, _, c in rows],
+            "reward": rewards,
+            "is_correct": correct,
+            "policy": [policy_name] * len(rows),
+        }, schema=SAMPLE_SCHEMA)
+        written += store.insert_new("samples", frame)
+        sampled += len(todo)
+        tokens += sum(lengths)
+        log({"sample/batch_mean_reward": sum(rewards) / len(rows), "sample/batch_accuracy": sum(correct) / len(rows),
+             "sample/batch_tokens_per_s": sum(lengths) / max(batch_seconds, 1e-9)}, b)
+        bar.update(len(todo))
+    bar.close()
+    return _report(store, run_id, policy_name, len(ids), skipped, sampled, written, tokens, generate_seconds)
+
+
+def _report(store: Store, run_id: str, policy: str, n_problems: int, skipped: int, sampled: int, written: int,
+            tokens: int, generate_seconds: float) -> SampleReport:
+    """Run-level numbers come from the table, so a resumed run reports on all of its rows."""
+    rows = store.read("samples", run_id=run_id)
+    stats = rows.select(
+        pl.col("reward").mean().alias("mean_reward"),
+        pl.col("is_correct").cast(pl.Float64).mean().alias("accuracy"),
+        pl.col("n_tokens").cast(pl.Float64).mean().alias("mean_tokens"),
+        (pl.col("finish_reason") == "length").cast(pl.Float64).mean().alias("truncated_fraction"),
+    ).row(0, named=True) if rows.height else {}
+    return SampleReport(
+        run_id=run_id, policy=policy, n_problems=n_problems, prompts_skipped=skipped,
+        prompts_sampled_now=sampled, rows_written_now=written, tokens_now=tokens,
+        generate_seconds=generate_seconds, n_rows=rows.height,
+        mean_reward=float(stats.get("mean_reward") or 0.0), accuracy=float(stats.get("accuracy") or 0.0),
+        mean_tokens=float(stats.get("mean_tokens") or 0.0),
+        truncated_fraction=float(stats.get("truncated_fraction") or 0.0),
+    )
+
+
+# ---- the stage from its config (what the Prefect task calls)
+
+
+def model_fingerprint(model_path: str) -> str:
+    """The model dir's content fingerprint (a hub id stands for itself): a model retrained into the same
+    dir starts a new run, an identical copy resumes the old one."""
+    path = Path(model_path).expanduser()
+    return fingerprint_path(path) if path.is_dir() else model_path
+
+
+def sample_run_id(cfg: SampleConfig) -> str:
+    """cfg.run_id, else `sample-<hash>` of the sampling-relevant config fields and the model fingerprint."""
+    if cfg.run_id:
+        return cfg.run_id
+    fields = cfg.model_dump(mode="json", exclude=_RUN_ID_EXCLUDE)
+    text = json.dumps({"config": fields, "model": model_fingerprint(cfg.model_path)}, sort_keys=True)
+    return "sample-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def select_problems(store: Store, cfg: SampleConfig) -> pl.DataFrame:
+    """The config's problems (split, source), in problem_id order, the first `max_problems` of them."""
+    where = {"split": cfg.split} | ({"source": cfg.problems_source} if cfg.problems_source else {})
+    problems = store.read("problems", **where).sort("problem_id")
+    if problems.height == 0:
+        shown = ", ".join(f"{k}={v!r}" for k, v in where.items())
+        raise SamplingError(f"no problems in the store with {shown}; ingest some first "
+                            "(`alignflow ingest data/demo/problems.jsonl`)")
+    return problems.head(cfg.max_problems) if cfg.max_problems else problems
+
+
+def build_reward_fn(cfg: SampleConfig) -> RewardFn:
+    """The weighted sum of cfg.rewards; a `reward_model` component gets a scorer loaded from reward_model_path."""
+    specs = [dict(spec) for spec in cfg.rewards]
+    for spec in specs:
+        if spec.get("name") == "reward_model":
+            from pipeline_lib.models import RewardModel, load_tokenizer
+            from pipeline_lib.rewards.model import RewardModelScorer
+
+            model = RewardModel.from_pretrained(cfg.reward_model_path, device=cfg.device)
+            spec["scorer"] = RewardModelScorer(model, load_tokenizer(cfg.reward_model_path))
+    try:
+        combined = combined_reward(specs)
+    except ValueError as exc:
+        raise SamplingError(str(exc)) from None
+
+    def reward_fn(prompts: list[str], completions: list[str], *, answers: list[str | None],
+                  lengths: list[int]) -> list[float]:
+        return combined(prompts, completions, answers=answers, lengths=lengths)[0]
+
+    return reward_fn
+
+
+@contextmanager
+def open_sampler(cfg: SampleConfig) -> Iterator[Sampler]:
+    """The config's backend: in-process HF, a vLLM server started for the run (stopped after), or the
+    vLLM server at cfg.vllm_url. A chat-rendered prompt already holds its special tokens."""
+    add_special_tokens = not cfg.chat_template
+    if cfg.backend == "hf":
+        from pipeline_lib.sampling.hf import HFSampler
+
+        yield HFSampler.from_pretrained(cfg.model_path, device=cfg.device, add_special_tokens=add_special_tokens)
+        return
+    from pipeline_lib.sampling.vllm import VLLMSampler, VLLMServer
+
+    if cfg.vllm_url:
+        sampler = VLLMSampler(cfg.vllm_url, add_special_tokens=add_special_tokens)
+        try:
+            yield sampler
+        finally:
+            sampler.close()
+        return
+    with VLLMServer(cfg.model_path, max_model_len=cfg.vllm_max_model_len) as server:
+        sampler = server.sampler(add_special_tokens=add_special_tokens)
+        try:
+            yield sampler
+        finally:
+            sampler.close()
+
+
+def chat_renderer(model_path: str) -> Callable[[str], str]:
+    """Prompt -> the tokenizer's chat template applied to one user turn, opening the assistant turn."""
+    from pipeline_lib.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model_path)
+    if not tokenizer.chat_template:
+        raise SamplingError(f"chat_template=True but the tokenizer in {model_path} has no chat template")
+
+    def render(prompt: str) -> str:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+
+    return render
+
+
+def run_sample_stage(cfg: SampleConfig, store: Store, *, log: LogFn = no_log, progress: bool = True) -> SampleReport:
+    """The whole stage from its config: problems, reward, backend, then `sample_problems`."""
+    problems = select_problems(store, cfg)
+    reward_fn = build_reward_fn(cfg)
+    render = chat_renderer(cfg.model_path) if cfg.chat_template else None
+    with open_sampler(cfg) as sampler:
+        return sample_problems(
+            sampler, problems, store, run_id=sample_run_id(cfg), n=cfg.n, reward_fn=reward_fn,
+            policy_name=cfg.policy_name or cfg.model_path, batch_size=cfg.batch_size,
+            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+            stop=cfg.stop, render=render, progress=progress, log=log,
+        )

@@ -1,0 +1,125 @@
+"""HFSampler on the tiny model: output schema, seeded reproducibility, greedy = an unpadded argmax loop,
+log-probs = a teacher-forced forward pass, stop strings, one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline_lib.models import load_tokenizer
+from pipeline_lib.sampling.base import Completion, SamplingError
+from pipeline_lib.sampling.hf import HFSampler
+
+PROMPTS = ["12+34=", "5+6=", "97+70="]  # different lengths: exercises left padding
+
+
+def test_schema_n_per_prompt_and_finish_reasons(hf_sampler):
+    out = hf_sampler.generate(PROMPTS, n=4, max_new_tokens=6, seed=0, logprobs=True)
+    tok = hf_sampler.tokenizer
+    assert [len(group) for group in out] == [4, 4, 4]
+    for group in out:
+        for c in group:
+            assert isinstance(c, Completion)
+            assert c.finish_reason in ("stop", "length")
+            assert 1 <= c.n_tokens <= 6 and len(c.logprobs) == c.n_tokens
+            assert all(isinstance(t, int) for t in c.token_ids)
+            assert all(isinstance(x, float) and x <= 0 for x in c.logprobs)
+            # eos is kept (RL needs its log-prob), and only as the last token of a stopped sample
+            assert (c.token_ids[-1] == tok.eos_token_id) == (c.finish_reason == "stop")
+            assert tok.eos_token_id not in c.token_ids[:-1]
+            assert c.finish_reason == "stop" or c.n_tokens == 6
+            assert tok.decode(c.token_ids, skip_special_tokens=True) == c.text
+
+
+def test_same_seed_same_samples_other_seed_other_samples(hf_sampler):
+    first = hf_sampler.generate(PROMPTS, n=4, max_new_tokens=6, seed=7)
+    again = hf_sampler.generate(PROMPTS, n=4, max_new_tokens=6, seed=7)
+    other = hf_sampler.generate(PROMPTS, n=4, max_new_tokens=6, seed=8)
+    assert first == again
+    assert first != other
+    # the n samples of a prompt are distinct draws, not copies (random 19-token model, 6 tokens each)
+    assert len({tuple(c.token_ids) for c in first[0]}) > 1
+
+
+def test_seeded_call_leaves_the_callers_rng_alone(hf_sampler):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    hf_sampler.generate(PROMPTS[:1], n=2, max_new_tokens=3, seed=5)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def _greedy_reference(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
+    """Argmax decoding one token at a time on the unpadded prompt, no cache."""
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            next_id = int(model(input_ids=ids).logits[0, -1].argmax())
+            out.append(next_id)
+            if next_id == tokenizer.eos_token_id:
+                break
+            ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
+    return out
+
+
+def test_greedy_batched_left_padded_equals_unpadded_argmax_loop(hf_sampler):
+    out = hf_sampler.generate(PROMPTS, n=3, max_new_tokens=6, temperature=0)
+    for prompt, group in zip(PROMPTS, out):
+        assert group[0] == group[1] == group[2]
+        assert group[0].token_ids == _greedy_reference(hf_sampler.model, hf_sampler.tokenizer, prompt, 6)
+
+
+def test_logprobs_match_a_teacher_forced_forward_pass(hf_sampler):
+    out = hf_sampler.generate(PROMPTS, n=2, max_new_tokens=6, seed=3, temperature=0.7, logprobs=True)
+    tok, model = hf_sampler.tokenizer, hf_sampler.model
+    for prompt, group in zip(PROMPTS, out):
+        prompt_ids = tok(prompt)["input_ids"]
+        for c in group:
+            ids = torch.tensor([prompt_ids + c.token_ids])
+            with torch.no_grad():
+                logps = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)  # (T, V)
+            # the token at position p is predicted by the logits at p - 1; raw logits: temperature not applied
+            positions = range(len(prompt_ids), ids.shape[1])
+            expected = [float(logps[p - 1, ids[0, p]]) for p in positions]
+            assert c.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_stop_string_cuts_the_text_and_keeps_the_prefix(hf_sampler):
+    free = hf_sampler.generate(PROMPTS, n=4, max_new_tokens=6, seed=11)
+    # a character some sample produced after its first character, so the stop cuts a non-empty prefix
+    sample = next(c for group in free for c in group if len(c.text) >= 2)
+    stop = sample.text[1]
+    cut = hf_sampler.generate(PROMPTS, n=4, max_new_tokens=6, seed=11, stop=[stop])
+    for free_group, cut_group in zip(free, cut):
+        for before, after in zip(free_group, cut_group):
+            if stop in before.text:
+                assert after.finish_reason == "stop"
+                assert after.text == before.text[: before.text.index(stop)]
+                assert before.token_ids[: after.n_tokens] == after.token_ids
+            else:
+                assert after == before
+
+
+def test_bad_arguments_are_one_line_errors(hf_sampler):
+    with pytest.raises(SamplingError, match="n=0"):
+        hf_sampler.generate(PROMPTS, n=0, max_new_tokens=4)
+    with pytest.raises(SamplingError, match=r"prompts\[1\]: empty"):
+        hf_sampler.generate(["1+1=", ""], n=1, max_new_tokens=4)
+    with pytest.raises(SamplingError, match="max_position_embeddings 256"):
+        hf_sampler.generate(["1+1="], n=1, max_new_tokens=300)
+    with pytest.raises(SamplingError, match="top_p"):
+        hf_sampler.generate(["1+1="], n=1, max_new_tokens=4, top_p=0)
+
+
+
+def test_stop_string_is_cut_when_rows_are_padded_with_eos(hf_sampler, tiny_model_dir):
+    # tokenizers without a pad token pad with eos (load_tokenizer); generate then pads stopped rows with eos
+    tok = load_tokenizer(tiny_model_dir)
+    tok.pad_token = tok.eos_token
+    eos_padded = HFSampler(hf_sampler.model, tok)
+    stop = ["+"]
+    expected = hf_sampler.generate(PROMPTS, n=4, max_new_tokens=6, seed=2, stop=stop)
+    got = eos_padded.generate(PROMPTS, n=4, max_new_tokens=6, seed=2, stop=stop)
+    assert got == expected
+    assert all("+" not in c.text for group in got for c in group)

@@ -1,0 +1,146 @@
+"""The sampling stage: rows in the samples table, rewards and verifier, crash + resume = one uninterrupted
+run with no duplicate rows, the run id, chat templates, one-line errors."""
+
+from __future__ import annotations
+
+import shutil
+
+import polars as pl
+import pytest
+
+from pipeline_lib.config import SampleConfig
+from pipeline_lib.sampling.base import Completion, SamplingError
+from pipeline_lib.sampling.stage import (
+    build_reward_fn,
+    chat_renderer,
+    run_sample_stage,
+    sample_problems,
+    sample_run_id,
+    select_problems,
+)
+from pipeline_lib.store.db import open_store
+
+KEY = ["prompt_id", "sample_idx"]
+
+
+class GoldEveryOtherSampler:
+    """Sample j of a prompt is the gold answer when j is even, else "0" (the demo sums are never 0)."""
+
+    def __init__(self, answers: dict[str, str]):
+        self.answers = answers
+
+    def generate(self, prompts, *, n, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
+                 logprobs=False):
+        return [[Completion(text=self.answers[p] if j % 2 == 0 else "0", token_ids=[3] * (j + 1),
+                            finish_reason="stop") for j in range(n)] for p in prompts]
+
+
+class CrashAfter:
+    """Delegates to a real sampler and raises on call number `calls + 1` (a crash mid-run)."""
+
+    def __init__(self, sampler, calls: int):
+        self.sampler, self.left = sampler, calls
+
+    def generate(self, prompts, **kwargs):
+        if self.left == 0:
+            raise RuntimeError("simulated crash")
+        self.left -= 1
+        return self.sampler.generate(prompts, **kwargs)
+
+
+def _sample(sampler, problems, store, run_id="run", **overrides):
+    kwargs = dict(run_id=run_id, n=4, reward_fn=build_reward_fn(SampleConfig(model_path="m")), policy_name="tiny",
+                  batch_size=2, max_new_tokens=6, seed=0, progress=False)
+    return sample_problems(sampler, problems, store, **(kwargs | overrides))
+
+
+def test_rows_rewards_and_accuracy_with_known_completions(store, problems):
+    answers = dict(zip(problems["prompt"], problems["answer"]))
+    report = _sample(GoldEveryOtherSampler(answers), problems, store)
+    rows = store.read("samples", run_id="run").sort(KEY)
+    assert rows.height == 6 * 4 == report.rows_written_now == report.n_rows
+    assert rows["sample_idx"].to_list() == [0, 1, 2, 3] * 6
+    assert rows["is_correct"].to_list() == [True, False, True, False] * 6
+    assert rows["reward"].to_list() == [1.0, 0.0, 1.0, 0.0] * 6  # verifier weight 1
+    assert rows["n_tokens"].to_list() == [1, 2, 3, 4] * 6
+    assert set(rows["policy"]) == {"tiny"} and set(rows["finish_reason"]) == {"stop"}
+    assert rows.filter(pl.col("prompt_id") == "demo-03")["prompt"].to_list() == ["04+21="] * 4
+    assert report.accuracy == 0.5 and report.mean_reward == 0.5 and report.mean_tokens == 2.5
+    assert report.truncated_fraction == 0.0 and report.tokens_now == 6 * (1 + 2 + 3 + 4)
+
+
+def test_weighted_reward_spec_adds_overlong_shaping(store, problems):
+    answers = dict(zip(problems["prompt"], problems["answer"]))
+    cfg = SampleConfig(model_path="m", rewards=[{"name": "verifier", "weight": 2.0},
+                                                {"name": "overlong", "weight": 1.0, "max_len": 4, "cache_len": 2}])
+    _sample(GoldEveryOtherSampler(answers), problems, store, reward_fn=build_reward_fn(cfg))
+    rows = store.read("samples", run_id="run").sort(KEY)
+    # lengths 1..4 with max_len 4, cache 2: penalty 0 up to 2 tokens, -(3-2)/2 = -0.5 at 3, -(4-2)/2 = -1 at 4
+    assert rows["reward"].to_list() == [2.0, 0.0, 2.0 - 0.5, 0.0 - 1.0] * 6
+
+
+def test_crash_then_resume_equals_one_uninterrupted_run(workspace, tmp_path, problems, hf_sampler):
+    with open_store(workspace.store_path) as store:
+        store.insert_new("problems", problems)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            _sample(CrashAfter(hf_sampler, calls=2), problems, store)  # 3 batches of 2: the third crashes
+        assert store.sampled_prompt_ids("run") == {"demo-00", "demo-01", "demo-02", "demo-03"}
+        resumed = _sample(hf_sampler, problems, store)
+        assert (resumed.prompts_skipped, resumed.prompts_sampled_now, resumed.rows_written_now) == (4, 2, 8)
+        again = _sample(hf_sampler, problems, store)
+        assert (again.prompts_skipped, again.rows_written_now, again.n_rows) == (6, 0, 24)
+        crashed = store.read("samples", run_id="run")
+    with open_store(tmp_path / "other.duckdb") as other:
+        _sample(hf_sampler, problems, other)
+        straight = other.read("samples", run_id="run")
+    columns = ["prompt_id", "sample_idx", "completion", "n_tokens", "finish_reason", "reward", "is_correct"]
+    assert crashed.height == crashed.select(KEY).unique().height == 24
+    assert crashed.select(columns).sort(KEY).equals(straight.select(columns).sort(KEY))
+
+
+def test_run_sample_stage_from_config(store, tiny_model_dir):
+    cfg = SampleConfig(model_path=str(tiny_model_dir), problems_source="demo", max_problems=4, n=2,
+                       max_new_tokens=6, batch_size=3, device="cpu")
+    report = run_sample_stage(cfg, store, progress=False)
+    rows = store.read("samples", run_id=report.run_id)
+    assert report.run_id == sample_run_id(cfg) and report.run_id.startswith("sample-")
+    assert sorted(set(rows["prompt_id"])) == ["demo-00", "demo-01", "demo-02", "demo-03"]
+    assert rows.height == 8 and report.n_rows == 8 and rows["n_tokens"].max() <= 6
+    assert set(rows["policy"]) == {str(tiny_model_dir)}
+    assert report.tokens_now == rows["n_tokens"].sum() and report.tokens_per_s > 0
+    # a rerun of the same config resumes the same run: nothing new
+    assert run_sample_stage(cfg, store, progress=False).rows_written_now == 0
+
+
+def test_run_id_follows_sampling_config_and_model_weights(tiny_model_dir, tmp_path):
+    model_dir = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    cfg = SampleConfig(model_path=str(model_dir), n=4)
+    assert sample_run_id(cfg) == sample_run_id(SampleConfig(model_path=str(model_dir), n=4, device="cpu"))
+    assert sample_run_id(cfg) != sample_run_id(cfg.model_copy(update={"seed": 1}))
+    assert sample_run_id(cfg) != sample_run_id(cfg.model_copy(update={"n": 8}))
+    assert sample_run_id(cfg.model_copy(update={"run_id": "mine"})) == "mine"
+    before = sample_run_id(cfg)
+    weights = model_dir / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # "retrained" in place: one weight byte differs
+    weights.write_bytes(bytes(data))
+    assert sample_run_id(cfg) != before
+
+
+def test_chat_template_renders_prompts_and_keeps_the_raw_prompt(store, tiny_model_dir):
+    render = chat_renderer(str(tiny_model_dir))
+    assert render("12+34=") == "<|user|>12+34=</s><|assistant|>"
+    cfg = SampleConfig(model_path=str(tiny_model_dir), max_problems=2, n=2, max_new_tokens=4, chat_template=True,
+                       device="cpu")
+    report = run_sample_stage(cfg, store, progress=False)
+    rows = store.read("samples", run_id=report.run_id)
+    assert set(rows["prompt"]) == {"97+70=", "36+31="}
+
+
+def test_bad_inputs_are_one_line_errors(store, tiny_model_dir):
+    with pytest.raises(SamplingError, match=r"no problems in the store with split='train', source='nope'"):
+        select_problems(store, SampleConfig(model_path="m", split="train", problems_source="nope"))
+    with pytest.raises(SamplingError, match="unknown reward 'bleu'"):
+        build_reward_fn(SampleConfig(model_path="m", rewards=[{"name": "bleu"}]))
+    with pytest.raises(SamplingError, match=r"missing column\(s\) \['answer'\]"):
+        _sample(GoldEveryOtherSampler({}), pl.DataFrame({"problem_id": ["a"], "prompt": ["1+1="]}), store)

@@ -1,0 +1,56 @@
+"""The `alignflow` CLI as a user runs it: --help everywhere, one-line errors, ingest + data stats."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def alignflow(*args: str, workspace: Path) -> subprocess.CompletedProcess:
+    env = os.environ | {"ALIGNFLOW_HOME": str(workspace)}
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("command", [[], ["ingest"], ["run"], ["sample"], ["eval"], ["demo"], ["serve"],
+                                     ["ui"], ["data", "stats"], ["vllm-env"]])
+def test_help_everywhere(tmp_path, command):
+    result = alignflow(*command, "--help", workspace=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Usage" in result.stdout
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["ingest", "/no/such.jsonl"], "error: /no/such.jsonl: no such file"),
+    (["run", "nosuch", "--config", "x.yaml"], "error: unknown stage 'nosuch'"),
+    (["eval", "--model", "/no/model"], "error: /no/model: no such model dir"),
+    (["ingest", str(DATA / "demo" / "pairs.jsonl"), "--format", "xml"], "error: alignflow ingest: field 'format'"),
+])
+def test_user_errors_are_one_line(tmp_path, args, expected):
+    result = alignflow(*args, workspace=tmp_path)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
+
+
+def test_misspelled_config_field_is_one_line(tmp_path):
+    config = tmp_path / "dpo.yaml"
+    config.write_text("policy_path: /m\nbetta: 0.2\n")
+    result = alignflow("run", "dpo", "--config", str(config), workspace=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {config}: unknown field 'betta' (misspelled? not a field of this config)"
+
+
+def test_ingest_then_stats(tmp_path):
+    ingest = alignflow("ingest", str(DATA / "demo" / "rankings.jsonl"), "--source", "demo", workspace=tmp_path)
+    assert ingest.returncode == 0, ingest.stderr
+    assert "read 600 = accepted 600 + duplicates 0 + quarantined 0" in ingest.stdout + ingest.stderr
+    stats = alignflow("data", "stats", workspace=tmp_path)
+    assert stats.returncode == 0
+    assert "rankings" in stats.stdout and "600" in stats.stdout
