@@ -63,3 +63,9 @@ def test_explicit_paths_are_kept():
     cfg = validate_config(PipelineConfig, {"base_model_path": "/m/base", "sft": {"model_path": "/m/other"}})
     assert cfg.stage_refs() == []
     assert cfg.resolved("sft", {"base": "/m/base"}).model_path == "/m/other"
+
+
+def test_every_shipped_preset_validates():
+    for preset in PRESETS.glob("*.yaml"):
+        cfg = load_config(PipelineConfig, preset)
+        assert cfg.evaluated, preset

@@ -1,0 +1,98 @@
+"""A real `prefect server` on 127.0.0.1: `alignflow serve` registers the preset's deployments with its cron
+schedule; a triggered run of the pipeline deployment is seen COMPLETED and its work lands in the store."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pipeline_lib.store.db import open_store
+
+DATA = Path(__file__).resolve().parents[2] / "data"
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path):
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    server_env = os.environ | {"PREFECT_HOME": str(tmp_path / "server-home")}
+    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=(tmp_path / "server.log").open("w"), stderr=subprocess.STDOUT,
+                              env=server_env, start_new_session=True)
+    served = None
+    try:
+        wait_for(lambda: _healthy(api), 120, "prefect server health")
+        preset = tmp_path / "smoke.yaml"
+        preset.write_text(f"name: smoke\nschedule_cron: '0 3 * * *'\n"
+                          f"ingest:\n  - {{path: {DATA / 'demo' / 'rankings.jsonl'}, source: demo}}\n")
+        workspace = tmp_path / "ws"
+        env = os.environ | {"PREFECT_API_URL": api, "ALIGNFLOW_HOME": str(workspace),
+                            "PREFECT_HOME": str(tmp_path / "client-home")}
+        served = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--config", str(preset)],
+                                  stdout=(tmp_path / "serve.log").open("w"), stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)
+        deployment = wait_for(lambda: _deployment(api, "smoke"), 120, "the pipeline deployment")
+        assert deployment["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
+        assert _deployment(api, "smoke-sft") is not None  # every stage flow is deployed too
+
+        run = httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", json={}, timeout=10).json()
+        state = wait_for(lambda: _final_state(api, run["id"]), 240, "the triggered flow run to finish")
+        assert state == "COMPLETED", (tmp_path / "serve.log").read_text()[-3000:]
+        with open_store(workspace / "store.duckdb", read_only=True) as store:
+            assert store.count("rankings") == 600
+    finally:
+        if served is not None:
+            stop(served)  # serve processes first, or they hang (ENVIRONMENT.md)
+        stop(server)
+
+
+def _healthy(api: str) -> bool:
+    try:
+        return httpx.get(f"{api}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _deployment(api: str, name: str) -> dict | None:
+    found = httpx.post(f"{api}/deployments/filter", json={"deployments": {"name": {"any_": [name]}}}, timeout=10)
+    rows = found.json()
+    return rows[0] if rows else None
+
+
+def _final_state(api: str, flow_run_id: str) -> str | None:
+    state = httpx.get(f"{api}/flow_runs/{flow_run_id}", timeout=10).json()["state"]["type"]
+    return state if state in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"} else None
