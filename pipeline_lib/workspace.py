@@ -18,6 +18,9 @@ OFFLINE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+# A tracking server the user chose, read once at import: mlflow.set_tracking_uri() later writes this
+# variable itself, which must not make one workspace log into another's database.
+USER_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI")
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class Workspace:
     @property
     def tracking_uri(self) -> str:
         """MLFLOW_TRACKING_URI when the user runs a server, else the workspace's sqlite file."""
-        return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.mlflow_db}"
+        return USER_TRACKING_URI or f"sqlite:///{self.mlflow_db}"
 
     def create(self) -> "Workspace":
         for path in (self.root, self.mlflow_artifacts, self.prefect_home, self.models_dir, self.runs_dir):

@@ -20,6 +20,13 @@ def workspace(tmp_path) -> Workspace:
     return Workspace(tmp_path / "ws").create()
 
 
+@pytest.fixture
+def subprocess_env() -> dict[str, str]:
+    """This process's environment for a child `alignflow`, without the MLFLOW_TRACKING_URI that mlflow
+    exported for an earlier test's workspace (the child would take it for the user's server)."""
+    return {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests skip cleanly without CUDA."""
     import torch

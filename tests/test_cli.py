@@ -13,7 +13,7 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def alignflow(*args: str, workspace: Path) -> subprocess.CompletedProcess:
-    env = os.environ | {"ALIGNFLOW_HOME": str(workspace)}
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"ALIGNFLOW_HOME": str(workspace)}
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, env=env,
                           timeout=300)
 

@@ -46,7 +46,7 @@ def stop(process: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path):
+def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_env):
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     server_env = os.environ | {"PREFECT_HOME": str(tmp_path / "server-home")}
@@ -60,7 +60,7 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path):
         preset.write_text(f"name: smoke\nschedule_cron: '0 3 * * *'\n"
                           f"ingest:\n  - {{path: {DATA / 'demo' / 'rankings.jsonl'}, source: demo}}\n")
         workspace = tmp_path / "ws"
-        env = os.environ | {"PREFECT_API_URL": api, "ALIGNFLOW_HOME": str(workspace),
+        env = subprocess_env | {"PREFECT_API_URL": api, "ALIGNFLOW_HOME": str(workspace),
                             "PREFECT_HOME": str(tmp_path / "client-home")}
         served = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--config", str(preset)],
                                   stdout=(tmp_path / "serve.log").open("w"), stderr=subprocess.STDOUT, env=env,
