@@ -38,14 +38,15 @@ def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str,
                 continue
             stage_cfg = cfg.resolved(stage, outputs)
             if stage == "sample":
-                outputs["sample"] = sample_flow(stage_cfg)["run_id"]
+                outputs["sample"] = sample_flow(stage_cfg, force="sample" in force)["run_id"]
                 filter_flow("best_of_n", outputs["sample"])
                 filter_flow("west_of_n", outputs["sample"])
                 continue
             outputs[stage] = TRAINING_FLOWS[stage](stage_cfg, force=stage in force)
         rows = []
         for stage in cfg.evaluated:
-            rows += eval_flow(cfg.eval.model_copy(update={"model_path": outputs[stage], "model_name": stage}))
+            rows += eval_flow(cfg.eval.model_copy(update={"model_path": outputs[stage], "model_name": stage}),
+                              force="eval" in force)
         if rows:
             print(compare_task(rows, pipeline_run_id))
         tracking.log_dict(outputs, "outputs.json", run_id=pipeline_run_id)

@@ -6,8 +6,9 @@ from prefect import flow
 
 from pipeline_lib.config import SampleConfig
 from tasks.sampling import sample_task
+from tasks.store import model_fingerprint_task
 
 
 @flow(name="sample", log_prints=True)
-def sample_flow(cfg: SampleConfig) -> dict:
-    return sample_task(cfg)
+def sample_flow(cfg: SampleConfig, force: bool = False) -> dict:
+    return sample_task.with_options(refresh_cache=force)(cfg, model_fingerprint_task(cfg.model_path))

@@ -290,6 +290,9 @@ class GRPOConfig(BaseModel):
     """Only problems whose `source` equals this; None keeps all."""
     split: str = "train"
     """Problems split whose prompts are the rollout prompts."""
+    chat_template: bool = False
+    """Render each problem as one user turn with the tokenizer's chat template (as the SFT stage did);
+    False sends the problem text raw (the demo's `12+34=`)."""
     rewards: tuple[dict[str, str | int | float], ...] = ({"name": "verifier", "weight": 1.0},)
     """Reward specs `{name, weight, **options}` summed per sample (pipeline_lib.rewards.registry):
     `verifier` (1 if correct), `overlong` (DAPO shaping, max_len/cache_len), `reward_model`."""
@@ -414,6 +417,9 @@ class PPOConfig(BaseModel):
     """Only rows whose `source` equals this; None keeps all."""
     split: str = "train"
     """Problems split whose prompts are used (prompts_table problems)."""
+    chat_template: bool = False
+    """Render plain prompts as one user turn with the tokenizer's chat template (as the SFT stage did);
+    pair prompts stored as conversations always use it."""
     max_steps: int = Field(200, ge=1)
     """Rollout steps: each generates a batch, then runs ppo_epochs passes of mini-batch updates."""
     prompts_per_step: int = Field(64, ge=1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import polars as pl
+
 # Files above this size are fingerprinted by (size, mtime) instead of content: hashing the multi-GB
 # weights of a real model on every pipeline run would cost minutes; the tiny model is hashed fully.
 FULL_HASH_LIMIT = 256 * 1024 * 1024
@@ -33,3 +35,11 @@ def content_id(*parts: str) -> str:
     """sha256 hex of the parts joined with the unit separator "\\x1f": the row id of every store table
     (re-ingesting is idempotent) and the key of content-addressed stage dirs."""
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
+
+
+def frame_fingerprint(frame: pl.DataFrame) -> str:
+    """sha256 over a frame's shape, columns and row hashes (polars' seeded row hash: stable within an
+    install, so a polars upgrade at worst recomputes a cached stage once)."""
+    digest = hashlib.sha256(f"{frame.shape}:{frame.columns}".encode())
+    digest.update(frame.hash_rows(seed=0).to_numpy().tobytes())
+    return digest.hexdigest()

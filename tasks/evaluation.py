@@ -10,11 +10,12 @@ from pipeline_lib import tracking
 from pipeline_lib.config import EvalConfig
 from pipeline_lib.evaluation import plot_curves, run_eval_stage
 from pipeline_lib.store.db import open_store
-from tasks.common import current_workspace, run_tags
+from tasks.common import CACHED, current_workspace, run_tags
 
 
-@task(name="evaluate", retries=1, retry_delay_seconds=5)  # sampling resumes where a failed try stopped
-def eval_task(cfg: EvalConfig) -> list[dict]:
+# cached on the config and the model's content; retries: sampling resumes where a failed try stopped
+@task(name="evaluate", retries=1, retry_delay_seconds=5, **CACHED)
+def eval_task(cfg: EvalConfig, model_fingerprint: str) -> list[dict]:
     workspace = current_workspace()
     with tracking.stage_run(workspace, f"eval-{cfg.label}", cfg, tags=run_tags(), echo=False) as log:
         with open_store(workspace.store_path) as store:

@@ -8,12 +8,13 @@ from prefect import task
 from pipeline_lib import tracking
 from pipeline_lib.filters import run_best_of_n_stage, run_dynamic_filter_stage, run_west_of_n_stage
 from pipeline_lib.store.db import open_store
-from tasks.common import current_workspace, retry_on_io, run_tags
+from tasks.common import CACHED, current_workspace, retry_on_io, run_tags
 
 STAGES = {"best_of_n": run_best_of_n_stage, "west_of_n": run_west_of_n_stage, "dynamic": run_dynamic_filter_stage}
 
 
-@task(name="filter", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_on_io)  # store writes
+# cached: a sampling run id names its content; retries: store writes
+@task(name="filter", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_on_io, **CACHED)
 def filter_task(kind: str, run_id: str, group_size: int | None = None) -> dict:
     workspace = current_workspace()
     params = {"kind": kind, "samples_run_id": run_id} | ({"group_size": group_size} if group_size else {})

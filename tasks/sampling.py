@@ -9,14 +9,14 @@ from pipeline_lib import tracking
 from pipeline_lib.config import SampleConfig
 from pipeline_lib.sampling.stage import run_sample_stage
 from pipeline_lib.store.db import open_store
-from tasks.common import current_workspace, run_tags
+from tasks.common import CACHED, current_workspace, run_tags
 
 
 # retries: a vLLM server or the store file can fail transiently; a retry resumes, skipping prompts already
-# written. No Prefect result cache: the store is the cache (a rerun of a finished run writes nothing), and
-# it also sees a model retrained into the same dir, which the config alone does not.
-@task(name="sample", retries=1, retry_delay_seconds=5)
-def sample_task(cfg: SampleConfig) -> dict:
+# written. Cached on the config and the model's content fingerprint (a model retrained into the same dir
+# is a new key); without the cache a rerun would still write nothing (the run id resumes).
+@task(name="sample", retries=1, retry_delay_seconds=5, **CACHED)
+def sample_task(cfg: SampleConfig, model_fingerprint: str) -> dict:
     workspace = current_workspace()
     with tracking.stage_run(workspace, "sample", cfg, tags=run_tags(), echo=False) as log:
         with open_store(workspace.store_path) as store:

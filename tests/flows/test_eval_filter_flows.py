@@ -12,6 +12,7 @@ from pipeline_lib import tracking
 from pipeline_lib.config import EvalConfig
 from pipeline_lib.models import build_tiny_model
 from pipeline_lib.store.db import open_store
+from tasks.filters import filter_task
 
 SAMPLES = pl.DataFrame({
     "run_id": "r1", "prompt_id": ["a"] * 4 + ["b"] * 4 + ["c"] * 4, "sample_idx": [0, 1, 2, 3] * 3,
@@ -52,7 +53,8 @@ def test_filter_flows_on_a_sampling_run(flow_workspace):
     with open_store(flow_workspace.store_path) as store:
         pairs = store.read("preference_pairs", source="west_of_n")
     assert pairs.select("prompt", "chosen", "rejected").row(0) == ("1+1=", "2", "3")
-    assert filter_flow("west_of_n", "r1")["filter/pairs_inserted"] == 0  # idempotent
+    assert filter_flow("west_of_n", "r1") == won  # a cache hit
+    assert filter_task.fn("west_of_n", "r1")["filter/pairs_inserted"] == 0  # and the body is idempotent
 
     bon = filter_flow("best_of_n", "r1")
     assert bon["filter/best_accuracy"] == 2 / 3 and bon["filter/all_accuracy"] == 6 / 12

@@ -43,7 +43,7 @@ def test_sample_flow_writes_samples_and_logs_to_mlflow(flow_workspace, tmp_path)
 
 def test_sample_task_rerun_resumes_and_writes_nothing(flow_workspace, tmp_path):
     cfg = SampleConfig(model_path=_setup(flow_workspace, tmp_path), n=2, max_new_tokens=4, device="cpu")
-    first = sample_task.fn(cfg)
-    second = sample_task.fn(cfg)
+    first = sample_task.fn(cfg, "fingerprint")
+    second = sample_task.fn(cfg, "fingerprint")
     assert first["run_id"] == second["run_id"]
     assert (second["prompts_skipped"], second["rows_written_now"], second["n_rows"]) == (3, 0, 6)

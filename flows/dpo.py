@@ -1,0 +1,16 @@
+"""DPO flow: align a policy on preference pairs against its frozen starting point (`alignflow dpo`)."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from pipeline_lib.config import DPOConfig
+from tasks.training import dpo_task
+from tasks.store import inputs_fingerprint_task
+
+
+@flow(name="dpo", log_prints=True)
+def dpo_flow(cfg: DPOConfig, force: bool = False) -> str:
+    """force: retrain from scratch, even if a cached result exists."""
+    run = dpo_task.with_options(refresh_cache=force)
+    return run(cfg, inputs_fingerprint_task(cfg), force=force)

@@ -1,0 +1,16 @@
+"""Reward-model flow: Bradley-Terry on preference pairs or Plackett-Luce on rankings (`alignflow rm`)."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from pipeline_lib.config import RMConfig
+from tasks.training import rm_task
+from tasks.store import inputs_fingerprint_task
+
+
+@flow(name="rm", log_prints=True)
+def rm_flow(cfg: RMConfig, force: bool = False) -> str:
+    """force: retrain from scratch, even if a cached result exists."""
+    run = rm_task.with_options(refresh_cache=force)
+    return run(cfg, inputs_fingerprint_task(cfg), force=force)

@@ -1,0 +1,16 @@
+"""SFT flow: fine-tune a policy on gold answers, preferred responses or a Best-of-N selection (`alignflow sft`)."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from pipeline_lib.config import SFTConfig
+from tasks.training import sft_task
+from tasks.store import inputs_fingerprint_task
+
+
+@flow(name="sft", log_prints=True)
+def sft_flow(cfg: SFTConfig, force: bool = False) -> str:
+    """force: retrain from scratch, even if a cached result exists."""
+    run = sft_task.with_options(refresh_cache=force)
+    return run(cfg, inputs_fingerprint_task(cfg), force=force)

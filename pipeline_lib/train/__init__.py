@@ -1,0 +1,1 @@
+"""Training stages: shared loop helpers (common.py) and one explicit loop per stage."""

@@ -1,0 +1,275 @@
+"""What every training loop shares: seeding, device/dtype, optimizer and schedule, DDP, seeded data order,
+atomic checkpoint save/resume, the NaN guard and the final atomic model save.
+
+Loops stay explicit (STYLE.md §3); these helpers only remove copies of the same plumbing."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipeline_lib.errors import AlignflowError
+
+CHECKPOINT_DIR = "checkpoint"
+FINAL_MARKER = "alignflow_final.json"
+
+
+class NonFiniteLossError(AlignflowError):
+    """Loss became NaN/inf: the stage stops without writing a final model."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA; nothing on CPU (tiny fp32 models are faster without it)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def make_optimizer(params, *, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999)) -> torch.optim.Optimizer:
+    trainable = [p for p in params if p.requires_grad]
+    return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=betas)
+
+
+def make_scheduler(
+    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int, kind: str = "cosine"
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then `constant`, `linear` decay to 0 or `cosine` decay to 10%."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if kind == "constant":
+            return 1.0
+        if kind == "linear":
+            return 1.0 - progress
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def check_finite(loss: Tensor, step: int, name: str = "train/loss") -> None:
+    """The NaN guard: one-line error naming the step."""
+    if not torch.isfinite(loss).all():
+        raise NonFiniteLossError(f"{name} is {loss.item()} at step {step}; stopping, no final model written")
+
+
+def clip_gradients(model: nn.Module, max_norm: float | None) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    if max_norm is None:
+        return float(torch.norm(torch.stack([p.grad.detach().norm() for p in params])))
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+# ---- distributed (torchrun); a single process is world_size 1
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def shard(self, indices: list[int]) -> list[int]:
+        """This rank's slice of a global batch (every rank sees a disjoint, equal-sized part)."""
+        return indices[self.rank :: self.world_size]
+
+    def all_reduce_mean(self, value: Tensor) -> Tensor:
+        if not self.enabled:
+            return value
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value / self.world_size
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+
+def mean_over_ranks(ctx: Dist, values: dict[str, Tensor]) -> dict[str, float]:
+    """Scalar stats averaged over ranks with one all-reduce (every rank gets the same numbers)."""
+    keys = sorted(values)
+    stacked = torch.stack([values[k].detach().float().reshape(()) for k in keys])
+    return dict(zip(keys, ctx.all_reduce_mean(stacked).tolist()))
+
+
+def init_distributed() -> Dist:
+    """Join the torchrun process group (gloo on CPU, NCCL on CUDA) when launched under torchrun."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return Dist()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    return Dist(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank)
+
+
+def wrap_model(model: nn.Module, ctx: Dist) -> nn.Module:
+    """DDP under torchrun; the model itself otherwise.
+
+    broadcast_buffers=False: with it every forward is a collective, and the loops run a different number of
+    forwards per rank (one per length bucket), which deadlocks; the buffers (rotary tables) never change."""
+    if not ctx.enabled:
+        return model
+    device_ids = [ctx.local_rank] if torch.cuda.is_available() else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def check_in_sync(model: nn.Module, ctx: Dist) -> None:
+    """Raise if the ranks' parameters differ: DDP keeps them bit-identical, so any gap is a bug, not noise."""
+    if not ctx.enabled:
+        return
+    params = [p.detach().double() for p in unwrap(model).parameters()]
+    checksum = torch.stack([sum(p.sum() for p in params), sum(p.abs().sum() for p in params)])
+    gathered = [torch.zeros_like(checksum) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, checksum)
+    if any(not torch.equal(g, gathered[0]) for g in gathered):
+        sums = ", ".join(f"rank {r}: {float(g[0]):.17g}" for r, g in enumerate(gathered))
+        raise AlignflowError(f"ranks out of sync after training (parameter sums {sums})")
+
+
+# ---- seeded data order
+
+
+def epoch_order(n_items: int, *, seed: int, epoch: int) -> list[int]:
+    """The permutation of an epoch: a pure function of (seed, epoch), so a resumed run replays it."""
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n_items, generator=generator).tolist()
+
+
+def batches(n_items: int, batch_size: int, *, seed: int, start_step: int = 0) -> Iterator[tuple[int, list[int]]]:
+    """Endless (step, indices) over seeded epochs, starting at `start_step` (the resume point).
+
+    Incomplete tail batches are dropped so every step has the same size."""
+    per_epoch = n_items // batch_size
+    if per_epoch == 0:
+        raise AlignflowError(f"batch_size {batch_size} is larger than the dataset ({n_items} rows)")
+    step = start_step
+    while True:
+        epoch, offset = divmod(step, per_epoch)
+        order = epoch_order(n_items, seed=seed, epoch=epoch)
+        yield step, order[offset * batch_size : (offset + 1) * batch_size]
+        step += 1
+
+
+# ---- checkpoints
+
+
+def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, scheduler=None,
+                    extra: dict | None = None) -> Path:
+    """Write model, optimizer, scheduler, RNG states and the step to `out_dir/checkpoint` atomically.
+
+    The checkpoint is written to a temp dir and renamed over the previous one: a crash mid-write leaves the
+    previous checkpoint intact."""
+    final = out_dir / CHECKPOINT_DIR
+    tmp = out_dir / f".{CHECKPOINT_DIR}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {
+        "model": unwrap(model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "extra": extra or {},
+    }
+    torch.save(state, tmp / "state.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+    python_state = random.getstate()
+    (tmp / "python_rng.json").write_text(json.dumps([python_state[0], list(python_state[1]), python_state[2]]))
+    old = out_dir / f".{CHECKPOINT_DIR}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=None) -> tuple[int, dict] | None:
+    """Restore the latest checkpoint in `out_dir` (if any) into model/optimizer/scheduler and the RNGs.
+
+    Returns (step, extra) — the loop continues at `step` — or None for a fresh start."""
+    ckpt = out_dir / CHECKPOINT_DIR
+    if not (ckpt / "trainer_state.json").exists():
+        old = out_dir / f".{CHECKPOINT_DIR}.old"  # crash between the two renames of save_checkpoint
+        if not (old / "trainer_state.json").exists():
+            return None
+        ckpt = old
+    # weights_only: our own file, but never unpickle arbitrary objects (DESIGN.md reliability rules)
+    state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+    unwrap(model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"]:
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    version, internal, gauss = json.loads((ckpt / "python_rng.json").read_text())
+    random.setstate((version, tuple(internal), gauss))
+    step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+    return step, state["extra"]
+
+
+def save_final(model: nn.Module, tokenizer, out_dir: Path, *, metrics: dict | None = None) -> Path:
+    """Atomically write the final HF-style model dir (safetensors) as `out_dir/final`; drop the checkpoint."""
+    final = out_dir / "final"
+    tmp = out_dir / ".final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    # no safe_serialization flag: transformers 5 always writes safetensors, and RewardModel.save_pretrained
+    # (a plain nn.Module with the same method) does not take it
+    unwrap(model).save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    (tmp / FINAL_MARKER).write_text(json.dumps({"metrics": metrics or {}}, indent=2))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    shutil.rmtree(out_dir / CHECKPOINT_DIR, ignore_errors=True)
+    return final
+
+
+def final_metrics(final: Path) -> dict[str, float]:
+    """The metrics a finished stage stored beside its final model (empty if the dir is not a final model)."""
+    marker = Path(final) / FINAL_MARKER
+    return json.loads(marker.read_text())["metrics"] if marker.is_file() else {}

@@ -1,0 +1,313 @@
+"""Rows -> training tensors for the SFT, RM and DPO loops: prompt rendering (raw text or the chat template),
+tokenization once per dataset, left-padded batches with a completion mask, the seeded held-out split, and
+the `--config run.json` file that the loop modules' `__main__` read (`torchrun -m pipeline_lib.train.dpo`)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import polars as pl
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from pipeline_lib.config import validate_config
+from pipeline_lib.errors import AlignflowError
+from pipeline_lib.fingerprint import content_id, fingerprint_path, frame_fingerprint
+from pipeline_lib.models.loading import resolve_model_dir
+
+C = TypeVar("C", bound=BaseModel)
+LogFn = Callable[[Mapping[str, float], int], None]
+
+
+class TrainDataError(AlignflowError, ValueError):
+    """Training rows that cannot be used (missing column, empty data), in one line."""
+
+
+# tracking.py has the same two loggers; these copies keep mlflow (~5 s of imports) out of torchrun workers.
+def skip_log(metrics: Mapping[str, float], step: int) -> None:
+    """The default logger: drops everything (flows inject the MLflow one from tracking.stage_run)."""
+
+
+def echo_log(metrics: Mapping[str, float], step: int) -> None:
+    """One human line per step, for `python -m pipeline_lib.train.<stage>`."""
+    print(f"step {step} | " + " | ".join(f"{k} {float(v):.4g}" for k, v in metrics.items()), flush=True)
+
+
+# ---- prompts
+
+
+def _prompt_messages(raw: str | list | dict, row: int) -> list[dict]:
+    """The prompt turns of a stored conversation: a message list, or the `prompt` list of a {prompt, chosen,
+    rejected} object (preference_pairs.prompt_messages)."""
+    value = json.loads(raw) if isinstance(raw, str) else raw
+    if isinstance(value, dict):
+        value = value.get("prompt")
+    if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
+        raise TrainDataError(f"prompt_messages[{row}]: expected a JSON list of {{role, content}} messages")
+    return value
+
+
+def render_prompts(tokenizer: PreTrainedTokenizerBase, frame: pl.DataFrame) -> tuple[list[str], list[bool]]:
+    """Prompt text per row and whether it came from the chat template.
+
+    A row with `prompt_messages` is rendered with the tokenizer's chat template (assistant turn opened)
+    when the tokenizer has one; other rows keep their raw `prompt` (`12+34=`)."""
+    prompts = frame["prompt"].to_list()
+    messages = frame["prompt_messages"].to_list() if "prompt_messages" in frame.columns else [None] * len(prompts)
+    use_template = getattr(tokenizer, "chat_template", None) is not None
+    texts, templated = [], []
+    for row, (prompt, raw) in enumerate(zip(prompts, messages)):
+        if raw is not None and use_template:
+            rendered = tokenizer.apply_chat_template(_prompt_messages(raw, row), add_generation_prompt=True,
+                                                     tokenize=False)
+            texts.append(rendered)
+            templated.append(True)
+        else:
+            texts.append(prompt)
+            templated.append(False)
+    return texts, templated
+
+
+# ---- tokenization, once per dataset
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """Token ids of (prompt, completion) rows; completions end with eos."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def completion_tokens(self, indices: Sequence[int]) -> int:
+        return sum(len(self.completion_ids[i]) for i in indices)
+
+    def fingerprint(self) -> str:
+        """sha256 of every id: changes with the data, the tokenizer, the template or the truncation."""
+        digest = hashlib.sha256()
+        for prompt, completion in zip(self.prompt_ids, self.completion_ids):
+            digest.update(json.dumps([prompt, completion]).encode())
+        return digest.hexdigest()
+
+
+def encode(
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    *,
+    max_length: int,
+    templated: Sequence[bool] | None = None,
+) -> Encoded:
+    """Tokenize prompts and completions separately (the completion mask is exact) and append eos.
+
+    Raw prompts get the tokenizer's special tokens (bos for most LMs), as the samplers do; chat-template
+    prompts already hold them. Rows over `max_length` lose prompt tokens from the left, then (a completion
+    alone too long) completion tokens from the right."""
+    if len(prompts) != len(completions):
+        raise TrainDataError(f"{len(prompts)} prompts but {len(completions)} completions")
+    if not prompts:
+        raise TrainDataError("no training rows: the selected table/split/source is empty")
+    if tokenizer.eos_token_id is None:
+        raise TrainDataError("tokenizer: has no eos token to end completions with")
+    templated = list(templated) if templated is not None else [False] * len(prompts)
+    prompt_ids: list[list[int]] = [[] for _ in prompts]
+    for from_template in (False, True):
+        rows = [i for i, flag in enumerate(templated) if flag == from_template]
+        if rows:
+            ids = tokenizer([prompts[i] for i in rows], add_special_tokens=not from_template)["input_ids"]
+            for i, row_ids in zip(rows, ids):
+                prompt_ids[i] = row_ids
+    completion_ids = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    out_prompts, out_completions = [], []
+    for prompt, completion in zip(prompt_ids, completion_ids):
+        completion = (completion + [eos])[: max_length - 1]
+        room = max_length - len(completion)  # >= 1: a completion never fills the whole row
+        out_prompts.append(prompt[-room:] if len(prompt) > room else prompt)
+        out_completions.append(completion)
+    return Encoded(out_prompts, out_completions)
+
+
+def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, max_length: int) -> Encoded:
+    """Whole texts (prompt + response) tokenized the way rewards.model.RewardModelScorer reads them at scoring
+    time: the tokenizer's own special tokens, no eos appended, cut from the left. Held as prompts with empty
+    completions (a reward model has no completion mask)."""
+    if not texts:
+        raise TrainDataError("no training rows: the selected table/source is empty")
+    ids = [row[-max_length:] for row in tokenizer(list(texts), add_special_tokens=True)["input_ids"]]
+    empty = next((i for i, row in enumerate(ids) if not row), None)
+    if empty is not None:
+        raise TrainDataError(f"texts[{empty}]: tokenizes to no tokens")
+    return Encoded(ids, [[] for _ in ids])
+
+
+def encode_frame(tokenizer: PreTrainedTokenizerBase, frame: pl.DataFrame, completion_column: str, *,
+                 max_length: int) -> Encoded:
+    """`encode` over a frame's rendered prompts and one completion column."""
+    require_columns(frame, ["prompt", completion_column], "training rows")
+    prompts, templated = render_prompts(tokenizer, frame)
+    return encode(tokenizer, prompts, frame[completion_column].cast(pl.Utf8).to_list(), max_length=max_length,
+                  templated=templated)
+
+
+def require_columns(frame: pl.DataFrame, columns: Sequence[str], what: str) -> None:
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise TrainDataError(f"{what}: missing column(s) {missing}; got {frame.columns}")
+
+
+# ---- batches
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: Tensor  # (B, T)
+    attention_mask: Tensor  # (B, T) 1 = real token
+    completion_mask: Tensor  # (B, T) 1 = completion token (the loss is taken there)
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.completion_mask.to(device))
+
+
+def collate(encoded: Encoded, indices: Sequence[int], *, pad_id: int) -> Batch:
+    """Left-padded (B, T) tensors for rows `indices`; no padding at all when their lengths are equal."""
+    rows = [encoded.prompt_ids[i] + encoded.completion_ids[i] for i in indices]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    completion_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, (i, ids) in enumerate(zip(indices, rows)):
+        start = width - len(ids)
+        input_ids[r, start:] = torch.tensor(ids)
+        attention_mask[r, start:] = 1
+        completion_mask[r, width - len(encoded.completion_ids[i]):] = 1
+    return Batch(input_ids, attention_mask, completion_mask)
+
+
+def length_buckets(lengths: Sequence[int], *, ratio: float = 1.5) -> list[list[int]]:
+    """Positions sorted by length, cut where a row is over `ratio` x its bucket's shortest: each bucket pads
+    little (a batch of 9-token answers and 75-token non-answers becomes two forwards, not one 75-wide)."""
+    buckets: list[list[int]] = []
+    for k in sorted(range(len(lengths)), key=lambda k: lengths[k]):
+        if not buckets or lengths[k] > ratio * lengths[buckets[-1][0]]:
+            buckets.append([])
+        buckets[-1].append(k)
+    return buckets
+
+
+def per_row(fn: Callable[[Batch], Tensor], encoded: Encoded, rows: Sequence[int], *, pad_id: int,
+            device: torch.device) -> Tensor:
+    """`fn(batch) -> (R,)` over `rows` in length buckets; results (len(rows),) in the order of `rows`.
+
+    A row's value does not depend on its batch mates (positions come from the attention mask), so
+    bucketing changes the cost, not the result; gradients flow through."""
+    buckets = length_buckets([len(encoded.prompt_ids[r]) + len(encoded.completion_ids[r]) for r in rows])
+    outputs = [fn(collate(encoded, [rows[k] for k in bucket], pad_id=pad_id).to(device)) for bucket in buckets]
+    order = torch.tensor([k for bucket in buckets for k in bucket], device=device)
+    return torch.cat(outputs)[torch.argsort(order)]
+
+
+def micro_batches(indices: Sequence[int], n_micro: int) -> list[list[int]]:
+    """Split a rank's share of the step into `n_micro` equal micro-batches (gradient accumulation)."""
+    if len(indices) % n_micro:
+        raise TrainDataError(f"{len(indices)} rows per rank is not a multiple of grad_accum_steps {n_micro}")
+    size = len(indices) // n_micro
+    return [list(indices[k * size:(k + 1) * size]) for k in range(n_micro)]
+
+
+def holdout_split(n_items: int, fraction: float, *, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded (train, held_out) index lists; at least one item on each side."""
+    if n_items < 2:
+        raise TrainDataError(f"need at least 2 rows to hold some out, got {n_items}")
+    order = torch.randperm(n_items, generator=torch.Generator().manual_seed(seed + 7_919)).tolist()
+    n_eval = min(n_items - 1, max(1, round(n_items * fraction)))
+    return sorted(order[n_eval:]), sorted(order[:n_eval])
+
+
+def stage_dir(models_dir: Path, stage: str, cfg: BaseModel, model_path: str, *frames: pl.DataFrame) -> Path:
+    """`models_dir/<stage>/<hash of config + starting model files + data>`: the same inputs land in the same
+    dir, so a killed run resumes from its checkpoint and a finished one is returned as it is; a retrained
+    starting model (same path, new weights) gets a new dir."""
+    key = content_id(cfg.model_dump_json(), fingerprint_path(resolve_model_dir(model_path)),
+                     *(frame_fingerprint(frame) for frame in frames))
+    return Path(models_dir) / stage / key[:16]
+
+
+# ---- the run file of `python -m pipeline_lib.train.<stage> --config run.json` (and torchrun)
+
+
+class RunFile(BaseModel):
+    """`{"config": {...stage config...}, "data": {"rows": "rows.parquet"}, "out_dir": "...", "options": {}}`;
+    data paths are parquet/jsonl files, relative to the run file; options are extra keyword arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: dict
+    data: dict[str, str]
+    out_dir: str
+    options: dict[str, str] = {}
+
+
+def write_run_file(path: str | Path, cfg: BaseModel, frames: Mapping[str, pl.DataFrame], out_dir: str | Path,
+                   **options: str) -> Path:
+    """Write the frames as parquet beside `path` and the run file itself; returns `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {}
+    for name, frame in frames.items():
+        file = path.with_name(f"{path.stem}.{name}.parquet")
+        frame.write_parquet(file)
+        data[name] = file.name
+    run = RunFile(config=cfg.model_dump(mode="json"), data=data, out_dir=str(out_dir),
+                  options={k: str(v) for k, v in options.items()})
+    path.write_text(run.model_dump_json(indent=2))
+    return path
+
+
+def read_run_file(path: str | Path, config_cls: type[C]) -> tuple[C, dict[str, pl.DataFrame], Path, dict[str, str]]:
+    """(config, frames, out_dir, options) of a run file; one-line errors name the file and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise TrainDataError(f"{path}: run file not found")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TrainDataError(f"{path}: invalid JSON ({exc})") from None
+    run = validate_config(RunFile, raw, origin=str(path))
+    cfg = validate_config(config_cls, run.config, origin=f"{path}: config")
+    frames = {}
+    for name, file in run.data.items():
+        data_path = path.parent / file
+        if not data_path.is_file():
+            raise TrainDataError(f"{path}: data.{name}: {data_path} not found")
+        frames[name] = pl.read_parquet(data_path) if data_path.suffix == ".parquet" else pl.read_ndjson(data_path)
+    return cfg, frames, Path(run.out_dir), run.options
+
+
+def run_main(config_cls: type[C], train: Callable[..., Path], argv: Sequence[str] | None = None) -> None:
+    """`--config run.json` -> train(cfg, **frames, out_dir=, log=echo_log, **options); one-line errors, exit 2."""
+    parser = argparse.ArgumentParser(description=train.__doc__)
+    parser.add_argument("--config", required=True, help="run file: stage config + data paths + out_dir")
+    args = parser.parse_args(argv)
+    try:
+        cfg, frames, out_dir, options = read_run_file(args.config, config_cls)
+        final = train(cfg, **frames, out_dir=out_dir, log=echo_log, **options)
+    except AlignflowError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    print(f"final model: {final}", flush=True)

@@ -1,0 +1,250 @@
+"""Direct Preference Optimization: reference log-probs computed once per dataset (batched, cached on disk by
+reference weights + data fingerprint), an explicit loop over pairs, optional LoRA policy through peft whose
+reference is the same model with its adapters disabled; eval on held-out pairs before and after."""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import polars as pl
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from pipeline_lib.config import DPOConfig
+from pipeline_lib.fingerprint import content_id, fingerprint_path
+from pipeline_lib.losses import dpo_loss
+from pipeline_lib.models import completion_logprob_sums, load_policy, load_tokenizer
+from pipeline_lib.models.loading import resolve_model_dir
+from pipeline_lib.store.db import Store
+from pipeline_lib.train.common import (
+    FINAL_MARKER,
+    Dist,
+    autocast,
+    batches,
+    check_finite,
+    check_in_sync,
+    clip_gradients,
+    init_distributed,
+    load_checkpoint,
+    make_optimizer,
+    make_scheduler,
+    mean_over_ranks,
+    resolve_device,
+    save_checkpoint,
+    save_final,
+    seed_everything,
+    unwrap,
+    wrap_model,
+)
+from pipeline_lib.train.data import (
+    Encoded,
+    LogFn,
+    collate,
+    encode,
+    holdout_split,
+    micro_batches,
+    per_row,
+    render_prompts,
+    require_columns,
+    run_main,
+    skip_log,
+)
+
+
+def load_dpo_data(store: Store, cfg: DPOConfig) -> pl.DataFrame:
+    """preference_pairs from the store, optionally one source (e.g. West-of-N pairs of a sampling run)."""
+    return store.read("preference_pairs", **({"source": cfg.source} if cfg.source else {}))
+
+
+def encode_pairs(tokenizer, pairs: pl.DataFrame, *, max_length: int) -> Encoded:
+    """Row 2i is pair i's prompt + chosen, row 2i+1 its prompt + rejected."""
+    require_columns(pairs, ["prompt", "chosen", "rejected"], "dpo pairs")
+    prompts, templated = render_prompts(tokenizer, pairs)
+    completions = [text for pair in zip(pairs["chosen"].to_list(), pairs["rejected"].to_list()) for text in pair]
+    return encode(tokenizer, [p for p in prompts for _ in range(2)], completions, max_length=max_length,
+                  templated=[t for t in templated for _ in range(2)])
+
+
+def pair_rows(pair_ids: list[int]) -> list[int]:
+    return [row for i in pair_ids for row in (2 * i, 2 * i + 1)]
+
+
+@torch.no_grad()
+def logprob_sums(model: nn.Module, encoded: Encoded, rows: list[int], *, pad_id: int, device: torch.device,
+                 batch_size: int) -> Tensor:
+    """log π(y|x) of `rows` without gradients, batched over rows sorted by length (little padding)."""
+    model.eval()
+    lengths = [len(encoded.prompt_ids[r]) + len(encoded.completion_ids[r]) for r in rows]
+    order = sorted(range(len(rows)), key=lambda k: lengths[k])
+    out = torch.zeros(len(rows), dtype=torch.float32)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        batch = collate(encoded, [rows[k] for k in chunk], pad_id=pad_id).to(device)
+        with autocast(device):
+            sums = completion_logprob_sums(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+        out[chunk] = sums.float().cpu()
+    model.train()
+    return out
+
+
+def weights_fingerprint(model_path: str | Path) -> str:
+    """Fingerprint of a model dir's safetensors files (names and bytes; size + mtime past 256 MB)."""
+    files = sorted(resolve_model_dir(model_path).glob("*.safetensors"))
+    return content_id(*(f"{file.name}:{fingerprint_path(file)}" for file in files))
+
+
+def reference_logps(model: nn.Module, encoded: Encoded, *, policy_path: str, cache_dir: Path, pad_id: int,
+                    device: torch.device, batch_size: int, ctx: Dist) -> Tensor:
+    """log π_ref(y|x) of every row, computed once and cached at cache_dir/ref_logps/<key>.safetensors.
+
+    The key hashes the reference weights, the tokenized data and the numeric setting (device type, dtype),
+    so a rerun, a resumed run or another stage on the same data reuses the file. Rank 0 computes and writes
+    (atomically); every rank then reads the same file. A peft model is evaluated with its adapters
+    disabled: that is the reference, without a second copy of the weights."""
+    dtype = "bf16" if device.type == "cuda" else "fp32"
+    key = content_id(weights_fingerprint(policy_path), encoded.fingerprint(), device.type, dtype)
+    path = Path(cache_dir) / "ref_logps" / f"{key[:32]}.safetensors"
+    if ctx.is_main and not path.is_file():
+        adapters_off = model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext()
+        with adapters_off:
+            logps = logprob_sums(model, encoded, list(range(len(encoded))), pad_id=pad_id, device=device,
+                                 batch_size=batch_size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_file({"logps": logps.contiguous()}, str(tmp))
+        os.replace(tmp, path)
+    ctx.barrier()
+    return load_file(str(path))["logps"]  # (2N,)
+
+
+def preference_eval(model: nn.Module, encoded: Encoded, ref: Tensor, pair_ids: list[int], *, beta: float,
+                    pad_id: int, device: torch.device, batch_size: int) -> dict[str, float]:
+    """Held-out pairs: how often the policy prefers chosen (log π(y_w) > log π(y_l)), by how much, the DPO loss."""
+    rows = pair_rows(pair_ids)
+    logps = logprob_sums(model, encoded, rows, pad_id=pad_id, device=device, batch_size=batch_size).view(-1, 2)
+    ref_logps = ref[rows].view(-1, 2)
+    loss, stats = dpo_loss(logps[:, 0], logps[:, 1], ref_logps[:, 0], ref_logps[:, 1], beta=beta)
+    return {
+        "eval/pref_accuracy": float((logps[:, 0] > logps[:, 1]).float().mean()),
+        "eval/logp_margin": float((logps[:, 0] - logps[:, 1]).mean()),
+        "eval/loss": float(loss),
+        "eval/rewards_accuracy": float(stats["rewards/accuracies"]),
+    }
+
+
+def add_lora(model: nn.Module, cfg: DPOConfig) -> nn.Module:
+    """Wrap the policy with trainable LoRA adapters (peft imported here: it costs seconds to import)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = skip_log, *,
+              cache_dir: Path | str | None = None) -> Path:
+    """DPO on `pairs` (prompt, chosen, rejected[, prompt_messages]); reference = the starting policy.
+
+    Reference log-probs are cached under `cache_dir` (default `out_dir/cache`). A seeded `cfg.eval_fraction`
+    of the pairs is held out. Returns `out_dir/final` (merged weights with LoRA); resumes from a checkpoint."""
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    if (out_dir / "final" / FINAL_MARKER).is_file():
+        return out_dir / "final"  # finished earlier: a rerun has nothing to resume
+    ctx = init_distributed()
+    seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    tokenizer = load_tokenizer(cfg.policy_path, trust_remote_code=cfg.trust_remote_code)
+    model = load_policy(cfg.policy_path, dtype="float32", device=device, trust_remote_code=cfg.trust_remote_code)
+    model.config.use_cache = False
+    if cfg.lora_r:
+        model = add_lora(model, cfg)
+    model.train()
+    encoded = encode_pairs(tokenizer, pairs, max_length=cfg.max_length)
+    train_ids, eval_ids = holdout_split(pairs.height, cfg.eval_fraction, seed=cfg.seed)
+    if cfg.batch_size % (ctx.world_size * cfg.grad_accum_steps):
+        raise ValueError(f"batch_size {cfg.batch_size}: expected a multiple of world size {ctx.world_size} "
+                         f"x grad_accum_steps {cfg.grad_accum_steps}")
+    pad_id = tokenizer.pad_token_id
+    ref = reference_logps(model, encoded, policy_path=cfg.policy_path, cache_dir=Path(cache_dir or out_dir / "cache"),
+                          pad_id=pad_id, device=device, batch_size=cfg.ref_batch_size, ctx=ctx)  # (2N,)
+    optimizer = make_optimizer(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
+                               kind=cfg.lr_schedule)
+    resumed = load_checkpoint(out_dir, model=model, optimizer=optimizer, scheduler=scheduler)
+    start_step, extra = resumed if resumed else (0, {})
+    ddp_model = wrap_model(model, ctx)
+
+    def evaluate() -> dict[str, float]:
+        return preference_eval(model, encoded, ref, eval_ids, beta=cfg.beta, pad_id=pad_id, device=device,
+                               batch_size=cfg.ref_batch_size)
+
+    # the start's held-out numbers travel in the checkpoint, so a resumed run still reports before/after
+    before = extra.get("eval_start") or (evaluate() if ctx.is_main else {})
+    if start_step == 0 and ctx.is_main:
+        log(before, 0)
+    metrics: dict[str, float] = {}
+
+    for step, positions in batches(len(train_ids), cfg.batch_size, seed=cfg.seed, start_step=start_step):
+        if step >= cfg.max_steps:
+            break
+        # ---- batch: this rank's pairs, chosen and rejected side by side in one forward
+        local = [train_ids[p] for p in ctx.shard(positions)]
+        chunks = micro_batches(local, cfg.grad_accum_steps)
+        step_stats: dict[str, Tensor] = {}
+        for k, micro in enumerate(chunks):
+            rows = pair_rows(micro)
+            ref_logps = ref[rows].to(device).view(-1, 2)  # (B, 2): chosen, rejected
+            sync = nullcontext() if k == len(chunks) - 1 or not ctx.enabled else ddp_model.no_sync()
+            with sync:
+                with autocast(device):
+                    logps = per_row(lambda batch: completion_logprob_sums(
+                        ddp_model, batch.input_ids, batch.attention_mask, batch.completion_mask).float(),
+                        encoded, rows, pad_id=pad_id, device=device).view(-1, 2)  # (B, 2)
+                # ---- loss
+                loss, stats = dpo_loss(logps[:, 0], logps[:, 1], ref_logps[:, 0], ref_logps[:, 1],
+                                       beta=cfg.beta, label_smoothing=cfg.label_smoothing)
+                # mean over the micro-batch, weighted so the DDP average of the sums is the global-batch mean
+                (loss * len(micro) / len(positions) * ctx.world_size).backward()
+            for key, value in {"train/loss": loss, **stats}.items():
+                step_stats[key] = step_stats.get(key, 0.0) + value.detach() / len(chunks)
+        reduced = mean_over_ranks(ctx, step_stats)
+        check_finite(torch.tensor(reduced["train/loss"]), step)
+
+        # ---- update
+        grad_norm = clip_gradients(model, cfg.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # ---- log (and checkpoint)
+        done = step + 1
+        metrics = {**reduced, "train/grad_norm": grad_norm, "train/lr": lr}
+        if ctx.is_main and (done % cfg.log_every == 0 or done == cfg.max_steps):
+            log(metrics, done)
+        if ctx.is_main and cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.max_steps:
+            log(evaluate(), done)
+        if ctx.is_main and done % cfg.save_every == 0 and done < cfg.max_steps:
+            save_checkpoint(out_dir, step=done, model=model, optimizer=optimizer, scheduler=scheduler,
+                            extra={"eval_start": before})
+
+    check_in_sync(model, ctx)
+    final = out_dir / "final"
+    if ctx.is_main:
+        after = evaluate()
+        log(after, cfg.max_steps)
+        metrics.update({**after, **{f"{k}_start": v for k, v in before.items()},
+                        "train/seconds": time.perf_counter() - started})
+        policy = unwrap(model)
+        final = save_final(policy.merge_and_unload() if cfg.lora_r else policy, tokenizer, out_dir, metrics=metrics)
+    ctx.barrier()
+    return final
+
+
+if __name__ == "__main__":
+    run_main(DPOConfig, train_dpo)

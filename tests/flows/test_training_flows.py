@@ -1,0 +1,106 @@
+"""SFT, reward-model and DPO stages through all three layers: flows under the Prefect harness read the store,
+train a tiny model for a few steps, and leave an MLflow run with metrics, the model artifact and the config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from flows.dpo import dpo_flow
+from flows.rm import rm_flow
+from flows.sft import sft_flow
+from pipeline_lib import tracking
+from pipeline_lib.config import DPOConfig, RMConfig, SFTConfig
+from pipeline_lib.models import RewardModel, build_tiny_model, load_policy
+from pipeline_lib.store.db import open_store
+from pipeline_lib.train.common import final_metrics
+from tasks.training import sft_task
+
+FAST = dict(max_steps=2, batch_size=4, log_every=1, device="cpu")
+
+
+def fill_store(workspace) -> None:
+    """Problems, pairs (one conversational) and rankings, as ingest would leave them."""
+    problems = pl.DataFrame({
+        "problem_id": [f"p{i}" for i in range(12)], "source": "demo",
+        "split": ["train"] * 8 + ["test"] * 4,
+        "prompt": [f"{i:02d}+{i + 3:02d}=" for i in range(12)], "answer": [str(2 * i + 3) for i in range(12)],
+    })
+    pairs = pl.DataFrame({
+        "pair_id": [f"q{i}" for i in range(10)], "source": "demo",
+        "prompt": [f"{i:02d}+01=" for i in range(10)], "chosen": [str(i + 1) for i in range(10)],
+        "rejected": [str(i + 2) for i in range(9)] + ["no idea"],
+        "prompt_messages": [None] * 9 + [json.dumps({"prompt": [{"role": "user", "content": "09+01="}]})],
+    })
+    rankings = pl.DataFrame({
+        "ranking_id": [f"r{i}" for i in range(10)], "source": "demo", "prompt": [f"{i:02d}+02=" for i in range(10)],
+        "responses": [[str(i + 2), str(i + 3), "no idea"] for i in range(10)], "ranks": [[1, 2, 3]] * 10,
+    })
+    with open_store(workspace.store_path) as store:
+        store.insert_new("problems", problems)
+        store.insert_new("preference_pairs", pairs)
+        store.insert_new("rankings", rankings)
+
+
+@pytest.fixture
+def tiny(flow_workspace, tmp_path) -> str:
+    fill_store(flow_workspace)
+    return str(build_tiny_model(tmp_path / "tiny", ["0123456789+=", "no idea"], hidden_size=64, num_heads=2,
+                                intermediate_size=128))
+
+
+def the_run(workspace, stage: str):
+    runs = tracking.find_runs(workspace, f"tags.`alignflow.stage` = '{stage}'")
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED" and run.data.tags["prefect.flow_run_id"]
+    artifacts = Path(run.info.artifact_uri.removeprefix("file://"))
+    return run, artifacts
+
+
+def test_sft_flow_trains_on_problems_and_logs_to_mlflow(flow_workspace, tiny):
+    final = Path(sft_flow(SFTConfig(model_path=tiny, **FAST)))
+    assert final.parent.parent == flow_workspace.models_dir / "sft" and final.name == "final"
+    load_policy(final, device="cpu")
+    run, artifacts = the_run(flow_workspace, "sft")
+    assert {"train/loss", "train/grad_norm", "train/lr", "eval/loss"} <= set(run.data.metrics)
+    assert run.data.params["max_steps"] == "2" and run.data.params["data"] == "problems"
+    assert (artifacts / "model" / "model.safetensors").is_file() and (artifacts / "config.json").is_file()
+
+
+def test_sft_task_rerun_returns_the_finished_model(flow_workspace, tiny):
+    cfg = SFTConfig(model_path=tiny, data="pairs", **FAST)
+    first = sft_task.fn(cfg)
+    stamp = (Path(first) / "model.safetensors").stat().st_mtime_ns
+    assert sft_task.fn(cfg) == first  # same config + data: same dir, nothing retrained
+    assert (Path(first) / "model.safetensors").stat().st_mtime_ns == stamp
+    other = sft_task.fn(cfg.model_copy(update={"seed": 1}))
+    assert other != first
+
+
+def test_rm_flow_reports_held_out_accuracy(flow_workspace, tiny):
+    final = Path(rm_flow(RMConfig(model_path=tiny, eval_fraction=0.2, **FAST)))
+    RewardModel.from_pretrained(final, device="cpu")
+    run, artifacts = the_run(flow_workspace, "rm")
+    assert {"train/loss", "rewards/margins", "rewards/accuracies", "eval/rm_accuracy"} <= set(run.data.metrics)
+    assert 0.0 <= run.data.metrics["eval/rm_accuracy"] <= 1.0
+    assert final_metrics(final)["eval/n_groups"] == 2  # 20% of 10 pairs
+    assert (artifacts / "model" / "reward_head.safetensors").is_file()
+
+    ranked = Path(rm_flow(RMConfig(model_path=tiny, loss="plackett_luce", pooling="mean", **FAST)))
+    assert ranked != final and RewardModel.from_pretrained(ranked, device="cpu").pooling == "mean"
+
+
+def test_dpo_flow_logs_before_after_and_caches_reference_logps(flow_workspace, tiny):
+    final = Path(dpo_flow(DPOConfig(policy_path=tiny, lr=1e-3, eval_fraction=0.2, **FAST)))
+    load_policy(final, device="cpu")
+    run, artifacts = the_run(flow_workspace, "dpo")
+    assert {"train/loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+            "logps/chosen", "logps/rejected", "eval/pref_accuracy", "eval/logp_margin"} <= set(run.data.metrics)
+    assert (artifacts / "dpo_before_after.png").is_file()
+    assert len(list((flow_workspace.root / "cache" / "ref_logps").glob("*.safetensors"))) == 1
+    metrics = final_metrics(final)
+    assert {"eval/pref_accuracy_start", "eval/pref_accuracy"} <= set(metrics)

@@ -1,0 +1,141 @@
+"""Rows -> tensors: prompt rendering, completion masks with left padding, truncation, length buckets, the
+held-out split and the run file of `python -m pipeline_lib.train.<stage> --config run.json`."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+import torch
+
+from pipeline_lib.config import ConfigError, SFTConfig
+from pipeline_lib.models import build_tiny_model, load_tokenizer
+from pipeline_lib.train.data import (
+    Encoded,
+    TrainDataError,
+    collate,
+    encode,
+    encode_frame,
+    encode_texts,
+    holdout_split,
+    length_buckets,
+    micro_batches,
+    per_row,
+    read_run_file,
+    render_prompts,
+    write_run_file,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "base", ["0123456789+=", "hi there!"],
+                            hidden_size=64, num_heads=2, intermediate_size=128)
+    return load_tokenizer(path)
+
+
+def test_plain_prompts_stay_raw_and_messages_use_the_chat_template(tokenizer):
+    frame = pl.DataFrame({
+        "prompt": ["12+34=", "user: 1+1="],
+        "prompt_messages": [None, json.dumps({"prompt": [{"role": "user", "content": "1+1="}],
+                                               "chosen": [{"role": "assistant", "content": "2"}]})],
+    })
+    texts, templated = render_prompts(tokenizer, frame)
+    assert texts == ["12+34=", "<|user|>1+1=</s><|assistant|>"]
+    assert templated == [False, True]
+    bare = json.dumps([{"role": "user", "content": "1+1="}])
+    bare_list = frame.with_columns(pl.Series("prompt_messages", [None, bare]))
+    assert render_prompts(tokenizer, bare_list)[0] == texts
+    with pytest.raises(TrainDataError, match=r"prompt_messages\[0\]: expected a JSON list"):
+        render_prompts(tokenizer, pl.DataFrame({"prompt": ["x"], "prompt_messages": ['{"prompt": "hi"}']}))
+
+
+def test_encode_appends_eos_and_masks_only_the_completion(tokenizer):
+    """Char-level ids: '12+34=' is 6 tokens, '46' 2 + eos; '9+9=' 4, '18' 2 + eos -> widths 9 and 7."""
+    encoded = encode(tokenizer, ["12+34=", "9+9="], ["46", "18"], max_length=64)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    assert encoded.completion_ids[0][-1] == eos and len(encoded.completion_ids[0]) == 3
+    assert tokenizer.decode(encoded.prompt_ids[1]) == "9+9="
+    batch = collate(encoded, [0, 1], pad_id=pad)
+    assert batch.input_ids.shape == (2, 9)
+    assert batch.attention_mask.tolist() == [[1] * 9, [0, 0] + [1] * 7]
+    assert batch.completion_mask.tolist() == [[0] * 6 + [1] * 3, [0] * 6 + [1] * 3]
+    assert batch.input_ids[1, :2].tolist() == [pad, pad]  # left padding
+    assert tokenizer.decode(batch.input_ids[1, 2:].tolist(), skip_special_tokens=True) == "9+9=18"
+    same_length = collate(encoded, [0, 0], pad_id=pad)
+    assert bool(same_length.attention_mask.all())  # equal lengths: no padding at all
+
+
+def test_templated_rows_get_no_extra_special_tokens_and_long_rows_lose_the_prompt_head(tokenizer):
+    encoded = encode(tokenizer, ["<|user|>1+1=</s><|assistant|>"], ["2"], max_length=64, templated=[True])
+    assert tokenizer.convert_ids_to_tokens(encoded.prompt_ids[0])[0] == "<|user|>"
+    cut = encode(tokenizer, ["123456789="], ["12"], max_length=6)
+    assert tokenizer.decode(cut.prompt_ids[0]) == "89=" and len(cut.completion_ids[0]) == 3  # 6 - 3
+    long_answer = encode(tokenizer, ["1="], ["123456"], max_length=4)
+    assert len(long_answer.prompt_ids[0]) == 1 and len(long_answer.completion_ids[0]) == 3  # 4 - 1 kept
+    with pytest.raises(TrainDataError, match="no training rows"):
+        encode(tokenizer, [], [], max_length=8)
+
+
+def test_fingerprint_tracks_every_id(tokenizer):
+    a = encode(tokenizer, ["1+1="], ["2"], max_length=16)
+    assert a.fingerprint() == encode(tokenizer, ["1+1="], ["2"], max_length=16).fingerprint()
+    assert a.fingerprint() != encode(tokenizer, ["1+1="], ["3"], max_length=16).fingerprint()
+    assert a.fingerprint() != Encoded([[1], [2]], [[3], [4]]).fingerprint()
+
+
+def test_encode_texts_matches_the_reward_scorer_tokenization(tokenizer):
+    encoded = encode_texts(tokenizer, ["12+34=46", "hi"], max_length=5)
+    assert encoded.prompt_ids[0] == tokenizer("12+34=46")["input_ids"][-5:]
+    assert encoded.completion_ids == [[], []]
+
+
+def test_encode_frame_needs_its_columns(tokenizer):
+    with pytest.raises(TrainDataError, match=r"missing column\(s\) \['completion'\]"):
+        encode_frame(tokenizer, pl.DataFrame({"prompt": ["1+1="]}), "completion", max_length=8)
+
+
+def test_length_buckets_and_per_row_keep_row_order(tokenizer):
+    assert length_buckets([9, 75, 10, 80, 9]) == [[0, 4, 2], [1, 3]]
+    assert length_buckets([4, 4, 4]) == [[0, 1, 2]]
+    encoded = Encoded([[1] * 9, [1] * 75, [1] * 10], [[2], [2, 2], [2]])
+    widths = per_row(lambda b: torch.full((b.input_ids.shape[0],), float(b.input_ids.shape[1])), encoded,
+                     [0, 1, 2], pad_id=0, device=torch.device("cpu"))
+    assert widths.tolist() == [11.0, 77.0, 11.0]  # rows 0, 2 share an 11-wide batch; row 1 goes alone
+    lengths = per_row(lambda b: b.attention_mask.sum(-1).float(), encoded, [2, 0, 1], pad_id=0,
+                      device=torch.device("cpu"))
+    assert lengths.tolist() == [11.0, 10.0, 77.0]
+
+
+def test_micro_batches_and_holdout_split():
+    assert micro_batches([5, 6, 7, 8], 2) == [[5, 6], [7, 8]]
+    with pytest.raises(TrainDataError, match="3 rows per rank is not a multiple of grad_accum_steps 2"):
+        micro_batches([1, 2, 3], 2)
+    train, held = holdout_split(100, 0.1, seed=0)
+    assert len(held) == 10 and sorted(train + held) == list(range(100))
+    assert holdout_split(100, 0.1, seed=0) == (train, held)
+    assert holdout_split(100, 0.1, seed=1)[1] != held
+    assert len(holdout_split(3, 0.01, seed=0)[1]) == 1  # at least one held out
+
+
+def test_run_file_round_trip_and_one_line_errors(tmp_path):
+    cfg = SFTConfig(model_path="m", max_steps=3)
+    rows = pl.DataFrame({"prompt": ["1+1="], "completion": ["2"]})
+    path = write_run_file(tmp_path / "run.json", cfg, {"rows": rows}, tmp_path / "out", cache_dir="c")
+    loaded, frames, out_dir, options = read_run_file(path, SFTConfig)
+    assert loaded == cfg and frames["rows"].equals(rows)
+    assert out_dir == tmp_path / "out" and options == {"cache_dir": "c"}
+
+    raw = json.loads(path.read_text())
+    raw["config"]["max_stepz"] = 4
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"run.json: config: unknown field 'max_stepz'"):
+        read_run_file(path, SFTConfig)
+    with pytest.raises(TrainDataError, match="run file not found"):
+        read_run_file(tmp_path / "missing.json", SFTConfig)
+    raw["config"].pop("max_stepz")
+    raw["data"]["rows"] = "gone.parquet"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(TrainDataError, match=r"data.rows: .*gone.parquet not found"):
+        read_run_file(path, SFTConfig)

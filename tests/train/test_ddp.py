@@ -1,0 +1,106 @@
+"""Multi-process DPO: `torchrun --standalone --nproc_per_node 2 -m pipeline_lib.train.dpo --config X.json` on
+gloo runs, the ranks stay in sync (the loop checks it; the result matches one process on the same global
+batch), only rank 0 prints and writes (rank 1's file-system calls are recorded with an audit hook)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+from safetensors.torch import load_file
+
+from pipeline_lib.config import DPOConfig
+from pipeline_lib.models import build_tiny_model
+from pipeline_lib.train.data import write_run_file
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Loaded by every Python process started with this dir on PYTHONPATH; under torchrun it records each
+# file-system write (open for writing, mkdir, rename, remove) under $AUDIT_DIR into $AUDIT_LOG.<rank>.
+SITECUSTOMIZE = '''
+import os, sys
+if os.environ.get("RANK") is not None and os.environ.get("AUDIT_DIR"):
+    _watched, _record = os.environ["AUDIT_DIR"], os.environ["AUDIT_LOG"] + "." + os.environ["RANK"]
+    _writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+    def _hook(event, args):
+        if event == "open":
+            path, mode, flags = args
+            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool((flags or 0) & _writes)
+        elif event in ("os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree", "shutil.move"):
+            path, writing = args[0], True
+        else:
+            return
+        if writing and isinstance(path, (str, bytes, os.PathLike)) and os.fsdecode(path).startswith(_watched):
+            with open(_record, "a") as handle:
+                handle.write(f"{event} {os.fsdecode(path)}\\n")
+
+    sys.addaudithook(_hook)
+'''
+
+
+def toy_pairs(n: int) -> pl.DataFrame:
+    rng = random.Random(0)
+    rows = [(rng.randrange(50), rng.randrange(50)) for _ in range(n)]
+    return pl.DataFrame({"prompt": [f"{a:02d}+{b:02d}=" for a, b in rows], "chosen": [str(a + b) for a, b in rows],
+                         "rejected": [str(a + b + 1) if i % 2 else "no idea!" for i, (a, b) in enumerate(rows)]})
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_match_one_process_and_only_rank_0_writes(tmp_path):
+    model = build_tiny_model(tmp_path / "base", ["0123456789+=", "no idea!"], hidden_size=64, num_heads=2,
+                             intermediate_size=128)
+    cfg = DPOConfig(policy_path=str(model), max_steps=6, batch_size=8, grad_accum_steps=2, lr=1e-3, save_every=2,
+                    log_every=1, device="cpu")
+    frames = {"pairs": toy_pairs(40)}
+    ddp_file = write_run_file(tmp_path / "ddp.json", cfg, frames, tmp_path / "ddp")
+    single_file = write_run_file(tmp_path / "single.json", cfg, frames, tmp_path / "single")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    audit = tmp_path / "writes"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{site}{os.pathsep}{ROOT}",
+           "AUDIT_DIR": str(tmp_path / "ddp"), "AUDIT_LOG": str(audit)}
+
+    # own session: on a timeout the whole torchrun group (agent + workers) is killed, no orphans left
+    ddp = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "--log-dir", str(tmp_path / "logs"), "--redirects", "3",
+         "-m", "pipeline_lib.train.dpo", "--config", str(ddp_file)],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = ddp.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(ddp.pid, signal.SIGKILL)
+        raise
+    logs = {int(p.parent.name): p.read_text() for p in (tmp_path / "logs").rglob("stdout.log")}
+    assert ddp.returncode == 0, output + "".join(logs.values())
+    single = subprocess.run([sys.executable, "-m", "pipeline_lib.train.dpo", "--config", str(single_file)],
+                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stdout + single.stderr
+
+    # only rank 0 reports and writes; rank 1 touched nothing under the output dir
+    assert "step 6 | " in logs[0] and "final model:" in logs[0]
+    assert "step " not in logs[1]
+    rank0_writes = (tmp_path / "writes.0").read_text()
+    assert "os.mkdir" in rank0_writes and "final" in rank0_writes  # the hook sees rank 0's saves...
+    assert not (tmp_path / "writes.1").exists()  # ...and none from rank 1
+    assert (tmp_path / "ddp" / "final" / "model.safetensors").is_file()
+    assert sorted(p.name for p in (tmp_path / "ddp").iterdir()) == ["cache", "final"]
+    metrics = json.loads((tmp_path / "ddp" / "final" / "alignflow_final.json").read_text())["metrics"]
+    assert metrics["eval/pref_accuracy_start"] == json.loads(
+        (tmp_path / "single" / "final" / "alignflow_final.json").read_text())["metrics"]["eval/pref_accuracy_start"]
+
+    # two ranks x 2 micro-batches of 2 pairs = one process x 2 micro-batches of 4 pairs: the same update
+    a = load_file(str(tmp_path / "ddp" / "final" / "model.safetensors"))
+    b = load_file(str(tmp_path / "single" / "final" / "model.safetensors"))
+    start = load_file(str(model / "model.safetensors"))
+    assert max(float((a[k] - start[k]).abs().max()) for k in a) > 1e-3  # it trained
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5

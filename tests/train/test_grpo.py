@@ -1,0 +1,356 @@
+"""GRPO/DAPO loop: dynamic sampling with refills on raw correctness (scripted sampler, hand-counted), rollout
+tensors, 2-step runs (weights change, metrics finite, β = 0 loads no reference), crash + resume equals an
+uninterrupted run, the NaN guard, the DAPO preset; vllm: weights reach the server every rollout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline_lib.config import ConfigError, DAPOConfig, GRPOConfig, validate_config
+from pipeline_lib.models import RewardModel, build_tiny_model, load_policy, load_tokenizer
+from pipeline_lib.rewards.registry import combined_reward
+from pipeline_lib.sampling import Completion
+from pipeline_lib.train import grpo as grpo_module
+from pipeline_lib.train.common import CHECKPOINT_DIR, NonFiniteLossError
+from pipeline_lib.train.data import write_run_file
+from pipeline_lib.train.grpo import sample_groups, train_grpo
+from pipeline_lib.train.rollout import completions_batch, open_policy_sampler, rollout_seed
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "data" / "demo"
+
+
+class ScriptedSampler:
+    """A `Sampler` whose samples are fixed per prompt; each text's length in tokens is its length in chars."""
+
+    def __init__(self, script: dict[str, list[str]]):
+        self.script = script
+        self.calls: list[tuple[list[str], int | None]] = []
+
+    def generate(self, prompts, *, n, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, stop=(),
+                 logprobs=False):
+        self.calls.append((list(prompts), seed))
+        return [[Completion(text=t, token_ids=[1] * len(t), finish_reason="stop") for t in self.script[p][:n]]
+                for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """A random tiny Llama over the demo's characters: its samples vary in length, so the overlong reward
+    differs inside groups and every step has non-zero advantages."""
+    return build_tiny_model(tmp_path_factory.mktemp("grpo") / "tiny", ["0123456789+="], hidden_size=64,
+                            num_heads=2, intermediate_size=128)
+
+
+@pytest.fixture(scope="module")
+def problems() -> pl.DataFrame:
+    return pl.read_ndjson(DEMO / "problems.jsonl").filter(pl.col("split") == "train").head(64)
+
+
+def small_config(tiny: Path, **overrides) -> GRPOConfig:
+    settings = dict(policy_path=str(tiny), max_steps=2, prompts_per_step=4, group_size=4, num_iterations=2,
+                    lr=1e-3, max_new_tokens=6, device="cpu",
+                    rewards=({"name": "verifier"}, {"name": "overlong", "max_len": 6, "cache_len": 4}))
+    return GRPOConfig(**(settings | overrides))
+
+
+@pytest.fixture
+def one_thread():
+    """Bit-exact comparisons run on one thread: with several, MKL may pick its thread count by machine load,
+    which changes the summation order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def collect():
+    logged: list[tuple[int, dict]] = []
+    return logged, lambda metrics, step: logged.append((step, dict(metrics)))
+
+
+# ---- rollouts and dynamic sampling
+
+
+SCRIPT = {
+    "1+1=": ["2", "2", "2", "2"],  # all correct: no signal
+    "2+2=": ["4", "4", "5", "5"],  # 2 of 4
+    "3+3=": ["7", "77", "777", "7777"],  # all wrong; the overlong shaping still makes the rewards differ
+    "4+4=": ["8", "9", "9", "9"],  # 1 of 4
+}
+PROMPTS, ANSWERS = list(SCRIPT), ["2", "4", "6", "8"]
+
+
+def scripted_config(**overrides) -> GRPOConfig:
+    settings = dict(policy_path="unused", prompts_per_step=2, group_size=4, max_new_tokens=6, seed=3,
+                    rewards=({"name": "verifier"}, {"name": "overlong", "max_len": 4, "cache_len": 2}))
+    return GRPOConfig(**(settings | overrides))
+
+
+def test_dynamic_sampling_keeps_informative_groups_by_raw_correctness_and_refills():
+    """Round 0 draws prompts 0, 1 and keeps 1 (2/4 correct); round 1 draws 2, 3 and keeps 3 (1/4). Prompt 2
+    is all wrong: its shaped rewards 0, 0, -0.5, -1 differ (lengths 1-4, L_max 4, L_cache 2) but it is dropped.
+    Seen: 16 samples, 4 + 2 + 0 + 1 = 7 correct, overlong sum -1.5."""
+    cfg = scripted_config(dynamic_sampling=True, max_refill_rounds=3)
+    sampler = ScriptedSampler(SCRIPT)
+    stream = iter([(0, [0, 1]), (1, [2, 3]), (2, [0, 1])])
+    rollout = sample_groups(sampler, stream, PROMPTS, ANSWERS, combined_reward(cfg.rewards), cfg, step=5)
+
+    assert rollout.groups_kept == 2 and rollout.data_step == 2
+    assert rollout.prompts == ["2+2="] * 4 + ["4+4="] * 4
+    assert [c.text for c in rollout.completions] == ["4", "4", "5", "5", "8", "9", "9", "9"]
+    assert rollout.rewards == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert [seed for _, seed in sampler.calls] == [rollout_seed(3, 5, 0), rollout_seed(3, 5, 1)]
+    m = rollout.metrics
+    assert m["rollout/groups_filtered_frac"] == 0.5
+    assert m["rollout/refill_rounds"] == 1.0
+    assert m["rewards/accuracy"] == pytest.approx(7 / 16)
+    assert m["rewards/overlong"] == pytest.approx(-1.5 / 16)
+    assert m["rewards/mean"] == pytest.approx((7 - 1.5) / 16)
+    assert m["completions/mean_length"] == pytest.approx((4 + 4 + 10 + 4) / 16)
+
+
+def test_dynamic_sampling_gives_up_after_max_refill_rounds():
+    cfg = scripted_config(dynamic_sampling=True, max_refill_rounds=2)
+    stream = iter([(k, [0]) for k in range(10)])  # prompt 0 is always all-correct
+    rollout = sample_groups(ScriptedSampler(SCRIPT), stream, PROMPTS, ANSWERS, combined_reward(cfg.rewards), cfg, 0)
+    assert rollout.groups_kept == 0 and rollout.completions == []
+    assert rollout.data_step == 3  # 1 round + 2 refills drew 3 batches; the next step starts at the 4th
+    assert rollout.metrics["rollout/refill_rounds"] == 2.0
+    assert rollout.metrics["rollout/groups_filtered_frac"] == 1.0
+
+
+def test_without_dynamic_sampling_every_group_is_kept_in_one_round():
+    cfg = scripted_config()
+    rollout = sample_groups(ScriptedSampler(SCRIPT), iter([(7, [0, 2])]), PROMPTS, ANSWERS,
+                            combined_reward(cfg.rewards), cfg, 0)
+    assert rollout.groups_kept == 2 and rollout.data_step == 8
+    assert rollout.rewards == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, -0.5, -1.0]
+    assert rollout.metrics["rollout/groups_filtered_frac"] == 0.0
+
+
+def test_completions_batch_left_pads_rows_and_masks_exactly_the_sampled_tokens(tiny):
+    tokenizer = load_tokenizer(tiny)
+    ids = tokenizer(["12+34=", "5+6="], add_special_tokens=True)["input_ids"]
+    eos = tokenizer.eos_token_id
+    completions = [Completion("46", [9, 10, eos], "stop"), Completion("1", [7], "length")]
+    batch = completions_batch(tokenizer, ["12+34=", "5+6="], completions)
+    pad = tokenizer.pad_token_id
+    row0 = ids[0] + [9, 10, eos]  # 9 tokens: the widest row
+    row1 = [pad] * (9 - len(ids[1]) - 1) + ids[1] + [7]
+    assert batch.input_ids.tolist() == [row0, row1]
+    assert batch.attention_mask.tolist() == [[1] * 9, [0] * 4 + [1] * 5]
+    assert batch.completion_mask.tolist() == [[0] * 6 + [1] * 3, [0] * 8 + [1]]
+
+
+# ---- the loop
+
+
+def test_two_steps_change_the_weights_and_log_finite_metrics(tiny, problems, tmp_path):
+    logged, log = collect()
+    final = train_grpo(small_config(tiny), problems, tmp_path / "out", log=log)
+
+    assert [step for step, _ in logged] == [1, 2]
+    for _, metrics in logged:
+        assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+        for key in ("rewards/mean", "rewards/std", "rewards/accuracy", "rewards/overlong", "completions/mean_length",
+                    "policy/clipfrac_low", "policy/clipfrac_high", "policy/approx_kl", "policy/kl_ref",
+                    "policy/entropy", "rollout/groups_filtered_frac", "perf/tokens_per_s", "train/loss"):
+            assert key in metrics, key
+    before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert not (tmp_path / "out" / CHECKPOINT_DIR).exists()
+
+
+def test_beta_zero_loads_no_reference_and_logs_no_reference_kl(tiny, problems, tmp_path, monkeypatch):
+    loads: list[str] = []
+
+    def counting_load_policy(path, **kwargs):
+        loads.append(str(path))
+        return load_policy(path, **kwargs)
+
+    monkeypatch.setattr(grpo_module, "load_policy", counting_load_policy)
+    runs = {}
+    for beta in (0.04, 0.0):
+        loads.clear()
+        logged, log = collect()
+        train_grpo(small_config(tiny, beta=beta, max_steps=1, num_iterations=1), problems, tmp_path / str(beta), log=log)
+        runs[beta] = (len(loads), logged[0][1])
+    assert runs[0.04][0] == 2 and runs[0.0][0] == 1  # the policy, plus the reference only when β > 0
+    assert "policy/kl_ref" not in runs[0.0][1]
+    assert runs[0.04][1]["policy/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # one update, taken at π = π_ref
+
+
+def test_rewards_can_mix_a_reward_model_with_the_verifier(tiny, problems, tmp_path):
+    """rewards = 0.5·RM + verifier: each logged component is its own batch mean, the total their weighted sum."""
+    reward_model = RewardModel.from_policy(tiny, device="cpu", seed=1).save_pretrained(tmp_path / "rm",
+                                                                                       load_tokenizer(tiny))
+    cfg = small_config(tiny, max_steps=1, reward_model_path=str(reward_model),
+                       rewards=({"name": "reward_model", "weight": 0.5}, {"name": "verifier"}))
+    logged, log = collect()
+    train_grpo(cfg, problems, tmp_path / "out", log=log)
+    metrics = logged[0][1]
+    assert metrics["rewards/reward_model"] != 0.0
+    assert metrics["rewards/mean"] == pytest.approx(0.5 * metrics["rewards/reward_model"] + metrics["rewards/verifier"])
+
+
+def dapo_config(tiny: Path, **overrides) -> DAPOConfig:
+    settings = dict(policy_path=str(tiny), max_steps=2, prompts_per_step=4, group_size=4, lr=1e-3, max_new_tokens=6,
+                    mini_batch_size=8, warmup_steps=0, device="cpu",
+                    rewards=({"name": "verifier"}, {"name": "overlong", "max_len": 6, "cache_len": 4}))
+    return DAPOConfig(**(settings | overrides))
+
+
+def test_dapo_preset_runs_the_same_loop_with_its_loss(tiny, problems, tmp_path):
+    """DAPO's loss through LOSSES (clip-higher, no reference KL), two mini-batches per rollout."""
+    logged, log = collect()
+    final = train_grpo(dapo_config(tiny, dynamic_sampling=False), problems, tmp_path / "dapo", log=log)
+    assert "policy/kl_ref" not in logged[0][1] and "policy/clipfrac_high" in logged[0][1]
+    before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_dapo_step_without_an_informative_group_updates_nothing(tiny, problems, tmp_path):
+    """The random model never answers correctly: every group is filtered, the refills run out, no update."""
+    logged, log = collect()
+    final = train_grpo(dapo_config(tiny, max_steps=1, max_refill_rounds=1), problems, tmp_path / "dapo", log=log)
+    metrics = logged[0][1]
+    assert metrics["rollout/groups_filtered_frac"] == 1.0 and metrics["rollout/refill_rounds"] == 1.0
+    assert "train/loss" not in metrics
+    before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_dapo_preset_has_the_papers_settings_and_configs_reject_mixed_ones():
+    dapo = DAPOConfig(policy_path="m")
+    assert (dapo.loss, dapo.beta, dapo.clip_eps_low, dapo.clip_eps_high, dapo.dynamic_sampling) == \
+        ("dapo", 0.0, 0.2, 0.28, True)
+    assert {"name": "overlong", "weight": 1.0, "max_len": 20480, "cache_len": 4096} in dapo.rewards
+    assert isinstance(dapo, GRPOConfig)
+    grpo = GRPOConfig(policy_path="m")
+    assert (grpo.loss, grpo.beta, grpo.group_size, grpo.clip_eps_high, grpo.dynamic_sampling) == \
+        ("grpo", 0.04, 64, 0.2, False)
+    with pytest.raises(ConfigError, match="clip_eps_high must equal clip_eps_low"):
+        validate_config(GRPOConfig, {"policy_path": "m", "clip_eps_high": 0.28})
+    with pytest.raises(ConfigError, match="loss 'dapo' has no KL term"):
+        validate_config(DAPOConfig, {"policy_path": "m", "beta": 0.04})
+    with pytest.raises(ConfigError, match="reward_model_path is not set"):
+        validate_config(GRPOConfig, {"policy_path": "m", "rewards": [{"name": "reward_model"}]})
+    with pytest.raises(ConfigError, match="max_len 20480 exceeds max_new_tokens 6"):
+        validate_config(DAPOConfig, {"policy_path": "m", "max_new_tokens": 6})
+
+
+def test_crash_then_resume_ends_with_the_weights_of_an_uninterrupted_run(one_thread, tiny, problems, tmp_path):
+    cfg = small_config(tiny, max_steps=3, save_every=1)
+    full_log, log = collect()
+    uninterrupted = train_grpo(cfg, problems, tmp_path / "a", log=log)
+
+    def crash_at_step_2(metrics, step):
+        if step == 2:
+            raise KeyboardInterrupt("killed")  # after step 1's checkpoint, before step 2's
+
+    with pytest.raises(KeyboardInterrupt):
+        train_grpo(cfg, problems, tmp_path / "b", log=crash_at_step_2)
+    assert json.loads((tmp_path / "b" / CHECKPOINT_DIR / "trainer_state.json").read_text()) == {"step": 1}
+    resumed_log, log = collect()
+    resumed = train_grpo(cfg, problems, tmp_path / "b", log=log)
+
+    assert [step for step, _ in resumed_log] == [2, 3]
+    for (_, a), (_, b) in zip(full_log[1:], resumed_log, strict=True):
+        assert a["train/loss"] == b["train/loss"] and a["rewards/mean"] == b["rewards/mean"]
+    a, b = load_file(str(uninterrupted / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_nan_loss_stops_with_the_step_and_no_final_model(tiny, problems, tmp_path):
+    """lr 1e30: the first update moves every weight by ~1e30, so the second pass over the rollout is not finite."""
+    cfg = small_config(tiny, lr=1e30, max_grad_norm=None)
+    with pytest.raises(NonFiniteLossError, match=r"train/loss is (nan|inf) at step 1; stopping"):
+        train_grpo(cfg, problems, tmp_path / "out")
+    assert not (tmp_path / "out" / "final").exists()
+
+
+@pytest.mark.slow
+def test_sigkilled_run_resumes_to_the_uninterrupted_weights(tiny, problems, tmp_path):
+    """`python -m pipeline_lib.train.grpo --config run.json` killed with SIGKILL once a checkpoint exists, then
+    rerun from the same run file, ends with the weights of an uninterrupted run of the same file."""
+    cfg = small_config(tiny, max_steps=8, save_every=1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+    def command(name: str) -> list[str]:
+        run_file = write_run_file(tmp_path / f"{name}.json", cfg, {"problems": problems}, tmp_path / name)
+        return [sys.executable, "-m", "pipeline_lib.train.grpo", "--config", str(run_file)]
+
+    full = subprocess.Popen(command("full"), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    victim = subprocess.Popen(command("killed"), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    state = tmp_path / "killed" / CHECKPOINT_DIR / "trainer_state.json"
+    deadline = time.monotonic() + 300
+    while not state.exists() and victim.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    victim.send_signal(signal.SIGKILL)
+    assert victim.wait() == -signal.SIGKILL, "the run ended before it could be killed mid-way"
+    assert not (tmp_path / "killed" / "final").exists()
+    rerun = subprocess.run(command("killed"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    resumed_steps = [int(line.split()[1]) for line in rerun.stdout.splitlines() if line.startswith("step ")]
+    assert resumed_steps[0] > 1 and resumed_steps[-1] == 8, "the rerun did not start from a checkpoint"
+    _, errors = full.communicate(timeout=300)
+    assert full.returncode == 0, errors.decode()[-2000:]
+    a = load_file(str(tmp_path / "full" / "final" / "model.safetensors"))
+    b = load_file(str(tmp_path / "killed" / "final" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- vLLM backend (its own venv; `make vllm-env`)
+
+
+def _vllm_or_skip() -> None:
+    from pipeline_lib.sampling.vllm import find_vllm_python
+
+    if find_vllm_python() is None:
+        pytest.skip("no vLLM environment (make vllm-env)")
+
+
+@pytest.mark.vllm
+def test_vllm_sampler_serves_the_policy_weights_after_each_sync(tiny, tmp_path):
+    """Swapping two rows of the output layer swaps those tokens' logits, so greedy decoding must switch from
+    its first token t0 to the other one t1 — once the new weights have been pushed, and not before."""
+    _vllm_or_skip()
+    tokenizer, policy = load_tokenizer(tiny), load_policy(tiny, device="cpu")
+    with open_policy_sampler("vllm", policy, tokenizer, sync_dir=tmp_path / "sync") as (sampler, sync):
+        before = sampler.generate(["12+34="], n=1, max_new_tokens=3, temperature=0)[0][0].token_ids
+        t0 = before[0]
+        t1 = next(t for t in range(3, len(tokenizer)) if t != t0)
+        with torch.no_grad():
+            head = policy.get_output_embeddings().weight
+            head[[t0, t1]] = head[[t1, t0]].clone()
+        stale = sampler.generate(["12+34="], n=1, max_new_tokens=3, temperature=0)[0][0].token_ids
+        assert sync() > 0
+        after = sampler.generate(["12+34="], n=1, max_new_tokens=3, temperature=0)[0][0].token_ids
+    assert stale == before
+    assert after[0] == t1
+
+
+@pytest.mark.vllm
+def test_two_grpo_steps_with_the_vllm_backend(tiny, problems, tmp_path):
+    _vllm_or_skip()
+    logged, log = collect()
+    final = train_grpo(small_config(tiny, backend="vllm"), problems, tmp_path / "out", log=log)
+    assert [step for step, _ in logged] == [1, 2]
+    assert all(metrics["perf/weight_sync_seconds"] > 0 for _, metrics in logged)
+    assert all(metrics["completions/mean_length"] > 0 for _, metrics in logged)
+    before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert not (tmp_path / "out" / "vllm_sync").exists()

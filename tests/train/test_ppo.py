@@ -1,0 +1,142 @@
+"""PPO loop: the critic's values line up with the tokens they score, the adaptive KL controller (hand-computed),
+2-step runs (actor and critic change, KL 0 at the first rollout, metrics finite), crash + resume equals an
+uninterrupted run (adaptive β included), the NaN guard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline_lib.config import PPOConfig
+from pipeline_lib.models import RewardModel, ValueModel, build_tiny_model, load_tokenizer
+from pipeline_lib.train.common import CHECKPOINT_DIR, NonFiniteLossError
+from pipeline_lib.train.ppo import adapt_kl_coef, state_values, train_ppo
+
+DEMO = Path(__file__).resolve().parents[2] / "data" / "demo"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("ppo") / "tiny", ["0123456789+="], hidden_size=64,
+                            num_heads=2, intermediate_size=128)
+
+
+@pytest.fixture(scope="module")
+def reward_model(tiny, tmp_path_factory) -> Path:
+    """A reward model on the tiny backbone with a seeded random head: scores differ between completions,
+    which is all the loop mechanics need (the slow learning test trains a real one)."""
+    out = tmp_path_factory.mktemp("ppo") / "rm"
+    return RewardModel.from_policy(tiny, device="cpu", seed=1).save_pretrained(out, load_tokenizer(tiny))
+
+
+@pytest.fixture(scope="module")
+def problems() -> pl.DataFrame:
+    return pl.read_ndjson(DEMO / "problems.jsonl").filter(pl.col("split") == "train").head(64)
+
+
+def small_config(tiny: Path, reward_model: Path, **overrides) -> PPOConfig:
+    settings = dict(policy_path=str(tiny), reward_model_path=str(reward_model), max_steps=2, prompts_per_step=8,
+                    mini_batch_size=4, ppo_epochs=2, lr=1e-3, critic_lr=1e-3, max_new_tokens=6, kl_coef=0.05,
+                    device="cpu")
+    return PPOConfig(**(settings | overrides))
+
+
+@pytest.fixture
+def one_thread():
+    """Bit-exact comparisons run on one thread: with several, MKL may pick its thread count by machine load,
+    which changes the summation order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def collect():
+    logged: list[tuple[int, dict]] = []
+    return logged, lambda metrics, step: logged.append((step, dict(metrics)))
+
+
+def test_state_values_are_the_critics_values_of_the_prefix_before_each_token(tiny):
+    """V(s_t) for token t must see tokens < t only: equal to the critic's last value on the cut prefix."""
+    critic = ValueModel.from_policy(tiny, device="cpu")
+    torch.nn.init.normal_(critic.head.weight, std=0.5, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[9, 10, 11, 12, 13, 14]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        values = state_values(critic, ids, mask)  # (1, 6)
+        for t in range(1, 6):
+            prefix_value = critic(ids[:, :t], mask[:, :t])[0, -1]
+            assert values[0, t] == pytest.approx(float(prefix_value), abs=1e-5)
+    assert values[0, 0] == 0.0  # no state before the first token
+
+
+def test_adaptive_kl_controller_moves_beta_proportionally_and_clips_the_error():
+    """β·(1 + clip(KL/target - 1, ±0.2)·n/horizon): KL 6.6 vs 6 -> error 0.1 -> 0.1·(1 + 0.1·10/100) = 0.101;
+    KL 30 -> error clipped to 0.2 -> 0.102; KL 0 -> -0.2 -> 0.098."""
+    assert adapt_kl_coef(0.1, 6.6, target=6.0, horizon=100, n_samples=10) == pytest.approx(0.101)
+    assert adapt_kl_coef(0.1, 30.0, target=6.0, horizon=100, n_samples=10) == pytest.approx(0.102)
+    assert adapt_kl_coef(0.1, 0.0, target=6.0, horizon=100, n_samples=10) == pytest.approx(0.098)
+
+
+def test_two_steps_change_actor_and_log_finite_metrics(tiny, reward_model, problems, tmp_path):
+    logged, log = collect()
+    final = train_ppo(small_config(tiny, reward_model), problems, tmp_path / "out", log=log)
+
+    assert [step for step, _ in logged] == [1, 2]
+    for _, metrics in logged:
+        assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+        for key in ("objective/kl", "objective/kl_k3", "objective/kl_coef", "rewards/rm_mean", "rewards/accuracy",
+                    "value/loss", "value/clipfrac", "policy/clipfrac", "policy/approx_kl", "policy/entropy",
+                    "completions/mean_length", "perf/tokens_per_s"):
+            assert key in metrics, key
+    first = logged[0][1]
+    assert first["objective/kl"] == 0.0 and first["objective/kl_k3"] == 0.0  # θ_old = π_ref at the first rollout
+    assert first["objective/kl_coef"] == logged[1][1]["objective/kl_coef"] == 0.05  # fixed β
+    before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert not (tmp_path / "out" / CHECKPOINT_DIR).exists()
+
+
+def test_adaptive_kl_updates_beta_from_each_rollouts_kl(tiny, reward_model, problems, tmp_path):
+    """Step 1's KL is 0, so β_2 = 0.05·(1 - 0.2·8/40) = 0.048; β_3 follows from step 2's logged KL."""
+    cfg = small_config(tiny, reward_model, max_steps=3, adaptive_kl=True, kl_target=0.5, kl_horizon=40)
+    logged, log = collect()
+    train_ppo(cfg, problems, tmp_path / "out", log=log)
+    coefs = [metrics["objective/kl_coef"] for _, metrics in logged]
+    assert coefs[0] == 0.05
+    assert coefs[1] == pytest.approx(0.048)
+    kl_2 = logged[1][1]["objective/kl"]
+    assert coefs[2] == pytest.approx(adapt_kl_coef(0.048, kl_2, target=0.5, horizon=40, n_samples=8))
+
+
+def test_crash_then_resume_ends_with_the_weights_of_an_uninterrupted_run(one_thread, tiny, reward_model, problems, tmp_path):
+    cfg = small_config(tiny, reward_model, max_steps=3, save_every=1, adaptive_kl=True, kl_target=0.5,
+                       kl_horizon=40)
+    full_log, log = collect()
+    uninterrupted = train_ppo(cfg, problems, tmp_path / "a", log=log)
+
+    def crash_at_step_3(metrics, step):
+        if step == 3:
+            raise KeyboardInterrupt("killed")  # after step 2's checkpoint
+
+    with pytest.raises(KeyboardInterrupt):
+        train_ppo(cfg, problems, tmp_path / "b", log=crash_at_step_3)
+    resumed_log, log = collect()
+    resumed = train_ppo(cfg, problems, tmp_path / "b", log=log)
+
+    assert [step for step, _ in resumed_log] == [3]
+    assert resumed_log[0][1]["objective/kl_coef"] == full_log[2][1]["objective/kl_coef"]  # β restored
+    assert resumed_log[0][1]["train/loss"] == full_log[2][1]["train/loss"]
+    a, b = load_file(str(uninterrupted / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_nan_loss_stops_with_the_step_and_no_final_model(tiny, reward_model, problems, tmp_path):
+    cfg = small_config(tiny, reward_model, lr=1e30, critic_lr=1e30, max_grad_norm=None)
+    with pytest.raises(NonFiniteLossError, match=r"train/loss is (nan|inf) at step 1; stopping"):
+        train_ppo(cfg, problems, tmp_path / "out")
+    assert not (tmp_path / "out" / "final").exists()

@@ -1,0 +1,173 @@
+"""Reward-model loop: groups from pairs and rankings, the BT margin reaching the loss, pairwise accuracy,
+2-step runs for both losses, the NaN guard; slow: >= 95% held-out accuracy on synthetic demo pairs."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from pipeline_lib.config import RMConfig, SFTConfig
+from pipeline_lib.models import RewardModel, build_tiny_model, load_tokenizer
+from pipeline_lib.train.common import NonFiniteLossError, batches, final_metrics
+from pipeline_lib.train.data import TrainDataError, holdout_split
+from pipeline_lib.train.rm import build_groups, group_scores, pairwise_accuracy, train_rm
+from pipeline_lib.train.sft import sft_rows, train_sft
+
+DEMO = Path(__file__).resolve().parents[2] / "data" / "demo"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("rm") / "base", ["0123456789+=", "no idea!"],
+                            hidden_size=64, num_heads=2, intermediate_size=128)
+
+
+def toy_pairs(n: int) -> pl.DataFrame:
+    rng = random.Random(0)
+    rows = [(rng.randrange(50), rng.randrange(50)) for _ in range(n)]
+    return pl.DataFrame({"prompt": [f"{a:02d}+{b:02d}=" for a, b in rows], "chosen": [str(a + b) for a, b in rows],
+                         "rejected": [str(a + b + 1) if i % 2 else "no idea!" for i, (a, b) in enumerate(rows)]})
+
+
+def toy_rankings(n: int) -> pl.DataFrame:
+    return pl.DataFrame({"prompt": [f"{i:02d}+01=" for i in range(n)],
+                         "responses": [[str(i + 1), str(i + 2), "no idea!"][: 2 + i % 2] for i in range(n)]})
+
+
+class LengthScorer(torch.nn.Module):
+    """A stand-in reward: the number of real tokens (so the hand-computed accuracy below is exact)."""
+
+    def forward(self, input_ids, attention_mask):
+        return attention_mask.sum(-1).float()
+
+
+def test_groups_hold_whole_texts_best_first(tiny):
+    tokenizer = load_tokenizer(tiny)
+    groups = build_groups(tokenizer, toy_rankings(3), "plackett_luce", max_length=64)
+    assert groups.sizes == [2, 3, 2] and groups.starts == [0, 2, 5]
+    assert groups.rows([1, 2]) == [2, 3, 4, 5, 6]
+    assert tokenizer.decode(groups.encoded.prompt_ids[3]) == "01+01=3"  # ranking 1, response 1 (second best)
+    pairs = build_groups(tokenizer, toy_pairs(2), "bradley_terry", max_length=64)
+    assert pairs.sizes == [2, 2] and pairs.encoded.completion_ids == [[], [], [], []]  # no eos: scorer's view
+    with pytest.raises(TrainDataError, match=r"rankings\[0\]: expected >= 2 responses, got 1"):
+        build_groups(tokenizer, pl.DataFrame({"prompt": ["x"], "responses": [["1"]]}), "plackett_luce", max_length=8)
+    with pytest.raises(TrainDataError, match=r"missing column\(s\) \['chosen', 'rejected'\]"):
+        build_groups(tokenizer, toy_rankings(2), "bradley_terry", max_length=8)
+
+
+def test_pairwise_accuracy_counts_every_ordered_pair(tiny):
+    """Score = token count; a prompt is 6 tokens. Ranking 0: '1', '2' (7, 7: a tie is not right);
+    ranking 1: '2', '3', 'no idea!' (7, 7, 14): 2>3 tie, 2>no-idea gap -7, 3>no-idea gap -7; ranking 2: tie.
+    Nothing is right: accuracy 0, margin (0 + 0 - 7 - 7 + 0) / 5 = -2.8."""
+    groups = build_groups(load_tokenizer(tiny), toy_rankings(3), "plackett_luce", max_length=64)
+    result = pairwise_accuracy(LengthScorer(), groups, [0, 1, 2], pad_id=0, device=torch.device("cpu"))
+    assert result == {"eval/rm_accuracy": 0.0, "eval/rm_margin": pytest.approx(-2.8)}
+    pairs = build_groups(load_tokenizer(tiny), toy_pairs(4), "bradley_terry", max_length=64)
+    scores, mask = group_scores(LengthScorer(), pairs, [0, 1], pad_id=0, device=torch.device("cpu"))
+    assert mask.all() and scores[0, 1] == 14  # "no idea!" after a 6-token prompt
+    odd = pairwise_accuracy(LengthScorer(), pairs, [1, 3], pad_id=0, device=torch.device("cpu"))
+    assert odd["eval/rm_accuracy"] == 0.0  # '+1' answers have the same length: ties
+
+
+def test_bradley_terry_two_steps_with_margin(tiny, tmp_path):
+    """The first logged loss is mean -log σ(r_c - r_r - m) under the fresh head on the first batch."""
+    data = toy_pairs(40)
+    cfg = RMConfig(model_path=str(tiny), max_steps=2, batch_size=8, lr=1e-3, margin=0.5, log_every=1, device="cpu")
+    logged = []
+    final = train_rm(cfg, data, tmp_path / "out", log=lambda m, s: logged.append((s, dict(m))))
+    assert [s for s, _ in logged] == [0, 1, 2, 2]
+    assert all(np.isfinite(list(m.values())).all() for _, m in logged)
+    assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"} <= set(logged[1][1])
+
+    start = RewardModel.from_policy(tiny, device="cpu", seed=cfg.seed)
+    groups = build_groups(load_tokenizer(tiny), data, "bradley_terry", max_length=cfg.max_length)
+    train_ids, eval_ids = holdout_split(len(groups), cfg.eval_fraction, seed=cfg.seed)
+    _, first = next(batches(len(train_ids), 8, seed=cfg.seed))
+    with torch.no_grad():
+        scores, _ = group_scores(start, groups, [train_ids[p] for p in first], pad_id=0, device=torch.device("cpu"))
+    expected = float(-F.logsigmoid(scores[:, 0] - scores[:, 1] - 0.5).mean())
+    assert logged[1][1]["train/loss"] == pytest.approx(expected, rel=1e-5)
+
+    reward = RewardModel.from_pretrained(final, device="cpu")
+    assert reward.pooling == "last_token"
+    before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
+    assert all(not torch.equal(after[k], before["model." + k]) for k in after)  # the backbone trains too
+    assert final_metrics(final)["eval/n_groups"] == len(eval_ids) == 4
+
+
+def test_plackett_luce_on_rankings_of_different_sizes(tiny, tmp_path):
+    cfg = RMConfig(model_path=str(tiny), loss="plackett_luce", pooling="last_two_layers", max_steps=2, batch_size=4,
+                   grad_accum_steps=2, lr=1e-3, device="cpu")
+    final = train_rm(cfg, toy_rankings(20), tmp_path / "out")
+    metrics = final_metrics(final)
+    assert np.isfinite(metrics["train/loss"]) and 0 <= metrics["eval/rm_accuracy"] <= 1
+    assert RewardModel.from_pretrained(final, device="cpu").pooling == "last_two_layers"
+
+
+def test_nan_loss_stops_the_reward_model(tiny, tmp_path):
+    """lr 1e30 blows the weights up within a few steps; the error names the first bad step, which is the
+    step the last checkpoint (written after every finished step) resumes at."""
+    cfg = RMConfig(model_path=str(tiny), max_steps=6, batch_size=8, lr=1e30, max_grad_norm=None, save_every=1,
+                   device="cpu")
+    with pytest.raises(NonFiniteLossError, match=r"train/loss is (nan|inf) at step \d+; stopping") as error:
+        train_rm(cfg, toy_pairs(20), tmp_path / "out")
+    step = int(str(error.value).split("at step ")[1].split(";")[0])
+    assert json.loads((tmp_path / "out" / "checkpoint" / "trainer_state.json").read_text()) == {"step": step}
+    assert not (tmp_path / "out" / "final").exists()
+
+
+# ---- learning (slow)
+
+
+def synthetic_pairs(problems: pl.DataFrame, n: int, seed: int) -> pl.DataFrame:
+    """More pairs made by the recipe of data/generate.py: chosen = the sum; rejected = (40%) a polite
+    non-answer, else a near miss with the units (60%) or the tens digit off."""
+    rng = random.Random(seed)
+    shipped = pl.read_ndjson(DEMO / "pairs.jsonl")
+    non_answers = sorted(set(shipped.filter(pl.col("rejected_kind") == "non_answer")["rejected"].to_list()))
+    rows = []
+    for problem in problems.sample(n, seed=seed).to_dicts():
+        answer = int(problem["answer"])
+        if rng.random() < 0.4:
+            rejected = rng.choice(non_answers)
+        elif rng.random() < 0.6 or answer < 10:
+            same_tens = [d for d in range(-9, 10) if d and answer + d >= 0 and (answer + d) // 10 == answer // 10]
+            rejected = str(answer + rng.choice(same_tens or [1]))
+        else:
+            rejected = str(answer + rng.choice([d for d in (-20, -10, 10, 20) if answer + d >= 0]))
+        rows.append({"prompt": problem["prompt"], "chosen": problem["answer"], "rejected": rejected})
+    return pl.DataFrame(rows)
+
+
+@pytest.mark.slow
+def test_reward_model_reaches_95_percent_on_held_out_synthetic_pairs(tmp_path):
+    """Verifying a sum takes an RM two things (measured): a backbone that can add (an SFT run to ~98% greedy;
+    the demo's deliberately weak SFT start plateaus near 72%) and more than the 2,700 shipped training pairs
+    (on those even the strong backbone plateaus near 90%). 9,000 pairs of the same recipe, 10% held out."""
+    problems = pl.read_ndjson(DEMO / "problems.jsonl")
+    train = problems.filter(pl.col("split") == "train")
+    shipped = pl.read_ndjson(DEMO / "pairs.jsonl")
+    base = build_tiny_model(tmp_path / "base", problems["prompt"].to_list() + problems["answer"].to_list()
+                            + shipped["rejected"].to_list())
+    started = time.perf_counter()
+    sft = train_sft(SFTConfig(model_path=str(base), max_steps=1500, batch_size=128, lr=1e-3, device="cpu"),
+                    sft_rows(train, "problems"), tmp_path / "sft")
+    sft_seconds = time.perf_counter() - started
+    # max_length 24 keeps every near miss whole and the last 24 tokens of a non-answer (cheaper steps)
+    cfg = RMConfig(model_path=str(sft), max_steps=1000, batch_size=64, lr=5e-4, max_length=24, device="cpu")
+    started = time.perf_counter()
+    final = train_rm(cfg, synthetic_pairs(train, 9000, seed=0), tmp_path / "rm")
+    metrics = final_metrics(final)
+    print(f"RM: SFT backbone {sft_seconds:.1f} s, RM {time.perf_counter() - started:.1f} s; held-out accuracy "
+          f"{metrics['eval/rm_accuracy']:.4f} on {metrics['eval/n_groups']:.0f} pairs, "
+          f"margin {metrics['eval/rm_margin']:.2f}")
+    assert metrics["eval/rm_accuracy"] >= 0.95
