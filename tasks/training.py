@@ -47,7 +47,8 @@ def sft_task(cfg: SFTConfig, inputs_fingerprint: str = "", force: bool = False) 
     out_dir = stage_dir(workspace.models_dir, "sft", cfg, cfg.model_path, rows)
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
-    with tracking.stage_run(workspace, "sft", cfg, tags=run_tags()) as log:
+    stage = "rs_sft" if cfg.data == "best_of_n" else "sft"  # rejection-sampling SFT gets its own name in MLflow
+    with tracking.stage_run(workspace, stage, cfg, tags=run_tags()) as log:
         final = train_sft(cfg, rows, out_dir, log=log, eval_rows=eval_rows)
         tracking.log_artifact(final, "model")
     metrics = {**final_metrics(final), "data/rows": float(rows.height)}

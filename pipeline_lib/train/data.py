@@ -227,13 +227,17 @@ def micro_batches(indices: Sequence[int], n_micro: int) -> list[list[int]]:
     return [list(indices[k * size:(k + 1) * size]) for k in range(n_micro)]
 
 
-def holdout_split(n_items: int, fraction: float, *, seed: int) -> tuple[list[int], list[int]]:
-    """Seeded (train, held_out) index lists; at least one item on each side."""
-    if n_items < 2:
-        raise TrainDataError(f"need at least 2 rows to hold some out, got {n_items}")
-    order = torch.randperm(n_items, generator=torch.Generator().manual_seed(seed + 7_919)).tolist()
-    n_eval = min(n_items - 1, max(1, round(n_items * fraction)))
-    return sorted(order[n_eval:]), sorted(order[:n_eval])
+def holdout_split(prompts: Sequence[str], fraction: float, *, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded (train, held_out) row indices, split by distinct prompt: every row of a held-out prompt is held
+    out, so several pairs on one prompt never leak its preferred answer into the evaluation."""
+    distinct = sorted(set(prompts))
+    if len(distinct) < 2:
+        raise TrainDataError(f"need at least 2 distinct prompts to hold some out, got {len(distinct)}")
+    order = torch.randperm(len(distinct), generator=torch.Generator().manual_seed(seed + 7_919)).tolist()
+    n_eval = min(len(distinct) - 1, max(1, round(len(distinct) * fraction)))
+    held = {distinct[i] for i in order[:n_eval]}
+    return ([i for i, prompt in enumerate(prompts) if prompt not in held],
+            [i for i, prompt in enumerate(prompts) if prompt in held])
 
 
 def stage_dir(models_dir: Path, stage: str, cfg: BaseModel, model_path: str, *frames: pl.DataFrame) -> Path:

@@ -165,7 +165,7 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = s
         model = add_lora(model, cfg)
     model.train()
     encoded = encode_pairs(tokenizer, pairs, max_length=cfg.max_length)
-    train_ids, eval_ids = holdout_split(pairs.height, cfg.eval_fraction, seed=cfg.seed)
+    train_ids, eval_ids = holdout_split(pairs["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     if cfg.batch_size % (ctx.world_size * cfg.grad_accum_steps):
         raise ValueError(f"batch_size {cfg.batch_size}: expected a multiple of world size {ctx.world_size} "
                          f"x grad_accum_steps {cfg.grad_accum_steps}")

@@ -145,7 +145,7 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = skip
                                     trust_remote_code=cfg.trust_remote_code, seed=cfg.seed)
     model.train()
     groups = build_groups(tokenizer, data, cfg.loss, max_length=cfg.max_length)
-    train_ids, eval_ids = holdout_split(len(groups), cfg.eval_fraction, seed=cfg.seed)
+    train_ids, eval_ids = holdout_split(data["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     if cfg.batch_size % (ctx.world_size * cfg.grad_accum_steps):
         raise ValueError(f"batch_size {cfg.batch_size}: expected a multiple of world size {ctx.world_size} "
                          f"x grad_accum_steps {cfg.grad_accum_steps}")

@@ -112,11 +112,17 @@ def test_micro_batches_and_holdout_split():
     assert micro_batches([5, 6, 7, 8], 2) == [[5, 6], [7, 8]]
     with pytest.raises(TrainDataError, match="3 rows per rank is not a multiple of grad_accum_steps 2"):
         micro_batches([1, 2, 3], 2)
-    train, held = holdout_split(100, 0.1, seed=0)
+    prompts = [f"p{i}" for i in range(100)]
+    train, held = holdout_split(prompts, 0.1, seed=0)
     assert len(held) == 10 and sorted(train + held) == list(range(100))
-    assert holdout_split(100, 0.1, seed=0) == (train, held)
-    assert holdout_split(100, 0.1, seed=1)[1] != held
-    assert len(holdout_split(3, 0.01, seed=0)[1]) == 1  # at least one held out
+    assert holdout_split(prompts, 0.1, seed=0) == (train, held)
+    assert holdout_split(prompts, 0.1, seed=1)[1] != held
+    assert len(holdout_split(["a", "b", "c"], 0.01, seed=0)[1]) == 1  # at least one held out
+    # rows sharing a prompt stay together: 3 prompts x 2 rows, one prompt (two rows) held out
+    train, held = holdout_split(["a", "b", "a", "c", "b", "c"], 0.3, seed=0)
+    assert len(held) == 2 and len({["a", "b", "a", "c", "b", "c"][i] for i in held}) == 1
+    with pytest.raises(TrainDataError, match="at least 2 distinct prompts"):
+        holdout_split(["a", "a"], 0.5, seed=0)
 
 
 def test_run_file_round_trip_and_one_line_errors(tmp_path):

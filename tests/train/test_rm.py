@@ -90,7 +90,7 @@ def test_bradley_terry_two_steps_with_margin(tiny, tmp_path):
 
     start = RewardModel.from_policy(tiny, device="cpu", seed=cfg.seed)
     groups = build_groups(load_tokenizer(tiny), data, "bradley_terry", max_length=cfg.max_length)
-    train_ids, eval_ids = holdout_split(len(groups), cfg.eval_fraction, seed=cfg.seed)
+    train_ids, eval_ids = holdout_split(data["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     _, first = next(batches(len(train_ids), 8, seed=cfg.seed))
     with torch.no_grad():
         scores, _ = group_scores(start, groups, [train_ids[p] for p in first], pad_id=0, device=torch.device("cpu"))
@@ -101,7 +101,7 @@ def test_bradley_terry_two_steps_with_margin(tiny, tmp_path):
     assert reward.pooling == "last_token"
     before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
     assert all(not torch.equal(after[k], before["model." + k]) for k in after)  # the backbone trains too
-    assert final_metrics(final)["eval/n_groups"] == len(eval_ids) == 4
+    assert final_metrics(final)["eval/n_groups"] == len(eval_ids) >= 4  # 10% of the prompts
 
 
 def test_plackett_luce_on_rankings_of_different_sizes(tiny, tmp_path):
@@ -128,24 +128,25 @@ def test_nan_loss_stops_the_reward_model(tiny, tmp_path):
 # ---- learning (slow)
 
 
-def synthetic_pairs(problems: pl.DataFrame, n: int, seed: int) -> pl.DataFrame:
-    """More pairs made by the recipe of data/generate.py: chosen = the sum; rejected = (40%) a polite
-    non-answer, else a near miss with the units (60%) or the tens digit off."""
+def synthetic_pairs(problems: pl.DataFrame, n: int, *, per_prompt: int, seed: int) -> pl.DataFrame:
+    """`per_prompt` pairs on each of `n` problems, by the recipe of data/generate.py: chosen = the sum;
+    rejected = (40%) a polite non-answer, else a near miss with the units (60%) or the tens digit off."""
     rng = random.Random(seed)
     shipped = pl.read_ndjson(DEMO / "pairs.jsonl")
     non_answers = sorted(set(shipped.filter(pl.col("rejected_kind") == "non_answer")["rejected"].to_list()))
     rows = []
     for problem in problems.sample(n, seed=seed).to_dicts():
         answer = int(problem["answer"])
-        if rng.random() < 0.4:
-            rejected = rng.choice(non_answers)
-        elif rng.random() < 0.6 or answer < 10:
-            same_tens = [d for d in range(-9, 10) if d and answer + d >= 0 and (answer + d) // 10 == answer // 10]
-            rejected = str(answer + rng.choice(same_tens or [1]))
-        else:
-            rejected = str(answer + rng.choice([d for d in (-20, -10, 10, 20) if answer + d >= 0]))
-        rows.append({"prompt": problem["prompt"], "chosen": problem["answer"], "rejected": rejected})
-    return pl.DataFrame(rows)
+        for _ in range(per_prompt):
+            if rng.random() < 0.4:
+                rejected = rng.choice(non_answers)
+            elif rng.random() < 0.6 or answer < 10:
+                same_tens = [d for d in range(-9, 10) if d and answer + d >= 0 and (answer + d) // 10 == answer // 10]
+                rejected = str(answer + rng.choice(same_tens or [1]))
+            else:
+                rejected = str(answer + rng.choice([d for d in (-20, -10, 10, 20) if answer + d >= 0]))
+            rows.append({"prompt": problem["prompt"], "chosen": problem["answer"], "rejected": rejected})
+    return pl.DataFrame(rows).unique(maintain_order=True)
 
 
 @pytest.mark.slow
@@ -165,7 +166,7 @@ def test_reward_model_reaches_95_percent_on_held_out_synthetic_pairs(tmp_path):
     # max_length 24 keeps every near miss whole and the last 24 tokens of a non-answer (cheaper steps)
     cfg = RMConfig(model_path=str(sft), max_steps=1000, batch_size=64, lr=5e-4, max_length=24, device="cpu")
     started = time.perf_counter()
-    final = train_rm(cfg, synthetic_pairs(train, 9000, seed=0), tmp_path / "rm")
+    final = train_rm(cfg, synthetic_pairs(train, 9000, per_prompt=2, seed=0), tmp_path / "rm")
     metrics = final_metrics(final)
     print(f"RM: SFT backbone {sft_seconds:.1f} s, RM {time.perf_counter() - started:.1f} s; held-out accuracy "
           f"{metrics['eval/rm_accuracy']:.4f} on {metrics['eval/n_groups']:.0f} pairs, "
