@@ -41,7 +41,8 @@ def curves_figure(history: list[tuple[int, dict[str, float]]], keys: list[str]) 
     return figure
 
 
-def run_rl_stage(stage: str, cfg: BaseModel, load: Callable, train: Callable, curves: list[str], force: bool) -> str:
+def run_rl_stage(stage: str, cfg: BaseModel, load: Callable, train: Callable, curves: list[str], force: bool,
+                 inputs_fingerprint: str) -> str:
     """Shared body of the three tasks: read, train into the config's stage dir, log the model and the curves."""
     workspace = current_workspace()
     with open_store(workspace.store_path, read_only=True) as store:
@@ -50,7 +51,7 @@ def run_rl_stage(stage: str, cfg: BaseModel, load: Callable, train: Callable, cu
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
     history: list[tuple[int, dict[str, float]]] = []
-    with tracking.stage_run(workspace, stage, cfg, tags=run_tags()) as log:
+    with tracking.stage_run(workspace, stage, cfg, tags=run_tags() | {"data.fingerprint": inputs_fingerprint}) as log:
         final = train(cfg, data, out_dir, log=lambda metrics, step: (history.append((step, dict(metrics))),
                                                                      log(metrics, step)))
         tracking.log_artifact(final, "model")
@@ -64,14 +65,14 @@ def run_rl_stage(stage: str, cfg: BaseModel, load: Callable, train: Callable, cu
 
 @task(name="grpo", retries=0, **CACHED)
 def grpo_task(cfg: GRPOConfig, inputs_fingerprint: str = "", force: bool = False) -> str:
-    return run_rl_stage("grpo", cfg, load_grpo_data, train_grpo, GRPO_CURVES, force)
+    return run_rl_stage("grpo", cfg, load_grpo_data, train_grpo, GRPO_CURVES, force, inputs_fingerprint)
 
 
 @task(name="dapo", retries=0, **CACHED)
 def dapo_task(cfg: DAPOConfig, inputs_fingerprint: str = "", force: bool = False) -> str:
-    return run_rl_stage("dapo", cfg, load_grpo_data, train_grpo, DAPO_CURVES, force)
+    return run_rl_stage("dapo", cfg, load_grpo_data, train_grpo, DAPO_CURVES, force, inputs_fingerprint)
 
 
 @task(name="ppo", retries=0, **CACHED)
 def ppo_task(cfg: PPOConfig, inputs_fingerprint: str = "", force: bool = False) -> str:
-    return run_rl_stage("ppo", cfg, load_ppo_data, train_ppo, PPO_CURVES, force)
+    return run_rl_stage("ppo", cfg, load_ppo_data, train_ppo, PPO_CURVES, force, inputs_fingerprint)

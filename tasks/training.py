@@ -48,7 +48,7 @@ def sft_task(cfg: SFTConfig, inputs_fingerprint: str = "", force: bool = False) 
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
     stage = "rs_sft" if cfg.data == "best_of_n" else "sft"  # rejection-sampling SFT gets its own name in MLflow
-    with tracking.stage_run(workspace, stage, cfg, tags=run_tags()) as log:
+    with tracking.stage_run(workspace, stage, cfg, tags=run_tags() | {"data.fingerprint": inputs_fingerprint}) as log:
         final = train_sft(cfg, rows, out_dir, log=log, eval_rows=eval_rows)
         tracking.log_artifact(final, "model")
     metrics = {**final_metrics(final), "data/rows": float(rows.height)}
@@ -65,7 +65,7 @@ def rm_task(cfg: RMConfig, inputs_fingerprint: str = "", force: bool = False) ->
     out_dir = stage_dir(workspace.models_dir, "rm", cfg, cfg.model_path, data)
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
-    with tracking.stage_run(workspace, "rm", cfg, tags=run_tags()) as log:
+    with tracking.stage_run(workspace, "rm", cfg, tags=run_tags() | {"data.fingerprint": inputs_fingerprint}) as log:
         final = train_rm(cfg, data, out_dir, log=log)
         tracking.log_artifact(final, "model")
     create_markdown_artifact(result_table(f"Reward model ({cfg.loss}) -> {final}", final_metrics(final),
@@ -83,7 +83,7 @@ def dpo_task(cfg: DPOConfig, inputs_fingerprint: str = "", force: bool = False) 
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
     keys = ["eval/pref_accuracy", "eval/logp_margin"]
-    with tracking.stage_run(workspace, "dpo", cfg, tags=run_tags()) as log:
+    with tracking.stage_run(workspace, "dpo", cfg, tags=run_tags() | {"data.fingerprint": inputs_fingerprint}) as log:
         final = train_dpo(cfg, pairs, out_dir, log=log, cache_dir=workspace.root / "cache")
         tracking.log_artifact(final, "model")
         metrics = final_metrics(final)

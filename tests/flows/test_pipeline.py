@@ -50,6 +50,7 @@ def test_pipeline_chain_cache_hits_and_partial_recompute(flow_workspace):
     for stage in STAGES:
         (run,) = stage_runs(flow_workspace, stage)
         assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id and run.info.status == "FINISHED"
+        assert len(run.data.tags["data.fingerprint"]) == 64  # the inputs' fingerprint keys the cache
     with open_store(flow_workspace.store_path) as store:
         results = store.latest_eval_results()
         assert store.count("preference_pairs") > 3000  # the demo pairs plus West-of-N pairs
