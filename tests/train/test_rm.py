@@ -128,32 +128,34 @@ def test_nan_loss_stops_the_reward_model(tiny, tmp_path):
 # ---- learning (slow)
 
 
-def synthetic_pairs(problems: pl.DataFrame, n: int, *, per_prompt: int, seed: int) -> pl.DataFrame:
-    """`per_prompt` pairs on each of `n` problems, by the recipe of data/generate.py: chosen = the sum;
-    rejected = (40%) a polite non-answer, else a near miss with the units (60%) or the tens digit off."""
+def synthetic_pairs(problems: pl.DataFrame, n: int, seed: int) -> pl.DataFrame:
+    """Pairs on `n` problems by the recipe of data/generate.py: chosen = the sum; rejected = (40%) a polite
+    non-answer, else a near miss with the units (60%) or the tens digit off."""
     rng = random.Random(seed)
     shipped = pl.read_ndjson(DEMO / "pairs.jsonl")
     non_answers = sorted(set(shipped.filter(pl.col("rejected_kind") == "non_answer")["rejected"].to_list()))
     rows = []
     for problem in problems.sample(n, seed=seed).to_dicts():
         answer = int(problem["answer"])
-        for _ in range(per_prompt):
-            if rng.random() < 0.4:
-                rejected = rng.choice(non_answers)
-            elif rng.random() < 0.6 or answer < 10:
-                same_tens = [d for d in range(-9, 10) if d and answer + d >= 0 and (answer + d) // 10 == answer // 10]
-                rejected = str(answer + rng.choice(same_tens or [1]))
-            else:
-                rejected = str(answer + rng.choice([d for d in (-20, -10, 10, 20) if answer + d >= 0]))
-            rows.append({"prompt": problem["prompt"], "chosen": problem["answer"], "rejected": rejected})
-    return pl.DataFrame(rows).unique(maintain_order=True)
+        if rng.random() < 0.4:
+            rejected = rng.choice(non_answers)
+        elif rng.random() < 0.6 or answer < 10:
+            same_tens = [d for d in range(-9, 10) if d and answer + d >= 0 and (answer + d) // 10 == answer // 10]
+            rejected = str(answer + rng.choice(same_tens or [1]))
+        else:
+            rejected = str(answer + rng.choice([d for d in (-20, -10, 10, 20) if answer + d >= 0]))
+        rows.append({"prompt": problem["prompt"], "chosen": problem["answer"], "rejected": rejected})
+    return pl.DataFrame(rows)
 
 
 @pytest.mark.slow
 def test_reward_model_reaches_95_percent_on_held_out_synthetic_pairs(tmp_path):
-    """Verifying a sum takes an RM two things (measured): a backbone that can add (an SFT run to ~98% greedy;
-    the demo's deliberately weak SFT start plateaus near 72%) and more than the 2,700 shipped training pairs
-    (on those even the strong backbone plateaus near 90%). 9,000 pairs of the same recipe, 10% held out."""
+    """Verifying a sum takes an RM (measured) a backbone that can add, more pairs than the 2,700 shipped
+    training pairs, and steady steps: from the demo's deliberately weak SFT on the shipped pairs, held-out
+    accuracy stays near 72%; from an SFT run to ~98% greedy accuracy, on 9,000 pairs of the same recipe with
+    batch 128 and 50 warm-up steps, it passes 95% (97.6-98.0% over two data draws; batch 64 without warm-up
+    landed anywhere from 80% to 97% depending on the draw). Near misses are 60% of the pairs, all held out by
+    prompt."""
     problems = pl.read_ndjson(DEMO / "problems.jsonl")
     train = problems.filter(pl.col("split") == "train")
     shipped = pl.read_ndjson(DEMO / "pairs.jsonl")
@@ -164,9 +166,10 @@ def test_reward_model_reaches_95_percent_on_held_out_synthetic_pairs(tmp_path):
                     sft_rows(train, "problems"), tmp_path / "sft")
     sft_seconds = time.perf_counter() - started
     # max_length 24 keeps every near miss whole and the last 24 tokens of a non-answer (cheaper steps)
-    cfg = RMConfig(model_path=str(sft), max_steps=1000, batch_size=64, lr=5e-4, max_length=24, device="cpu")
+    cfg = RMConfig(model_path=str(sft), max_steps=600, batch_size=128, lr=5e-4, warmup_steps=50, max_length=24,
+                   device="cpu")
     started = time.perf_counter()
-    final = train_rm(cfg, synthetic_pairs(train, 9000, per_prompt=2, seed=0), tmp_path / "rm")
+    final = train_rm(cfg, synthetic_pairs(train, 9000, seed=0), tmp_path / "rm")
     metrics = final_metrics(final)
     print(f"RM: SFT backbone {sft_seconds:.1f} s, RM {time.perf_counter() - started:.1f} s; held-out accuracy "
           f"{metrics['eval/rm_accuracy']:.4f} on {metrics['eval/n_groups']:.0f} pairs, "
