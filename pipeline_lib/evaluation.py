@@ -297,9 +297,20 @@ def plot_curves(results: pl.DataFrame) -> tuple[Figure, Figure]:
     return figures[0], figures[1]
 
 
-def run_eval_stage(cfg: EvalConfig, store: Store, *, log: LogFn = no_log, progress: bool = True) -> pl.DataFrame:
+def plot_histograms(samples: pl.DataFrame, title: str) -> Figure:
+    """Reward and response-length histograms of one model's samples (columns reward, n_tokens)."""
+    fig = Figure(figsize=(8, 3), layout="constrained")
+    for i, (column, label) in enumerate((("reward", "reward"), ("n_tokens", "response length (tokens)"))):
+        ax = fig.add_subplot(1, 2, i + 1)
+        ax.hist(samples[column].drop_nulls().to_numpy(), bins=20)
+        ax.set(xlabel=label, ylabel="samples", title=f"{title}: {label}")
+    return fig
+
+
+def run_eval_stage(cfg: EvalConfig, store: Store, *, log: LogFn = no_log,
+                   progress: bool = True) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The evaluation stage: sample (resumable), score Pass@K / Maj@K against the gold answers, replace the
-    run's rows in eval_results, log `eval/pass_at_K` and `eval/maj_at_K`. Returns the results table."""
+    run's rows in eval_results, log `eval/pass_at_K` and `eval/maj_at_K`. Returns (results, the samples)."""
     from pipeline_lib.sampling.stage import run_sample_stage
 
     report = run_sample_stage(cfg.sample_config, store, log=log, progress=progress)
@@ -313,4 +324,4 @@ def run_eval_stage(cfg: EvalConfig, store: Store, *, log: LogFn = no_log, progre
         store.append("eval_results", results.with_columns(pl.lit(report.run_id).alias("run_id")))
     for row in results.iter_rows(named=True):
         log({metric_key("pass", row["k"]): row["pass_at_k"], metric_key("maj", row["k"]): row["maj_at_k"]}, 0)
-    return results
+    return results, samples

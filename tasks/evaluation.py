@@ -8,7 +8,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from pipeline_lib import tracking
 from pipeline_lib.config import EvalConfig
-from pipeline_lib.evaluation import plot_curves, run_eval_stage
+from pipeline_lib.evaluation import plot_curves, plot_histograms, run_eval_stage
 from pipeline_lib.store.db import open_store
 from tasks.common import CACHED, current_workspace, run_tags
 
@@ -19,10 +19,11 @@ def eval_task(cfg: EvalConfig, model_fingerprint: str) -> list[dict]:
     workspace = current_workspace()
     with tracking.stage_run(workspace, f"eval-{cfg.label}", cfg, tags=run_tags(), echo=False) as log:
         with open_store(workspace.store_path) as store:
-            results = run_eval_stage(cfg, store, log=log)
+            results, samples = run_eval_stage(cfg, store, log=log)
         fig_pass, fig_maj = plot_curves(results)
         tracking.log_figure(fig_pass, "plots/pass_at_k.png")
         tracking.log_figure(fig_maj, "plots/maj_at_k.png")
+        tracking.log_figure(plot_histograms(samples, cfg.label), "plots/reward_length_hist.png")
     create_markdown_artifact(results_markdown(results), key="eval-results", description=f"Pass@K / Maj@K of {cfg.label}")
     print(results_markdown(results))
     return results.to_dicts()

@@ -42,7 +42,7 @@ def test_eval_flow_writes_results_metrics_and_plots(flow_workspace, tmp_path):
     assert run.data.metrics["eval/pass_at_4"] == rows[2]["pass_at_k"]
     assert "eval/maj_at_1" in run.data.metrics
     plots = {a.path for a in MlflowClient(flow_workspace.tracking_uri).list_artifacts(run.info.run_id, "plots")}
-    assert plots == {"plots/pass_at_k.png", "plots/maj_at_k.png"}
+    assert plots == {"plots/pass_at_k.png", "plots/maj_at_k.png", "plots/reward_length_hist.png"}
 
 
 def test_filter_flows_on_a_sampling_run(flow_workspace):

@@ -1,0 +1,55 @@
+"""`alignflow ui`: the Prefect server and the MLflow UI come up on 127.0.0.1, print their URLs, and both stop
+on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.slow
+def test_ui_serves_prefect_and_mlflow_on_loopback_and_stops(tmp_path, subprocess_env):
+    prefect_port, mlflow_port = free_port(), free_port()
+    env = subprocess_env | {"ALIGNFLOW_HOME": str(tmp_path / "ws")}
+    ui = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--prefect-port", str(prefect_port),
+                           "--mlflow-port", str(mlflow_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=env, start_new_session=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not any("Ctrl-C" in line for line in lines):
+            line = ui.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+        output = "".join(lines)
+        assert f"http://127.0.0.1:{prefect_port}" in output and f"http://127.0.0.1:{mlflow_port}" in output, output
+        assert healthy(f"http://127.0.0.1:{prefect_port}/api/health")
+        assert healthy(f"http://127.0.0.1:{mlflow_port}/health")
+        ui.send_signal(signal.SIGTERM)
+        ui.wait(60)
+        assert not healthy(f"http://127.0.0.1:{prefect_port}/api/health")
+        assert not healthy(f"http://127.0.0.1:{mlflow_port}/health")
+    finally:
+        if ui.poll() is None:
+            os.killpg(ui.pid, signal.SIGKILL)
