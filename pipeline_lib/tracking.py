@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -17,22 +17,13 @@ import mlflow
 from mlflow.tracking import MlflowClient
 from pydantic import BaseModel
 
+from pipeline_lib.logfns import LogFn, no_log, print_log  # noqa: F401  (re-exported)
 from pipeline_lib.workspace import Workspace
 
-LogFn = Callable[[Mapping[str, float], int], None]
 EXPERIMENT = "alignflow"
 PARENT_ENV = "ALIGNFLOW_PARENT_RUN_ID"  # set by the pipeline flow so stage runs nest under it
 MAX_PARAM_CHARS = 500  # MLflow's param value limit is 6000; keep the UI readable
 TRUNCATED = "...[truncated]"
-
-
-def no_log(metrics: Mapping[str, float], step: int) -> None:
-    """The logger of unit tests: drops everything."""
-
-
-def print_log(metrics: Mapping[str, float], step: int) -> None:
-    """One human line per step: `step 120 | train/loss 0.693 | rewards/margins 0.12`."""
-    print(f"step {step} | " + " | ".join(f"{k} {v:.4g}" for k, v in metrics.items()), flush=True)
 
 
 def configure(workspace: Workspace, experiment: str = EXPERIMENT) -> str:
@@ -163,9 +154,3 @@ def log_text(text: str, artifact_file: str, *, run_id: str | None = None) -> Non
     else:
         mlflow.log_text(text, artifact_file)
 
-
-def log_metrics_to(run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
-    """Metrics into a given run (the pipeline run's summary metrics, logged from a task thread)."""
-    client = MlflowClient()
-    for key, value in metrics.items():
-        client.log_metric(run_id, key, float(value), step=step)

@@ -23,24 +23,16 @@ from transformers import PreTrainedTokenizerBase
 from pipeline_lib.config import validate_config
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import content_id, fingerprint_path, frame_fingerprint
+from pipeline_lib.logfns import LogFn, no_log, print_log  # noqa: F401  (the loops import LogFn, no_log from here)
 from pipeline_lib.models.loading import resolve_model_dir
 
 C = TypeVar("C", bound=BaseModel)
-LogFn = Callable[[Mapping[str, float], int], None]
 
 
 class TrainDataError(AlignflowError, ValueError):
     """Training rows that cannot be used (missing column, empty data), in one line."""
 
 
-# tracking.py has the same two loggers; these copies keep mlflow (~5 s of imports) out of torchrun workers.
-def skip_log(metrics: Mapping[str, float], step: int) -> None:
-    """The default logger: drops everything (flows inject the MLflow one from tracking.stage_run)."""
-
-
-def echo_log(metrics: Mapping[str, float], step: int) -> None:
-    """One human line per step, for `python -m pipeline_lib.train.<stage>`."""
-    print(f"step {step} | " + " | ".join(f"{k} {float(v):.4g}" for k, v in metrics.items()), flush=True)
 
 
 # ---- prompts
@@ -301,13 +293,13 @@ def read_run_file(path: str | Path, config_cls: type[C]) -> tuple[C, dict[str, p
 
 
 def run_main(config_cls: type[C], train: Callable[..., Path], argv: Sequence[str] | None = None) -> None:
-    """`--config run.json` -> train(cfg, **frames, out_dir=, log=echo_log, **options); one-line errors, exit 2."""
+    """`--config run.json` -> train(cfg, **frames, out_dir=, log=print_log, **options); one-line errors, exit 2."""
     parser = argparse.ArgumentParser(description=train.__doc__)
     parser.add_argument("--config", required=True, help="run file: stage config + data paths + out_dir")
     args = parser.parse_args(argv)
     try:
         cfg, frames, out_dir, options = read_run_file(args.config, config_cls)
-        final = train(cfg, **frames, out_dir=out_dir, log=echo_log, **options)
+        final = train(cfg, **frames, out_dir=out_dir, log=print_log, **options)
     except AlignflowError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)

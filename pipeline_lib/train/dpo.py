@@ -51,7 +51,7 @@ from pipeline_lib.train.data import (
     render_prompts,
     require_columns,
     run_main,
-    skip_log,
+    no_log,
 )
 
 
@@ -145,7 +145,7 @@ def add_lora(model: nn.Module, cfg: DPOConfig) -> nn.Module:
     return get_peft_model(model, lora)
 
 
-def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = skip_log, *,
+def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = no_log, *,
               cache_dir: Path | str | None = None) -> Path:
     """DPO on `pairs` (prompt, chosen, rejected[, prompt_messages]); reference = the starting policy.
 

@@ -36,7 +36,7 @@ from pipeline_lib.train.common import (
     save_final,
     seed_everything,
 )
-from pipeline_lib.train.data import LogFn, render_prompts, require_columns, run_main, skip_log
+from pipeline_lib.train.data import LogFn, render_prompts, require_columns, run_main, no_log
 from pipeline_lib.train.rollout import (
     check_single_process,
     completions_batch,
@@ -162,7 +162,7 @@ def load_grpo_data(store: Store, cfg: GRPOConfig) -> pl.DataFrame:
     return read_problems(store, split=cfg.split, source=cfg.problems_source, chat_template=cfg.chat_template)
 
 
-def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogFn = skip_log) -> Path:
+def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogFn = no_log) -> Path:
     """GRPO/DAPO on `problems` (prompt, answer[, prompt_messages]); returns `out_dir/final`.
 
     Resumes from `out_dir/checkpoint` when one exists: rollouts are seeded by (seed, step, round) and the

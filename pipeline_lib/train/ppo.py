@@ -46,7 +46,7 @@ from pipeline_lib.train.data import (
     render_prompts,
     require_columns,
     run_main,
-    skip_log,
+    no_log,
 )
 from pipeline_lib.train.rollout import (
     check_single_process,
@@ -89,7 +89,7 @@ def adapt_kl_coef(kl_coef: float, kl: float, *, target: float, horizon: int, n_s
     return kl_coef * (1.0 + error * n_samples / horizon)
 
 
-def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn = skip_log) -> Path:
+def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn = no_log) -> Path:
     """PPO on `prompts` (prompt[, prompt_messages][, answer]); returns `out_dir/final` (the actor).
 
     With an `answer` column, rewards/accuracy is logged too (the reward itself is the RM's). Resumes from

@@ -46,7 +46,7 @@ from pipeline_lib.train.data import (
     render_prompts,
     require_columns,
     run_main,
-    skip_log,
+    no_log,
 )
 
 
@@ -128,7 +128,7 @@ def pairwise_accuracy(model: torch.nn.Module, groups: Groups, ids: list[int], *,
     return {"eval/rm_accuracy": correct / max(count, 1), "eval/rm_margin": margin / max(count, 1)}
 
 
-def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = skip_log) -> Path:
+def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_log) -> Path:
     """Train a reward model on `data` (preference_pairs for bradley_terry, rankings for plackett_luce).
 
     A seeded `cfg.eval_fraction` of the rows is held out for eval/rm_accuracy. Returns `out_dir/final`

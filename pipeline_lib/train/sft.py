@@ -42,7 +42,7 @@ from pipeline_lib.train.data import (
     micro_batches,
     require_columns,
     run_main,
-    skip_log,
+    no_log,
 )
 
 
@@ -102,7 +102,7 @@ def completion_nll(model: torch.nn.Module, encoded: Encoded, *, pad_id: int, dev
     return total / max(count, 1)
 
 
-def train_sft(cfg: SFTConfig, rows: pl.DataFrame, out_dir: Path, log: LogFn = skip_log, *,
+def train_sft(cfg: SFTConfig, rows: pl.DataFrame, out_dir: Path, log: LogFn = no_log, *,
               eval_rows: pl.DataFrame | None = None) -> Path:
     """SFT on `rows` (prompt, completion[, prompt_messages]); eval/loss on `eval_rows`. Returns `out_dir/final`.
 

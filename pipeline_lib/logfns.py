@@ -1,0 +1,17 @@
+"""The `log(metrics, step)` callables library code receives, without importing mlflow (torchrun workers and
+the training loops stay light; tracking.py supplies the MLflow one)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+LogFn = Callable[[Mapping[str, float], int], None]
+
+
+def no_log(metrics: Mapping[str, float], step: int) -> None:
+    """The logger of unit tests and of callers that don't track: drops everything."""
+
+
+def print_log(metrics: Mapping[str, float], step: int) -> None:
+    """One human line per step: `step 120 | train/loss 0.693 | rewards/margins 0.12`."""
+    print(f"step {step} | " + " | ".join(f"{k} {float(v):.4g}" for k, v in metrics.items()), flush=True)
