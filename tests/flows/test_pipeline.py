@@ -26,7 +26,7 @@ def short_demo() -> PipelineConfig:
     for stage, steps in {"sft": 20, "rm": 10, "rs_sft": 5, "dpo": 5, "grpo": 2, "dapo": 2, "ppo": 2}.items():
         data[stage] |= {"max_steps": steps, "save_every": 1000}
     data["sample"] |= {"max_problems": 32}
-    data["rs_sft"] |= {"batch_size": 8}
+    data["rs_sft"] |= {"batch_size": 8, "min_reward": None}  # the best of every prompt: 32 rows whatever SFT learnt
     data["dpo"] |= {"batch_size": 4, "source": "demo"}  # a 20-step SFT model makes too few West-of-N pairs
     for stage in ("grpo", "dapo"):
         data[stage] |= {"prompts_per_step": 4}

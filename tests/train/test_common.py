@@ -107,7 +107,7 @@ def test_batches_are_seeded_resumable_and_drop_the_tail():
     resumed = batches(10, 3, seed=5, start_step=4)
     assert [next(resumed) for _ in range(3)] == first[4:7]
     assert epoch_order(10, seed=6, epoch=0) != epoch0
-    with pytest.raises(AlignflowError, match="batch_size 11 is larger than the dataset"):
+    with pytest.raises(AlignflowError, match="batch_size 11 is larger than the training set"):
         next(batches(10, 11, seed=0))
 
 

@@ -113,13 +113,14 @@ def test_nan_loss_stops_dpo(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_dpo_raises_held_out_preference_accuracy_and_margin_over_its_sft_start(tmp_path):
-    """A deliberately short SFT (150 steps) leaves near-miss pairs to learn from; DPO on the demo pairs then
-    prefers the chosen answer on more held-out pairs, by a wider log-prob margin."""
+    """A deliberately short SFT (60 steps: held-out preference accuracy ~0.69; 150 steps already give ~0.89
+    and leave only pairs DPO cannot fix in a few minutes) leaves near-miss pairs to learn from; DPO on the demo
+    pairs then prefers the chosen answer on more held-out pairs (measured 0.693 -> 0.757), by a wider margin."""
     problems = pl.read_ndjson(DEMO / "problems.jsonl")
     pairs = pl.read_ndjson(DEMO / "pairs.jsonl")
     corpus = problems["prompt"].to_list() + problems["answer"].to_list() + pairs["rejected"].to_list()
     base = build_tiny_model(tmp_path / "base", corpus)
-    sft = train_sft(SFTConfig(model_path=str(base), max_steps=150, batch_size=128, lr=1e-3, device="cpu"),
+    sft = train_sft(SFTConfig(model_path=str(base), max_steps=60, batch_size=128, lr=1e-3, device="cpu"),
                     sft_rows(problems.filter(pl.col("split") == "train"), "problems"), tmp_path / "sft")
     cfg = DPOConfig(policy_path=str(sft), max_steps=150, batch_size=64, lr=3e-4, warmup_steps=10, beta=0.1,
                     device="cpu")
@@ -131,6 +132,6 @@ def test_dpo_raises_held_out_preference_accuracy_and_margin_over_its_sft_start(t
           f"{m['eval/pref_accuracy']:.3f}, logp margin {m['eval/logp_margin_start']:.1f} -> "
           f"{m['eval/logp_margin']:.1f}, "
           f"implicit reward accuracy {m['eval/rewards_accuracy']:.3f}")
-    assert m["eval/pref_accuracy"] >= m["eval/pref_accuracy_start"] + 0.02
+    assert m["eval/pref_accuracy"] >= m["eval/pref_accuracy_start"] + 0.03
     assert m["eval/logp_margin"] >= m["eval/logp_margin_start"] + 10.0
-    assert m["eval/rewards_accuracy"] > 0.75
+    assert m["eval/rewards_accuracy"] >= m["eval/rewards_accuracy_start"] + 0.4  # measured 0.207 -> 0.773
