@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.losses.dapo import overlong_penalty
 from pipeline_lib.rewards.math import is_correct
 
@@ -137,6 +138,24 @@ def combined_reward(specs: Sequence[Mapping[str, Any]]) -> CombinedReward:
         return total, components
 
     return reward
+
+
+def build_reward(specs: Sequence[Mapping[str, Any]], *, reward_model_path: str | None = None,
+                 device: Any = "cpu") -> CombinedReward:
+    """`combined_reward` of config specs, a `reward_model` component given a scorer of `reward_model_path`
+    on `device`; a bad spec is a one-line AlignflowError naming the rewards."""
+    specs = [dict(spec) for spec in specs]
+    for spec in specs:
+        if spec.get("name") == "reward_model":
+            from pipeline_lib.models import RewardModel, load_tokenizer
+            from pipeline_lib.rewards.model import RewardModelScorer
+
+            model = RewardModel.from_pretrained(reward_model_path, device=device)
+            spec["scorer"] = RewardModelScorer(model, load_tokenizer(reward_model_path))
+    try:
+        return combined_reward(specs)
+    except ValueError as exc:
+        raise AlignflowError(f"rewards: {exc}") from None
 
 
 def reward_metrics(total: list[float], components: Mapping[str, list[float]]) -> dict[str, float]:

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from pipeline_lib.config import SampleConfig
 from pipeline_lib.fingerprint import fingerprint_path
 from pipeline_lib.rewards.math import is_correct
-from pipeline_lib.rewards.registry import combined_reward
+from pipeline_lib.rewards.registry import build_reward
 from pipeline_lib.sampling.base import Sampler, SamplingError
 from pipeline_lib.store.db import Store
 from pipeline_lib.tracking import LogFn, no_log
@@ -210,19 +210,8 @@ def select_problems(store: Store, cfg: SampleConfig) -> pl.DataFrame:
 
 
 def build_reward_fn(cfg: SampleConfig) -> RewardFn:
-    """The weighted sum of cfg.rewards; a `reward_model` component gets a scorer loaded from reward_model_path."""
-    specs = [dict(spec) for spec in cfg.rewards]
-    for spec in specs:
-        if spec.get("name") == "reward_model":
-            from pipeline_lib.models import RewardModel, load_tokenizer
-            from pipeline_lib.rewards.model import RewardModelScorer
-
-            model = RewardModel.from_pretrained(cfg.reward_model_path, device=cfg.device)
-            spec["scorer"] = RewardModelScorer(model, load_tokenizer(cfg.reward_model_path))
-    try:
-        combined = combined_reward(specs)
-    except ValueError as exc:
-        raise SamplingError(str(exc)) from None
+    """The total of cfg.rewards' weighted sum (the per-component values are not stored per sample)."""
+    combined = build_reward(cfg.rewards, reward_model_path=cfg.reward_model_path, device=cfg.device)
 
     def reward_fn(prompts: list[str], completions: list[str], *, answers: list[str | None],
                   lengths: list[int]) -> list[float]:

@@ -19,7 +19,7 @@ from pipeline_lib.filters import informative_groups
 from pipeline_lib.losses import LOSSES, group_advantages
 from pipeline_lib.models import load_policy, load_tokenizer, sequence_logprobs
 from pipeline_lib.rewards.math import is_correct
-from pipeline_lib.rewards.registry import CombinedReward, combined_reward
+from pipeline_lib.rewards.registry import CombinedReward, build_reward
 from pipeline_lib.sampling import Completion, Sampler
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
@@ -52,22 +52,6 @@ LOSS_OPTIONS: dict[str, Callable[[GRPOConfig, Tensor | None], dict]] = {
     "grpo": lambda cfg, ref_logps: {"ref_logps": ref_logps, "clip_eps": cfg.clip_eps_low, "beta": cfg.beta},
     "dapo": lambda cfg, ref_logps: {"eps_low": cfg.clip_eps_low, "eps_high": cfg.clip_eps_high},
 }
-
-
-def build_reward(specs: tuple[dict, ...], reward_model_path: str | None, device: torch.device) -> CombinedReward:
-    """The weighted sum of the reward specs; a `reward_model` component gets a scorer of reward_model_path."""
-    specs = [dict(spec) for spec in specs]
-    for spec in specs:
-        if spec["name"] == "reward_model":
-            from pipeline_lib.models import RewardModel
-            from pipeline_lib.rewards.model import RewardModelScorer
-
-            model = RewardModel.from_pretrained(reward_model_path, device=device)
-            spec["scorer"] = RewardModelScorer(model, load_tokenizer(reward_model_path))
-    try:
-        return combined_reward(specs)
-    except ValueError as exc:
-        raise AlignflowError(f"rewards: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -191,7 +175,7 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
     if cfg.beta > 0:
         ref = load_policy(cfg.policy_path, device=device, trust_remote_code=cfg.trust_remote_code).eval()
         ref.requires_grad_(False)
-    reward_fn = build_reward(cfg.rewards, cfg.reward_model_path, device)
+    reward_fn = build_reward(cfg.rewards, reward_model_path=cfg.reward_model_path, device=device)
     policy_loss = LOSSES[cfg.loss]
     rows_per_step = cfg.prompts_per_step * cfg.group_size
     mini_batch = min(cfg.mini_batch_size or rows_per_step, rows_per_step)

@@ -6,8 +6,9 @@ import math
 
 import pytest
 
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.rewards import registry
-from pipeline_lib.rewards.registry import REWARDS, combined_reward, register_reward, reward_metrics
+from pipeline_lib.rewards.registry import REWARDS, build_reward, combined_reward, register_reward, reward_metrics
 
 PROMPTS = ["2+2=", "3+4=", "10-1=", "5*5="]
 COMPLETIONS = ["#### 4", "The answer is 8", "9.0", "no idea"]
@@ -104,3 +105,16 @@ def test_register_reward_adds_a_named_function(monkeypatch):
     assert total == pytest.approx([2.5, 1.0, 3.5, 2.5])
     with pytest.raises(ValueError, match="already registered"):
         register_reward("length_bonus")(length_bonus)
+
+
+def test_build_reward_reports_a_bad_spec_in_one_line():
+    with pytest.raises(AlignflowError, match=r"^rewards: .*unknown reward 'bleu'") as caught:
+        build_reward([{"name": "verifier"}, {"name": "bleu"}])
+    assert "\n" not in str(caught.value)
+
+
+def test_build_reward_sums_weighted_components():
+    reward = build_reward([{"name": "verifier", "weight": 2.0}, {"name": "overlong", "max_len": 4, "cache_len": 2}])
+    total, parts = reward(["1+1="] * 2, ["2", "3"], answers=["2", "2"], lengths=[1, 4])
+    assert parts["verifier"] == [1.0, 0.0] and parts["overlong"] == [0.0, -1.0]
+    assert total == [2.0, -1.0]

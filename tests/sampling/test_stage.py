@@ -9,6 +9,7 @@ import polars as pl
 import pytest
 
 from pipeline_lib.config import SampleConfig
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.sampling.base import Completion, SamplingError
 from pipeline_lib.sampling.stage import (
     build_reward_fn,
@@ -140,7 +141,7 @@ def test_chat_template_renders_prompts_and_keeps_the_raw_prompt(store, tiny_mode
 def test_bad_inputs_are_one_line_errors(store, tiny_model_dir):
     with pytest.raises(SamplingError, match=r"no problems in the store with split='train', source='nope'"):
         select_problems(store, SampleConfig(model_path="m", split="train", problems_source="nope"))
-    with pytest.raises(SamplingError, match="unknown reward 'bleu'"):
+    with pytest.raises(AlignflowError, match="rewards: .*unknown reward 'bleu'"):
         build_reward_fn(SampleConfig(model_path="m", rewards=[{"name": "bleu"}]))
     with pytest.raises(SamplingError, match=r"missing column\(s\) \['answer'\]"):
         _sample(GoldEveryOtherSampler({}), pl.DataFrame({"problem_id": ["a"], "prompt": ["1+1="]}), store)
