@@ -16,7 +16,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from pipeline_lib.config import EvalConfig
 from pipeline_lib.rewards.math import answer_value, extract_answer, values_equivalent
 from pipeline_lib.store.db import Store
-from pipeline_lib.tracking import LogFn, no_log
+from pipeline_lib.logfns import LogFn, no_log
 
 MAX_SAMPLES = 1024  # C(1024, 512) ~ 4.5e306: subset counts above this overflow float64
 METRIC_KINDS = ("pass", "maj")

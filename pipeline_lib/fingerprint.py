@@ -37,6 +37,12 @@ def content_id(*parts: str) -> str:
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
 
 
+def keyed_dir(root: str | Path, stage: str, *parts: str) -> Path:
+    """`root/<stage>/<hash of parts>`: the same inputs land in the same dir, so a killed stage rerun finds its
+    checkpoint and resumes, a finished one is returned as it is, and different inputs never overwrite each other."""
+    return Path(root) / stage / content_id(*parts)[:16]
+
+
 def frame_fingerprint(frame: pl.DataFrame) -> str:
     """sha256 over a frame's shape, columns and row hashes (polars' seeded row hash: stable within an
     install, so a polars upgrade at worst recomputes a cached stage once)."""

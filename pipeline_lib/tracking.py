@@ -17,7 +17,7 @@ import mlflow
 from mlflow.tracking import MlflowClient
 from pydantic import BaseModel
 
-from pipeline_lib.logfns import LogFn, no_log, print_log  # noqa: F401  (re-exported)
+from pipeline_lib.logfns import LogFn, print_log
 from pipeline_lib.workspace import Workspace
 
 EXPERIMENT = "alignflow"

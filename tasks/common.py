@@ -1,16 +1,12 @@
-"""What every task needs: the workspace, Prefect run ids as MLflow tags, content-addressed stage dirs,
-the cache settings of deterministic stages, and the I/O-only retry rule."""
+"""What every task needs: the workspace, Prefect run ids as MLflow tags, the cache settings of deterministic
+stages, and the I/O-only retry rule."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect.cache_policies import INPUTS, TASK_SOURCE, CacheKeyFnPolicy
 from prefect.runtime import flow_run
-from pydantic import BaseModel
 
 from pipeline_lib.errors import AlignflowError
-from pipeline_lib.fingerprint import content_id
 from pipeline_lib.workspace import Workspace, resolve_workspace
 
 
@@ -36,13 +32,6 @@ def run_tags() -> dict[str, str]:
     """MLflow tags linking a stage run to its Prefect flow run."""
     run_id = flow_run.get_id()
     return {"prefect.flow_run_id": str(run_id)} if run_id else {}
-
-
-def stage_dir(workspace: Workspace, stage: str, cfg: BaseModel, inputs_fingerprint: str) -> Path:
-    """`models/<stage>/<hash>`: the same config and inputs map to the same dir, so a rerun of a killed
-    stage finds its checkpoint and resumes, and different configs never overwrite each other."""
-    key = content_id(stage, cfg.model_dump_json(), inputs_fingerprint)
-    return workspace.models_dir / stage / key[:16]
 
 
 def retry_on_io(task, task_run, state) -> bool:

@@ -20,7 +20,7 @@ from pipeline_lib.rewards.math import is_correct
 from pipeline_lib.rewards.registry import build_reward
 from pipeline_lib.sampling.base import Sampler, SamplingError
 from pipeline_lib.store.db import Store
-from pipeline_lib.tracking import LogFn, no_log
+from pipeline_lib.logfns import LogFn, no_log
 
 RewardFn = Callable[..., list[float]]
 SAMPLE_SCHEMA = {

@@ -19,7 +19,7 @@ import orjson
 import polars as pl
 
 from pipeline_lib.errors import AlignflowError
-from pipeline_lib.fingerprint import content_id, fingerprint_path
+from pipeline_lib.fingerprint import fingerprint_path
 from pipeline_lib.store.db import Store
 from pipeline_lib.store.shapes import FIELDS, SCHEMAS, TABLE_OF, Rows, shape_records
 
@@ -255,6 +255,8 @@ def _detect_format(path: Path, lines: list[bytes], pre_bad: dict[int, str]) -> s
             votes[shape] += 1
     if votes:
         return votes.most_common(1)[0][0]
+    if all(not line or line.isspace() for line in lines):  # --format would not help here
+        raise IngestError(f"{path}: the file holds no records")
     found = f"fields {first_keys}" if first_keys is not None else "no JSON object records"
     raise IngestError(
         f"{path}: cannot detect the record format ({found}); pass --format {'|'.join(FORMATS)}"

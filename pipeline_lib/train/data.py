@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pipeline_lib.config import validate_config
 from pipeline_lib.errors import AlignflowError
-from pipeline_lib.fingerprint import content_id, fingerprint_path, frame_fingerprint
+from pipeline_lib.fingerprint import fingerprint_path, frame_fingerprint, keyed_dir
 from pipeline_lib.logfns import LogFn, no_log, print_log  # noqa: F401  (the loops import LogFn, no_log from here)
 from pipeline_lib.models.loading import resolve_model_dir
 
@@ -233,12 +233,10 @@ def holdout_split(prompts: Sequence[str], fraction: float, *, seed: int) -> tupl
 
 
 def stage_dir(models_dir: Path, stage: str, cfg: BaseModel, model_path: str, *frames: pl.DataFrame) -> Path:
-    """`models_dir/<stage>/<hash of config + starting model files + data>`: the same inputs land in the same
-    dir, so a killed run resumes from its checkpoint and a finished one is returned as it is; a retrained
-    starting model (same path, new weights) gets a new dir."""
-    key = content_id(cfg.model_dump_json(), fingerprint_path(resolve_model_dir(model_path)),
+    """`keyed_dir` of config + starting model files + data: a retrained starting model (same path, new
+    weights) gets a new dir."""
+    return keyed_dir(models_dir, stage, cfg.model_dump_json(), fingerprint_path(resolve_model_dir(model_path)),
                      *(frame_fingerprint(frame) for frame in frames))
-    return Path(models_dir) / stage / key[:16]
 
 
 # ---- the run file of `python -m pipeline_lib.train.<stage> --config run.json` (and torchrun)
