@@ -5,7 +5,9 @@ prefect is imported only after the workspace has set PREFECT_HOME and the offlin
 
 from __future__ import annotations
 
+import logging
 import sys
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Optional
 
@@ -13,7 +15,7 @@ import click
 import typer
 
 from pipeline_lib.errors import AlignflowError
-from pipeline_lib.workspace import apply_environment, resolve_workspace
+from pipeline_lib.workspace import apply_environment, resolve_workspace, workspace_lock
 
 app = typer.Typer(help="alignflow: reproducible LLM alignment pipelines (Prefect + MLflow + DuckDB).",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -37,8 +39,26 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def run_lock() -> AbstractContextManager[None]:
+    """The workspace's run lock for this command: a second run on the same workspace fails at once, in one
+    line naming this process (pipeline_lib.workspace.workspace_lock)."""
+    return workspace_lock(resolve_workspace(), " ".join(["alignflow", *sys.argv[1:]]))
+
+
+class DropUserErrorTracebacks(logging.Filter):
+    """Prefect logs a failed run's exception with its traceback; an AlignflowError already says in one line
+    what is wrong and run_cli prints it, so its traceback is dropped (any other exception keeps its own)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], AlignflowError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def run_cli() -> None:
     """Entry point: one-line errors instead of tracebacks for user mistakes."""
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logging.getLogger(name).addFilter(DropUserErrorTracebacks())
     try:
         code = app(standalone_mode=False)
     except click.ClickException as exc:
@@ -68,7 +88,8 @@ def ingest(
         fail(f"{path}: no such file")
     from flows.ingest import ingest_flow
 
-    ingest_flow(cfg)
+    with run_lock():
+        ingest_flow(cfg)
 
 
 @data_app.command("stats")
@@ -125,11 +146,12 @@ def run(
 ) -> None:
     """Run one stage, or the whole pipeline, from a config file."""
     cfg, stage_flow = load_stage(stage, config)
-    if stage == "pipeline":
-        outputs = stage_flow(cfg, force=tuple(force))
-        typer.echo("outputs: " + ", ".join(f"{k}={v}" for k, v in outputs.items()))
-    else:
-        stage_flow(cfg)
+    with run_lock():
+        if stage == "pipeline":
+            outputs = stage_flow(cfg, force=tuple(force))
+            typer.echo("outputs: " + ", ".join(f"{k}={v}" for k, v in outputs.items()))
+        else:
+            stage_flow(cfg)
 
 
 @app.command()
@@ -154,7 +176,8 @@ def sample(
     }, origin="alignflow sample")
     from flows.sample import sample_flow
 
-    sample_flow(cfg)
+    with run_lock():
+        sample_flow(cfg)
 
 
 @app.command("eval")
@@ -178,7 +201,8 @@ def evaluate(
     }, origin="alignflow eval")
     from flows.evaluate import eval_flow
 
-    eval_flow(cfg)
+    with run_lock():
+        eval_flow(cfg)
 
 
 @app.command("vllm-env")
@@ -203,16 +227,17 @@ def demo(
     from pipeline_lib.config import PipelineConfig, load_config
 
     workspace = resolve_workspace()
-    generated = workspace.root / "data" / "demo"
-    subprocess.run([sys.executable, str(REPO_ROOT / "data" / "generate.py"), "--out", str(generated)], check=True)
-    cfg = load_config(PipelineConfig, preset)
-    ingest = [c.model_copy(update={"path": str(generated / Path(c.path).name)}) if c.path.startswith("data/demo/")
-              else c for c in cfg.ingest]
-    from flows.pipeline import pipeline_flow
+    with run_lock():
+        generated = workspace.root / "data" / "demo"
+        subprocess.run([sys.executable, str(REPO_ROOT / "data" / "generate.py"), "--out", str(generated)], check=True)
+        cfg = load_config(PipelineConfig, preset)
+        ingest = [c.model_copy(update={"path": str(generated / Path(c.path).name)})
+                  if c.path.startswith("data/demo/") else c for c in cfg.ingest]
+        from flows.pipeline import pipeline_flow
 
-    start = time.perf_counter()
-    pipeline_flow(cfg.model_copy(update={"ingest": tuple(ingest)}))
-    print_results(workspace, time.perf_counter() - start)
+        start = time.perf_counter()
+        pipeline_flow(cfg.model_copy(update={"ingest": tuple(ingest)}))
+        print_results(workspace, time.perf_counter() - start)
 
 
 PREFECT_URL = "http://127.0.0.1:4200/api"

@@ -1,10 +1,16 @@
-"""The workspace directory (store, MLflow, Prefect home, models) and the offline settings, in one place."""
+"""The workspace directory (store, MLflow, Prefect home, models), the offline settings, and the run lock that
+keeps two pipeline/stage runs off the same workspace."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from pipeline_lib.errors import AlignflowError
 
 # Offline/quiet defaults measured on these machines (ENVIRONMENT.md): without HF_HUB_OFFLINE a
 # missing hub id retries for ~46 s; Prefect's telemetry prints "database is locked" tracebacks.
@@ -17,6 +23,9 @@ OFFLINE_ENV = {
     "DO_NOT_TRACK": "true",
     "VLLM_NO_USAGE_STATS": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # a fresh workspace's first run creates Prefect's database (~12 s on 2 cores); under load that passed
+    # Prefect's 20 s default and the run died with "Timed out while attempting to connect"
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
 }
 # A tracking server the user chose, read once at import: mlflow.set_tracking_uri() later writes this
 # variable itself, which must not make one workspace log into another's database.
@@ -54,6 +63,10 @@ class Workspace:
         return self.root / "runs"
 
     @property
+    def lock_path(self) -> Path:
+        return self.root / "run.lock"
+
+    @property
     def tracking_uri(self) -> str:
         """MLFLOW_TRACKING_URI when the user runs a server, else the workspace's sqlite file."""
         return USER_TRACKING_URI or f"sqlite:///{self.mlflow_db}"
@@ -80,3 +93,45 @@ def apply_environment(workspace: Workspace) -> Workspace:
     os.environ["ALIGNFLOW_HOME"] = str(workspace.root)
     os.environ.setdefault("PREFECT_HOME", str(workspace.prefect_home))
     return workspace.create()
+
+
+class WorkspaceLockedError(AlignflowError):
+    """Another process holds the workspace's run lock."""
+
+
+# lock files this process holds: the CLI takes the lock and the pipeline flow it runs takes it again
+_HELD: set[Path] = set()
+
+
+@contextmanager
+def workspace_lock(workspace: Workspace, holder: str) -> Iterator[None]:
+    """Hold the workspace's run lock while a pipeline or stage runs; re-entrant within one process.
+
+    An flock on `run.lock`: the kernel drops it when the holder exits, SIGKILL included, so a file left
+    behind never blocks a later run. A second process gets a one-line WorkspaceLockedError naming the
+    holder's pid and command at once, before it opens the store or starts Prefect. The descriptor is not
+    inherited (O_CLOEXEC), so a server the run started cannot keep the lock after it."""
+    path = workspace.lock_path
+    if path in _HELD:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        # the holder writes "pid command" once it has the lock; empty only in that instant
+        owner = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        os.close(fd)
+        pid, _, command = owner.partition(" ")
+        raise WorkspaceLockedError(
+            f"workspace {workspace.root} is in use by alignflow process {pid or '(pid not written yet)'} "
+            f"({command or 'unknown command'}); wait for it to finish or pass another --workspace") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {holder}\n".encode(), 0)
+        _HELD.add(path)
+        yield
+    finally:
+        _HELD.discard(path)
+        os.close(fd)  # closing the descriptor releases the flock

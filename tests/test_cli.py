@@ -54,3 +54,18 @@ def test_ingest_then_stats(tmp_path):
     stats = alignflow("data", "stats", workspace=tmp_path)
     assert stats.returncode == 0
     assert "rankings" in stats.stdout and "600" in stats.stdout
+
+
+@pytest.mark.parametrize(("stage", "text", "field"), [
+    ("pipeline", "base: {corpus_sources: [demo]}\nsft:\n  model_path: from:base\n  max_step: 5\n", "sft.max_step"),
+    ("grpo", "policy_path: /m\ngroup_sise: 4\n", "group_sise"),
+    ("sample", "model_path: /m\nn_samples: 4\n", "n_samples"),
+])
+def test_misspelled_field_in_any_run_config_is_one_line(tmp_path, stage, text, field):
+    """`alignflow run <stage>`, nested pipeline fields included: refused before any lock, store or Prefect."""
+    config = tmp_path / f"{stage}.yaml"
+    config.write_text(text)
+    result = alignflow("run", stage, "--config", str(config), workspace=tmp_path / "ws")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {config}: unknown field '{field}' (misspelled? not a field of this config)"
+    assert not (tmp_path / "ws" / "run.lock").exists() and not (tmp_path / "ws" / "store.duckdb").exists()

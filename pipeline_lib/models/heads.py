@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
@@ -93,14 +94,21 @@ def _load(
             f"{model_dir}: not a {kind} model dir (needs {config_file.name} and {head_file.name}); "
             "use from_policy() to start from a policy checkpoint"
         )
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError as exc:
+        raise ModelLoadError(f"{config_file}: not valid JSON ({exc})") from None
     backbone = _load_backbone(model_dir, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     if int(config.get("hidden_size", -1)) != backbone.config.hidden_size:
         raise ModelLoadError(
             f"{config_file}: hidden_size={config.get('hidden_size')} but the backbone has {backbone.config.hidden_size}"
         )
     head = nn.Linear(int(config["hidden_size"]), 1)
-    head.load_state_dict(load_file(str(head_file)))
+    try:
+        head.load_state_dict(load_file(str(head_file)))
+    except (SafetensorError, RuntimeError, OSError) as exc:  # a truncated file, wrong shapes
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        raise ModelLoadError(f"{head_file}: cannot load the {kind} head ({type(exc).__name__}: {first_line})") from exc
     return backbone, head.to(backbone.device), config
 
 

@@ -13,12 +13,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from pipeline_lib.errors import AlignflowError
+
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 # Files a model dir needs besides weights; a hub download fetches only these plus the allowed weights.
 _HUB_FILE_PATTERNS = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py", "*.safetensors"]
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(AlignflowError, RuntimeError):
     """A model or tokenizer could not be loaded; the message is one line naming the path/id and the fix."""
 
 

@@ -79,7 +79,8 @@ class VLLMSampler:
         self.http.close()
 
     def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
-        """One HTTP call; retried only when the connection itself failed (the server never saw it)."""
+        """One HTTP call; retried only when the connection itself failed (the server never saw it). A
+        connection lost mid-request (the server was killed or crashed) or a read timeout is a one-line error."""
         for attempt in range(CONNECT_RETRIES):
             try:
                 response = self.http.request(method, path, **kwargs)
@@ -88,6 +89,9 @@ class VLLMSampler:
                 if attempt == CONNECT_RETRIES - 1:
                     raise VLLMServerError(f"vLLM server {self.base_url}: cannot connect ({exc})") from None
                 time.sleep(2**attempt)
+            except httpx.TransportError as exc:
+                raise VLLMServerError(f"vLLM server {self.base_url}{path}: no complete answer ({type(exc).__name__}: "
+                                      f"{exc}); the server stopped, crashed or stalled") from None
         if response.status_code >= 400:
             try:
                 detail = response.json()

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import random
 import shutil
+import warnings
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from torch import Tensor, nn
 
 from pipeline_lib.errors import AlignflowError
@@ -27,6 +30,14 @@ FINAL_MARKER = "alignflow_final.json"
 
 class NonFiniteLossError(AlignflowError):
     """Loss became NaN/inf: the stage stops without writing a final model."""
+
+
+class CheckpointWriteError(AlignflowError):
+    """A checkpoint or the final model could not be written (disk full, read-only dir); the previous one is kept."""
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
 def seed_everything(seed: int) -> None:
@@ -201,11 +212,10 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
     """Write model, optimizer, scheduler, RNG states and the step to `out_dir/checkpoint` atomically.
 
     The checkpoint is written to a temp dir and renamed over the previous one: a crash mid-write leaves the
-    previous checkpoint intact."""
+    previous checkpoint intact, and a failed write (disk full) is a one-line CheckpointWriteError."""
     final = out_dir / CHECKPOINT_DIR
     tmp = out_dir / f".{CHECKPOINT_DIR}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    old = out_dir / f".{CHECKPOINT_DIR}.old"
     state = {
         "model": unwrap(model).state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -214,31 +224,59 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "extra": extra or {},
     }
-    torch.save(state, tmp / "state.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
     python_state = random.getstate()
-    (tmp / "python_rng.json").write_text(json.dumps([python_state[0], list(python_state[1]), python_state[2]]))
-    old = out_dir / f".{CHECKPOINT_DIR}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        # torch.save reports a full disk as a RuntimeError ("unexpected pos ..."), not an OSError
+        torch.save(state, tmp / "state.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+        (tmp / "python_rng.json").write_text(json.dumps([python_state[0], list(python_state[1]), python_state[2]]))
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+    except (OSError, RuntimeError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(f"{out_dir}: cannot write the step {step} checkpoint ({_first_line(exc)}); "
+                                   "the previous checkpoint is kept") from exc
     shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=None) -> tuple[int, dict] | None:
-    """Restore the latest checkpoint in `out_dir` (if any) into model/optimizer/scheduler and the RNGs.
-
-    Returns (step, extra) — the loop continues at `step` — or None for a fresh start."""
-    ckpt = out_dir / CHECKPOINT_DIR
+def _read_checkpoint(ckpt: Path) -> tuple[int, dict, list] | None:
+    """(step, state, python RNG state) of a complete checkpoint dir; None when there is none or it is unreadable
+    (a truncated file: disk corruption, a power cut after the rename), with a warning naming it."""
     if not (ckpt / "trainer_state.json").exists():
-        old = out_dir / f".{CHECKPOINT_DIR}.old"  # crash between the two renames of save_checkpoint
-        if not (old / "trainer_state.json").exists():
-            return None
-        ckpt = old
-    # weights_only: our own file, but never unpickle arbitrary objects (DESIGN.md reliability rules)
-    state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+        return None
+    try:
+        step = int(json.loads((ckpt / "trainer_state.json").read_text())["step"])
+        python_rng = json.loads((ckpt / "python_rng.json").read_text())
+        # weights_only: our own file, but never unpickle arbitrary objects (DESIGN.md reliability rules)
+        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+        missing = {"model", "optimizer", "scheduler", "torch_rng", "cuda_rng", "extra"} - set(state)
+        if missing:
+            raise KeyError(f"state.pt lacks {sorted(missing)}")
+    except (OSError, RuntimeError, EOFError, ValueError, KeyError, TypeError, pickle.UnpicklingError) as exc:
+        warnings.warn(f"checkpoint {ckpt} is unreadable ({_first_line(exc)}); ignoring it", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    return step, state, python_rng
+
+
+def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=None) -> tuple[int, dict] | None:
+    """Restore the latest readable checkpoint in `out_dir` (if any) into model/optimizer/scheduler and the RNGs.
+
+    Returns (step, extra) — the loop continues at `step` — or None for a fresh start. An unreadable checkpoint
+    is skipped: training is seeded, so starting over costs time, never a different result."""
+    # .old: a crash between the two renames of save_checkpoint left only the previous checkpoint
+    for ckpt in (out_dir / CHECKPOINT_DIR, out_dir / f".{CHECKPOINT_DIR}.old"):
+        found = _read_checkpoint(ckpt)
+        if found is not None:
+            break
+    else:
+        return None
+    step, state, (version, internal, gauss) = found
     unwrap(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
@@ -246,25 +284,31 @@ def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=Non
     torch.set_rng_state(state["torch_rng"])
     if state["cuda_rng"]:
         torch.cuda.set_rng_state_all(state["cuda_rng"])
-    version, internal, gauss = json.loads((ckpt / "python_rng.json").read_text())
     random.setstate((version, tuple(internal), gauss))
-    step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
     return step, state["extra"]
 
 
 def save_final(model: nn.Module, tokenizer, out_dir: Path, *, metrics: dict | None = None) -> Path:
-    """Atomically write the final HF-style model dir (safetensors) as `out_dir/final`; drop the checkpoint."""
+    """Atomically write the final HF-style model dir (safetensors) as `out_dir/final`; drop the checkpoint.
+
+    A failed write is a one-line CheckpointWriteError that leaves no `final` dir and keeps the last checkpoint,
+    so a rerun resumes from it."""
     final = out_dir / "final"
     tmp = out_dir / ".final.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    # no safe_serialization flag: transformers 5 always writes safetensors, and RewardModel.save_pretrained
-    # (a plain nn.Module with the same method) does not take it
-    unwrap(model).save_pretrained(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    (tmp / FINAL_MARKER).write_text(json.dumps({"metrics": metrics or {}}, indent=2))
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        # no safe_serialization flag: transformers 5 always writes safetensors, and RewardModel.save_pretrained
+        # (a plain nn.Module with the same method) does not take it
+        unwrap(model).save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / FINAL_MARKER).write_text(json.dumps({"metrics": metrics or {}}, indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(f"{final}: cannot write the final model ({_first_line(exc)}); the last "
+                                   "checkpoint is kept, rerun the stage to resume") from exc
     shutil.rmtree(out_dir / CHECKPOINT_DIR, ignore_errors=True)
     return final
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from pipeline_lib.store.db import open_store
@@ -68,6 +69,8 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_e
         deployment = wait_for(lambda: _deployment(api, "smoke"), 120, "the pipeline deployment")
         assert deployment["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
         assert _deployment(api, "smoke-sft") is not None  # every stage flow is deployed too
+        # the serving process opens no socket beyond loopback (checked on the sockets themselves)
+        assert {address for address, _ in _listening(served.pid)} <= {"127.0.0.1"}
 
         run = httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", json={}, timeout=10).json()
         state = wait_for(lambda: _final_state(api, run["id"]), 240, "the triggered flow run to finish")
@@ -78,6 +81,13 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_e
         if served is not None:
             stop(served)  # serve processes first, or they hang (ENVIRONMENT.md)
         stop(server)
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every listening TCP socket of `pid` and its descendants."""
+    root = psutil.Process(pid)
+    return {(c.laddr.ip, c.laddr.port) for process in [root, *root.children(recursive=True)]
+            for c in process.net_connections("inet") if c.status == psutil.CONN_LISTEN}
 
 
 def _healthy(api: str) -> bool:

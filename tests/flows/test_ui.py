@@ -1,5 +1,6 @@
 """`alignflow ui`: the Prefect server and the MLflow UI come up on 127.0.0.1, print their URLs, and both stop
-on SIGTERM."""
+on SIGTERM; every socket its process tree listens on is bound to 127.0.0.1 (checked on the sockets, not the
+printed URLs)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import time
 
 import httpx
+import psutil
 import pytest
 
 
@@ -18,6 +20,19 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def listening_sockets(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every listening TCP socket of `pid` and its descendants."""
+    found = set()
+    root = psutil.Process(pid)
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            found |= {(c.laddr.ip, c.laddr.port) for c in process.net_connections("inet")
+                      if c.status == psutil.CONN_LISTEN}
+        except psutil.NoSuchProcess:
+            continue
+    return found
 
 
 def healthy(url: str) -> bool:
@@ -46,6 +61,9 @@ def test_ui_serves_prefect_and_mlflow_on_loopback_and_stops(tmp_path, subprocess
         assert f"http://127.0.0.1:{prefect_port}" in output and f"http://127.0.0.1:{mlflow_port}" in output, output
         assert healthy(f"http://127.0.0.1:{prefect_port}/api/health")
         assert healthy(f"http://127.0.0.1:{mlflow_port}/health")
+        sockets = listening_sockets(ui.pid)
+        assert {prefect_port, mlflow_port} <= {port for _, port in sockets}, sockets
+        assert {address for address, _ in sockets} == {"127.0.0.1"}, sockets  # no 0.0.0.0, no ::
         ui.send_signal(signal.SIGTERM)
         ui.wait(60)
         assert not healthy(f"http://127.0.0.1:{prefect_port}/api/health")

@@ -1,8 +1,12 @@
-"""Answer extraction and equivalence: every shipped GSM8K gold answer, hand-written formats, hostile inputs."""
+"""Answer extraction and equivalence: every shipped GSM8K gold answer, hand-written formats, hostile inputs,
+malicious completions through the verifier reward (read as text, never run, fast)."""
 
 from __future__ import annotations
 
+import builtins
 import json
+import os
+import subprocess
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -17,6 +21,7 @@ from pipeline_lib.rewards.math import (
     is_correct,
     is_equivalent,
 )
+from pipeline_lib.rewards.registry import combined_reward
 
 GSM8K = Path(__file__).resolve().parents[2] / "data" / "gsm8k"
 
@@ -174,3 +179,44 @@ def test_hostile_values_are_rejected_not_computed():
     assert extract_answer("9" * 10_000_000) is None  # longer than MAX_NUMBER_CHARS
     assert extract_answer("x 1" + "0" * 150) is None
     assert extract_answer("1/0") is None
+
+
+# ---- malicious completions through the verifier reward the stages use (issue #8, security)
+
+# text -> (gold answer, expected reward): the reward comes from reading the text, never from running it
+MALICIOUS = {
+    "python program": ("import os\nos.system('touch MARKER')\nprint(42)", "42", 1.0),
+    "eval bait": ("eval(\"__import__('os').system('touch MARKER')\")", "0", 0.0),
+    "shell": ("$(touch MARKER) `touch MARKER`; rm -rf / ; echo 7", "7", 1.0),
+    "power tower": ("The answer is 10**10**10", "10000000000", 0.0),  # read as "10", never raised to a power
+    "a million nines": ("9" * 10**6, "9", 0.0),
+    "deeply nested parens": ("(" * 100_000 + "1" + ")" * 100_000, "1", 0.0),
+    "deeply nested boxes": ("\\boxed{" * 50_000 + "3" + "}" * 50_000, "3", 0.0),
+    "format-string bait": ("{0.__class__.__mro__[1].__subclasses__()}", "0", 0.0),
+    "division by zero": ("\\boxed{\\frac{1}{0}}", "0", 0.0),
+}
+
+
+@pytest.mark.parametrize("name", list(MALICIOUS))
+def test_malicious_completion_is_read_as_text_never_run(name, tmp_path, monkeypatch):
+    text, gold, expected = MALICIOUS[name]
+    text = text.replace("MARKER", str(tmp_path / "ran"))
+    ran: list[str] = []
+
+    def refuse(what: str):
+        def call(*args, **kwargs):
+            ran.append(what)
+            raise AssertionError(f"the verifier called {what}")
+        return call
+
+    reward = combined_reward([{"name": "verifier"}])
+    for module, name_ in ((builtins, "eval"), (builtins, "exec"), (builtins, "compile"), (os, "system"),
+                          (os, "popen"), (subprocess, "Popen")):
+        monkeypatch.setattr(module, name_, refuse(f"{module.__name__}.{name_}"))
+    start = time.perf_counter()
+    total, _ = reward(["q"], [text], answers=[gold], lengths=[len(text)])
+    seconds = time.perf_counter() - start
+    monkeypatch.undo()
+    assert ran == [] and not (tmp_path / "ran").exists()
+    assert total == [expected]
+    assert seconds < 1.0

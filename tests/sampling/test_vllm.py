@@ -1,13 +1,15 @@
 """vLLM's server on the tiny model on CPU (marked `vllm`, needs `make vllm-env`): same schema and greedy
 output as HFSampler, seeded per prompt, the stage through a server URL, weight updates without a restart,
-a clean stop; plus start-up failures reported in one line (no vLLM needed)."""
+a clean stop, listening on 127.0.0.1 only; plus start-up failures reported in one line (no vLLM needed)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 
 import httpx
+import psutil
 import pytest
 import torch
 
@@ -99,6 +101,24 @@ def test_stage_through_a_server_url(client, server, store, served_dir):
     assert rows.height == 12 and rows.select("prompt_id", "sample_idx").unique().height == 12
     assert set(rows["finish_reason"]) <= {"stop", "length"} and rows["n_tokens"].max() <= 6
     assert run_sample_stage(cfg, store, progress=False).rows_written_now == 0
+
+
+@pytest.mark.vllm
+@requires_vllm_env
+def test_server_listens_on_loopback_only(server):
+    """The sockets themselves, not the URL we print: every listening socket of the server's process group."""
+    group = [p for p in psutil.process_iter() if _pgid(p.pid) == server.proc.pid]
+    sockets = {(c.laddr.ip, c.laddr.port) for p in group for c in p.net_connections("inet")
+               if c.status == psutil.CONN_LISTEN}
+    assert ("127.0.0.1", server.port) in sockets
+    assert {address for address, _ in sockets} == {"127.0.0.1"}, sockets
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def _perturbed(model_dir, out_dir, scale: float):

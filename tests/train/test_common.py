@@ -4,19 +4,28 @@ checkpoints with RNG state, the final model dir."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import json
 import math
 import random
+from collections.abc import Callable
+from pathlib import Path
 
+import polars as pl
 import pytest
 import torch
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
+from pipeline_lib.config import SFTConfig
 from pipeline_lib.errors import AlignflowError
-from pipeline_lib.models import RewardModel, build_tiny_model, load_tokenizer
+from pipeline_lib.models import RewardModel, build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.train.common import (
     CHECKPOINT_DIR,
     FINAL_MARKER,
+    CheckpointWriteError,
     Dist,
     NonFiniteLossError,
     autocast,
@@ -34,6 +43,7 @@ from pipeline_lib.train.common import (
     save_final,
     seed_everything,
 )
+from pipeline_lib.train.sft import train_sft
 
 
 def lr_factors(kind: str, *, warmup: int, total: int, steps: int) -> list[float]:
@@ -184,3 +194,139 @@ def test_save_final_writes_safetensors_and_drops_the_checkpoint(tmp_path, tiny_d
     with torch.no_grad():
         assert math.isclose(float(loaded(ids, torch.ones_like(ids))), float(reward(ids, torch.ones_like(ids))),
                             rel_tol=1e-6)
+
+
+# ---- failing and corrupted checkpoint writes (issue #8: no corrupt checkpoint, the previous one stays usable)
+
+
+REAL_TORCH_SAVE = torch.save
+
+
+def torch_bytes(obj) -> bytes:
+    buffer = io.BytesIO()
+    REAL_TORCH_SAVE(obj, buffer)
+    return buffer.getvalue()
+
+
+def full_disk_after_half(serialize: Callable[[object], bytes]):
+    """A writer (torch.save, safetensors' save_file) that puts the first half of the real bytes on disk, then
+    fails as a full disk does."""
+
+    def write(obj, path, *args, **kwargs):
+        data = serialize(obj)
+        Path(path).write_bytes(data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    return write
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one_in_one_line(tmp_path, monkeypatch):
+    model, optimizer, scheduler = _trained_state()
+    save_checkpoint(tmp_path, step=1, model=model, optimizer=optimizer, scheduler=scheduler)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer.step()  # the state moves on, then its checkpoint fails half-written
+    monkeypatch.setattr(torch, "save", full_disk_after_half(torch_bytes))
+    with pytest.raises(CheckpointWriteError) as err:
+        save_checkpoint(tmp_path, step=2, model=model, optimizer=optimizer, scheduler=scheduler)
+    assert str(err.value) == (f"{tmp_path}: cannot write the step 2 checkpoint (OSError: [Errno 28] No space left "
+                              "on device); the previous checkpoint is kept")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_DIR]  # the half-written temp dir is gone
+    fresh, fresh_opt, fresh_sched = _trained_state(seed=1)
+    assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)[0] == 1
+    assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
+
+
+@pytest.mark.parametrize("damage", ["empty state.pt", "half state.pt", "garbage state.pt", "no state.pt",
+                                    "bad trainer_state.json", "bad python_rng.json"])
+def test_unreadable_checkpoint_is_skipped_with_a_warning(tmp_path, damage):
+    """A checkpoint damaged after its rename (disk corruption, a power cut before the data reached the disk)
+    is ignored: the loop starts over, which costs time but gives the same seeded result."""
+    model, optimizer, _ = _trained_state()
+    ckpt = save_checkpoint(tmp_path, step=3, model=model, optimizer=optimizer)
+    state = ckpt / "state.pt"
+    if damage == "empty state.pt":
+        state.write_bytes(b"")
+    elif damage == "half state.pt":
+        state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    elif damage == "garbage state.pt":
+        state.write_bytes(b"not a checkpoint at all" * 10)
+    elif damage == "no state.pt":
+        state.unlink()
+    else:
+        (ckpt / damage.split()[1]).write_text('{"step": ')
+    fresh, fresh_opt, _ = _trained_state(seed=1)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.warns(RuntimeWarning, match=rf"checkpoint {ckpt} is unreadable \(\w+: .*\); ignoring it"):
+        assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt) is None
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())  # nothing half-applied
+
+    # the previous checkpoint, still aside after a crash between save_checkpoint's renames, is used instead
+    older, older_opt, _ = _trained_state(seed=2)
+    save_checkpoint(tmp_path / "aside", step=2, model=older, optimizer=older_opt)
+    (tmp_path / "aside" / CHECKPOINT_DIR).rename(tmp_path / f".{CHECKPOINT_DIR}.old")
+    with pytest.warns(RuntimeWarning, match="is unreadable"):
+        assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt)[0] == 2
+    assert torch.equal(fresh.weight, older.weight)
+
+
+def test_failed_final_write_leaves_no_final_dir_and_keeps_the_checkpoint(tmp_path, tiny_dir, monkeypatch):
+    import transformers.modeling_utils
+
+    policy = load_policy(tiny_dir, device="cpu")
+    optimizer = make_optimizer(policy.parameters(), lr=0.1)
+    save_checkpoint(tmp_path, step=5, model=policy, optimizer=optimizer)
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk_after_half(safetensors_bytes))
+    with pytest.raises(CheckpointWriteError) as err:
+        save_final(policy, load_tokenizer(tiny_dir), tmp_path)
+    assert str(err.value) == (f"{tmp_path / 'final'}: cannot write the final model (OSError: [Errno 28] No space "
+                              "left on device); the last checkpoint is kept, rerun the stage to resume")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_DIR]  # no final, no half-written temp dir
+    monkeypatch.undo()
+    assert load_checkpoint(tmp_path, model=policy, optimizer=optimizer)[0] == 5
+    final = save_final(policy, load_tokenizer(tiny_dir), tmp_path)  # the rerun's save succeeds
+    assert torch.equal(load_policy(final, device="cpu").lm_head.weight, policy.lm_head.weight)
+
+
+def sft_run(tiny_dir: Path, out_dir: Path, **overrides) -> Path:
+    rows = pl.DataFrame({"prompt": [f"{a}+{a}=" for a in range(16)], "completion": [str(2 * a) for a in range(16)]})
+    cfg = SFTConfig(model_path=str(tiny_dir), max_steps=6, batch_size=4, save_every=2, lr=1e-3, device="cpu",
+                    **overrides)
+    return train_sft(cfg, rows, out_dir)
+
+
+@pytest.mark.parametrize("failing", ["checkpoint", "final"])
+def test_sft_stage_with_a_failing_write_reruns_to_the_uninterrupted_weights(tiny_dir, tmp_path, monkeypatch,
+                                                                           failing):
+    """The step-4 checkpoint (or the final model) fails half-written: the stage stops with the one-line error,
+    no `final` exists, and the rerun resumes from the step-2 checkpoint to the uninterrupted run's weights."""
+    import transformers.modeling_utils
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bit-exact comparison: one summation order
+    try:
+        uninterrupted = sft_run(tiny_dir, tmp_path / "full")
+        if failing == "checkpoint":
+            calls = []
+
+            def second_save_fails(obj, path, *args, **kwargs):
+                calls.append(path)
+                if len(calls) == 2:
+                    return full_disk_after_half(torch_bytes)(obj, path)
+                return REAL_TORCH_SAVE(obj, path, *args, **kwargs)
+
+            monkeypatch.setattr(torch, "save", second_save_fails)
+        else:
+            monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk_after_half(safetensors_bytes))
+        with pytest.raises(CheckpointWriteError, match="the (previous|last) checkpoint is kept"):
+            sft_run(tiny_dir, tmp_path / "failed")
+        monkeypatch.undo()
+        assert not (tmp_path / "failed" / "final").exists()
+        expected_step = 2 if failing == "checkpoint" else 4
+        assert json.loads((tmp_path / "failed" / CHECKPOINT_DIR / "trainer_state.json").read_text()) == \
+            {"step": expected_step}
+        rerun = sft_run(tiny_dir, tmp_path / "failed")
+    finally:
+        torch.set_num_threads(threads)
+    a, b = load_file(str(uninterrupted / "model.safetensors")), load_file(str(rerun / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

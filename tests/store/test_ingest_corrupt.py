@@ -1,0 +1,214 @@
+"""Ingest of damaged files (issue #8): truncated .jsonl / .jsonl.gz, corrupted parquet, non-UTF-8 bytes, empty
+files. Each ends as quarantined rows with reasons or one IngestError line naming the file; nothing else is
+raised, nothing is written by a refused file, and rows read = accepted + duplicates + quarantined."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import polars as pl
+import pytest
+
+from pipeline_lib.store.db import TABLES, open_store
+from pipeline_lib.store.ingest import IngestError, ingest_file
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDS = [{"prompt": f"question {i}?", "chosen": f"answer {i}", "rejected": f"wrong {7 * i}"} for i in range(40)]
+JSONL = b"\n".join(orjson.dumps(r) for r in RECORDS) + b"\n"
+
+
+@pytest.fixture
+def store(tmp_path):
+    with open_store(tmp_path / "store.duckdb") as s:
+        yield s
+
+
+def row_counts(store) -> dict[str, int]:
+    return {table: store.count(table) for table in TABLES}
+
+
+def refused(path: Path, store, message: str) -> str:
+    """The ingest of `path` fails with one line naming the file, and leaves the store as it was."""
+    before = row_counts(store)
+    with pytest.raises(IngestError) as err:
+        ingest_file(path, store)
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(f"{path}: ") and message in text, text
+    assert row_counts(store) == before
+    return text
+
+
+def reasons(store) -> dict[int, str]:
+    return dict(store.read("quarantine").select("line_no", "reason").iter_rows())
+
+
+# ---- truncated files
+
+
+def test_jsonl_cut_mid_record_quarantines_the_partial_last_line(tmp_path, store):
+    path = tmp_path / "cut.jsonl"
+    path.write_bytes(JSONL[:-12])  # the download stopped inside the 40th record, no final newline
+    report = ingest_file(path, store)
+    assert (report.rows_read, report.accepted, report.quarantined) == (40, 39, 1)
+    # the 40th record is 69 bytes + "\n": 12 cut bytes leave 58, so the data ends at char 58
+    assert reasons(store) == {40: "malformed JSON: unexpected end of data: line 1 column 59 (char 58)"}
+    assert store.read("quarantine")["raw"].to_list() == [JSONL[:-12].split(b"\n")[-1].decode()]
+
+
+@pytest.mark.parametrize("keep", [10, 40, 0.5, -8], ids=["header-only", "first-block", "half", "no-trailer"])
+def test_truncated_gzip_is_one_line_error(tmp_path, store, keep):
+    """gzip has no record boundaries to resume at: a cut stream is refused as a whole, in one line."""
+    data = gzip.compress(JSONL * 20)
+    cut = int(len(data) * keep) if isinstance(keep, float) else keep
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(data[:cut])
+    refused(path, store, "not a readable gzip file (Compressed file ended before the end-of-stream marker was "
+                         "reached)")
+
+
+def test_gzip_of_a_truncated_jsonl_quarantines_its_partial_line(tmp_path, store):
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(gzip.compress(JSONL[:-12]))
+    report = ingest_file(path, store)
+    assert (report.accepted, report.quarantined) == (39, 1)
+    assert reasons(store)[40].startswith("malformed JSON: unexpected end of data")
+
+
+# ---- corrupted parquet
+
+
+def parquet_bytes(compression: str) -> bytes:
+    buffer = io.BytesIO()
+    pl.DataFrame(RECORDS).write_parquet(buffer, compression=compression)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda data: data[: len(data) // 2], "unreadable parquet file (parquet: File out of specification: The file "
+                                          "must end with PAR1"),
+    (lambda data: data[:-8], "unreadable parquet file (parquet: File out of specification: The file must end with"),
+    (lambda data: data[:4] + b"\0" * (len(data) - 8) + data[-4:], "unreadable parquet file"),
+], ids=["half", "footer-cut", "zeroed-body"])
+def test_damaged_parquet_is_one_line_error(tmp_path, store, damage, message):
+    path = tmp_path / "damaged.parquet"
+    path.write_bytes(damage(parquet_bytes("zstd")))
+    refused(path, store, message)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "uncompressed"])
+def test_parquet_with_flipped_bytes_never_escapes_as_another_exception(tmp_path, store, compression):
+    """40 seeded corruptions (8 bytes XOR-ed at a random offset): each ingest either refuses the file in one
+    line, writing nothing, or completes with the invariant holding. Parquet pages carry no checksum by default,
+    so a flip inside a plain string value can pass as different text; that is the format's limit, not a crash."""
+    data = parquet_bytes(compression)
+    rng = random.Random(8)
+    outcomes = {"refused": 0, "ingested": 0}
+    for trial in range(40):
+        damaged = bytearray(data)
+        offset = rng.randrange(4, len(data) - 16)
+        for i in range(offset, offset + 8):
+            damaged[i] ^= 0x5A
+        path = tmp_path / f"flip{trial}.parquet"
+        path.write_bytes(bytes(damaged))
+        before = row_counts(store)
+        try:
+            report = ingest_file(path, store)
+        except IngestError as exc:
+            assert "\n" not in str(exc) and str(exc).startswith(f"{path}: ")
+            assert row_counts(store) == before
+            outcomes["refused"] += 1
+            continue
+        assert report.rows_read == report.accepted + report.duplicates + report.quarantined
+        outcomes["ingested"] += 1
+    assert outcomes["refused"] > 0 and outcomes["ingested"] > 0  # both paths were exercised
+
+
+# ---- bytes that are not UTF-8
+
+
+def test_latin1_lines_are_quarantined_and_the_utf8_ones_kept(tmp_path, store):
+    lines = [orjson.dumps(RECORDS[0]), '{"prompt": "café?", "chosen": "oui", "rejected": "non"}'.encode("latin-1"),
+             orjson.dumps(RECORDS[1]), b'{"prompt": "\xff\xfe", "chosen": "a", "rejected": "b"}']
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    report = ingest_file(path, store)
+    assert (report.rows_read, report.accepted, report.quarantined) == (4, 2, 2)
+    assert reasons(store) == {2: "invalid UTF-8", 4: "invalid UTF-8"}
+    raw = dict(store.read("quarantine").select("line_no", "raw").iter_rows())
+    assert raw[2] == '{"prompt": "caf\ufffd?", "chosen": "oui", "rejected": "non"}'  # kept, readable
+
+
+def test_utf16_file_is_refused_or_fully_quarantined(tmp_path, store):
+    path = tmp_path / "utf16.jsonl"
+    path.write_bytes(JSONL.decode().encode("utf-16"))
+    refused(path, store, "cannot detect the record format (no JSON object records); pass --format")
+    report = ingest_file(path, store, format="pairs")  # told the format: every line is quarantined, none lost
+    # "\n" is b"\n\0" in UTF-16: 40 records + the trailing b"\0" after the last newline = 41 byte lines
+    assert report.rows_read == report.quarantined == 41 and report.accepted == 0
+
+
+def test_non_utf8_json_array_is_one_line_error(tmp_path, store):
+    path = tmp_path / "bad.json"
+    path.write_bytes(b'[{"prompt": "\xe9", "chosen": "a", "rejected": "b"}]')
+    refused(path, store, "not valid JSON (str is not valid UTF-8")
+
+
+# ---- empty files
+
+
+EMPTY = [
+    ("empty.jsonl", b"", "the file holds no records"),
+    ("blank.jsonl", b"\n\n  \n", "the file holds no records"),
+    ("empty.jsonl.gz", b"", "the file holds no records"),
+    ("nothing.jsonl.gz", gzip.compress(b""), "the file holds no records"),
+    ("empty.csv", b"", "the file holds no records"),
+    ("header.csv", b"prompt,chosen,rejected\n", "the file holds no records"),
+    ("empty.json", b"", "not valid JSON (Input is a zero-length, empty document"),
+    ("list.json", b"[]", "the file holds no records"),
+    ("empty.parquet", b"", "unreadable parquet file"),
+]
+
+
+@pytest.mark.parametrize(("name", "content", "message"), EMPTY, ids=[case[0] for case in EMPTY])
+def test_empty_files_are_one_line_errors(tmp_path, store, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    refused(path, store, message)
+
+
+def test_parquet_with_zero_rows_is_one_line_error(tmp_path, store):
+    path = tmp_path / "zero.parquet"
+    pl.DataFrame(RECORDS).head(0).write_parquet(path)
+    refused(path, store, "the file holds no records")
+
+
+# ---- through the CLI: the same one line, no traceback from Prefect's logs
+
+
+@pytest.mark.slow  # two `alignflow ingest` subprocesses, each starting Prefect's temporary server
+def test_cli_ingest_of_damaged_files_prints_one_error_line_and_no_traceback(tmp_path, subprocess_env):
+    env = subprocess_env | {"ALIGNFLOW_HOME": str(tmp_path / "ws"), "PYTHONPATH": str(ROOT)}
+    gz = tmp_path / "cut.jsonl.gz"
+    gz.write_bytes(gzip.compress(JSONL)[:-8])
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "ingest", str(gz)], capture_output=True,
+                            text=True, env=env, timeout=300, cwd=ROOT)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: {gz}: not a readable gzip file (Compressed file ended before the end-of-stream "
+                      "marker was reached)"]
+
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(JSONL[:-12])
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "ingest", str(cut)], capture_output=True,
+                            text=True, env=env, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "read 40 = accepted 39 + duplicates 0 + quarantined 1" in result.stdout + result.stderr
+    assert os.path.getsize(tmp_path / "ws" / "store.duckdb") > 0
