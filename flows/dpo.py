@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from prefect import flow
-
+from flows.common import stage_flow
 from pipeline_lib.config import DPOConfig
 from tasks.training import dpo_task
 from tasks.store import inputs_fingerprint_task
 
 
-@flow(name="dpo", log_prints=True)
+@stage_flow("dpo")
 def dpo_flow(cfg: DPOConfig, force: bool = False) -> str:
     """force: retrain from scratch, even if a cached result exists."""
     run = dpo_task.with_options(refresh_cache=force)

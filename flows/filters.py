@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from prefect import flow
-
+from flows.common import stage_flow
 from tasks.filters import filter_task
 
 
-@flow(name="filter", log_prints=True)
+@stage_flow("filter")
 def filter_flow(kind: Literal["best_of_n", "west_of_n", "dynamic"], samples_run_id: str, group_size: int | None = None) -> dict:
     return filter_task(kind, samples_run_id, group_size)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from prefect import flow
-
+from flows.common import stage_flow
 from pipeline_lib.config import GRPOConfig
 from tasks.rl import grpo_task
 from tasks.store import inputs_fingerprint_task
 
 
-@flow(name="grpo", log_prints=True)
+@stage_flow("grpo")
 def grpo_flow(cfg: GRPOConfig, force: bool = False) -> str:
     """Train into the stage dir of this config and data; returns the final policy dir. force: retrain from scratch."""
     run = grpo_task.with_options(refresh_cache=force)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from prefect import flow
-
+from flows.common import stage_flow
 from pipeline_lib.config import IngestConfig
 from tasks.ingest import ingest_task
 
 
-@flow(name="ingest", log_prints=True)
+@stage_flow("ingest")
 def ingest_flow(cfg: IngestConfig) -> dict:
     return ingest_task(cfg)

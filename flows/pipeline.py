@@ -4,8 +4,7 @@ only what changed (and what depends on it); `force` names stages to recompute an
 
 from __future__ import annotations
 
-from prefect import flow
-
+from flows.common import stage_flow
 from flows.dapo import dapo_flow
 from flows.dpo import dpo_flow
 from flows.evaluate import eval_flow
@@ -19,7 +18,6 @@ from flows.sample import sample_flow
 from flows.sft import sft_flow
 from pipeline_lib import tracking
 from pipeline_lib.config import PipelineConfig
-from pipeline_lib.workspace import workspace_lock
 from tasks.common import current_workspace, run_tags
 from tasks.evaluation import compare_task
 
@@ -27,13 +25,10 @@ TRAINING_FLOWS = {"sft": sft_flow, "rm": rm_flow, "rs_sft": sft_flow, "dpo": dpo
                   "grpo": grpo_flow, "dapo": dapo_flow, "ppo": ppo_flow}
 
 
-@flow(name="pipeline", log_prints=True)
+@stage_flow("pipeline")
 def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str, str]:
     """Run every enabled stage in order; returns each stage's output (model dir or sampling run id)."""
-    workspace = current_workspace()
-    # the CLI already holds it (re-entrant); a deployment run started by `alignflow serve` takes it here
-    with workspace_lock(workspace, f"pipeline {cfg.name}"), \
-            tracking.pipeline_run(workspace, cfg.name, cfg, tags=run_tags()) as pipeline_run_id:
+    with tracking.pipeline_run(current_workspace(), cfg.name, cfg, tags=run_tags()) as pipeline_run_id:
         for ingest_cfg in cfg.ingest:
             ingest_flow(ingest_cfg)
         outputs = {"base": prepare_model_flow(cfg.base, force="base" in force) if cfg.base else cfg.base_model_path}

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from prefect import flow
-
+from flows.common import stage_flow
 from pipeline_lib.config import PPOConfig
 from tasks.rl import ppo_task
 from tasks.store import inputs_fingerprint_task
 
 
-@flow(name="ppo", log_prints=True)
+@stage_flow("ppo")
 def ppo_flow(cfg: PPOConfig, force: bool = False) -> str:
     """Train into the stage dir of this config and data; returns the final policy dir. force: retrain from scratch."""
     run = ppo_task.with_options(refresh_cache=force)

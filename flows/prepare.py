@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from prefect import flow
-
+from flows.common import stage_flow
 from pipeline_lib.config import TinyModelConfig
 from tasks.models import build_tiny_model_task
 from tasks.store import corpus_fingerprint_task
 
 
-@flow(name="prepare-model", log_prints=True)
+@stage_flow("prepare-model")
 def prepare_model_flow(cfg: TinyModelConfig, force: bool = False) -> str:
     build = build_tiny_model_task.with_options(refresh_cache=force)
     return build(cfg, corpus_fingerprint_task(cfg.corpus_sources))

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from prefect import flow
-
+from flows.common import stage_flow
 from pipeline_lib.config import SFTConfig
 from tasks.training import sft_task
 from tasks.store import inputs_fingerprint_task
 
 
-@flow(name="sft", log_prints=True)
+@stage_flow("sft")
 def sft_flow(cfg: SFTConfig, force: bool = False) -> str:
     """force: retrain from scratch, even if a cached result exists."""
     run = sft_task.with_options(refresh_cache=force)

@@ -68,11 +68,15 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_e
                                   start_new_session=True)
         deployment = wait_for(lambda: _deployment(api, "smoke"), 120, "the pipeline deployment")
         assert deployment["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
-        assert _deployment(api, "smoke-sft") is not None  # every stage flow is deployed too
+        # every stage flow is deployed too (registered one after the other)
+        wait_for(lambda: _deployment(api, "smoke-eval"), 60, "the stage deployments")
+        assert _deployment(api, "smoke-sft") is not None
         # the serving process opens no socket beyond loopback (checked on the sockets themselves)
         assert {address for address, _ in _listening(served.pid)} <= {"127.0.0.1"}
 
-        run = httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", json={}, timeout=10).json()
+        created = httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", json={}, timeout=10)
+        assert created.status_code == 201, created.text
+        run = created.json()
         state = wait_for(lambda: _final_state(api, run["id"]), 240, "the triggered flow run to finish")
         assert state == "COMPLETED", (tmp_path / "serve.log").read_text()[-3000:]
         with open_store(workspace / "store.duckdb", read_only=True) as store:
