@@ -74,9 +74,14 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_e
         # the serving process opens no socket beyond loopback (checked on the sockets themselves)
         assert {address for address, _ in _listening(served.pid)} <= {"127.0.0.1"}
 
-        created = httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", json={}, timeout=10)
-        assert created.status_code == 201, created.text
-        run = created.json()
+        def create_run() -> dict | None:
+            created = httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", json={}, timeout=10)
+            if created.status_code == 503:  # the server's SQLite is busy with the runner; Prefect's client retries too
+                return None
+            assert created.status_code == 201, created.text
+            return created.json()
+
+        run = wait_for(create_run, 60, "the flow run to be created")
         state = wait_for(lambda: _final_state(api, run["id"]), 240, "the triggered flow run to finish")
         assert state == "COMPLETED", (tmp_path / "serve.log").read_text()[-3000:]
         with open_store(workspace / "store.duckdb", read_only=True) as store:
