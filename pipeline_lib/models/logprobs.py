@@ -1,12 +1,13 @@
 """Per-token log-probabilities (and entropies) of the taken tokens under a causal LM, computed chunk by chunk
-over positions so no full (B, T, V) float32 log-softmax is ever materialised; gradients flow."""
+over positions so no full (B, T, V) float32 log-softmax is ever materialised; gradients flow. Rows that share a
+prompt (GRPO's G samples) can run that prompt once and attend to its cached keys/values."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -39,24 +40,44 @@ def _check_inputs(input_ids: Tensor, attention_mask: Tensor, completion_mask: Te
             raise ValueError(f"{name}: expected shape {tuple(input_ids.shape)} like input_ids, got {tuple(mask.shape)}")
 
 
-def _final_hidden(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """Last hidden layer after the final norm, from the model's own forward.
-
-    Calling `model(...)` (not its inner decoder) keeps DDP/PEFT wrappers in the loop; logits_to_keep=1
-    makes the built-in lm_head run on one position only."""
+def _check_plain_lm_head(model: PreTrainedModel) -> None:
     config = getattr(getattr(model, "module", model), "config", None)  # DDP keeps the model in .module
     for field in ("final_logit_softcapping", "logit_scale"):
         if getattr(config, field, None) not in (None, 1.0):
             raise ValueError(f"model config {field}={getattr(config, field)}: logits = lm_head(hidden) is assumed")
+
+
+def _final_hidden(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, **cache_args) -> Tensor:
+    """Last hidden layer after the final norm, from the model's own forward.
+
+    Calling `model(...)` (not its inner decoder) keeps DDP/PEFT wrappers in the loop; logits_to_keep=1
+    makes the built-in lm_head run on one position only. `cache_args` (position_ids, cache) continue a
+    cached prefix; without them positions come from the mask and nothing is cached."""
+    _check_plain_lm_head(model)
     outputs = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
         output_hidden_states=True,
         logits_to_keep=1,
-        use_cache=False,
+        **(cache_args or {"position_ids": position_ids_from_mask(attention_mask), "use_cache": False}),
     )
     return outputs.hidden_states[-1]  # (B, T, H): transformers applies the final norm to the last entry
+
+
+def _chunked_logps(lm_head: nn.Module, hidden: Tensor, targets: Tensor, return_entropy: bool, chunk_size: int
+                   ) -> tuple[Tensor, Tensor]:
+    """log π(targets) and entropies from hidden states that predict them, `chunk_size` positions at a time;
+    under autograd each chunk is checkpointed, so backward recomputes its logits instead of keeping them."""
+    logp_chunks, entropy_chunks = [], []
+    for start in range(0, hidden.shape[1], chunk_size):
+        args = (lm_head, hidden[:, start:start + chunk_size], targets[:, start:start + chunk_size], return_entropy)
+        if torch.is_grad_enabled():
+            chunk_logps, chunk_entropy = checkpoint(_chunk_logps, *args, use_reentrant=False)
+        else:
+            chunk_logps, chunk_entropy = _chunk_logps(*args)
+        logp_chunks.append(chunk_logps)
+        entropy_chunks.append(chunk_entropy)
+    return torch.cat(logp_chunks, dim=1), torch.cat(entropy_chunks, dim=1)  # (B, T')
 
 
 def sequence_logprobs(
@@ -86,20 +107,12 @@ def sequence_logprobs(
     needed = completion_mask[:, 1:].bool().any(dim=0).nonzero().flatten()  # target columns - 1
     if needed.numel() > 0:
         lo, hi = int(needed.min()), int(needed.max()) + 1  # hidden at column t predicts token t + 1
-        logp_chunks, entropy_chunks = [], []
-        for start in range(lo, hi, chunk_size):
-            stop = min(start + chunk_size, hi)
-            args = (lm_head, hidden[:, start:stop], input_ids[:, start + 1:stop + 1], return_entropy)
-            if torch.is_grad_enabled():
-                chunk_logps, chunk_entropy = checkpoint(_chunk_logps, *args, use_reentrant=False)
-            else:
-                chunk_logps, chunk_entropy = _chunk_logps(*args)
-            logp_chunks.append(chunk_logps)
-            entropy_chunks.append(chunk_entropy)
-        # Concatenate then pad: in-place writes into `logps` would break autograd on the chunks.
+        span_logps, span_entropy = _chunked_logps(lm_head, hidden[:, lo:hi], input_ids[:, lo + 1:hi + 1],
+                                                  return_entropy, chunk_size)
+        # Pad rather than write in place: in-place writes into `logps` would break autograd on the chunks.
         pad = (lo + 1, seq_len - hi - 1)
-        logps = nn.functional.pad(torch.cat(logp_chunks, dim=1), pad)  # (B, T)
-        entropy = nn.functional.pad(torch.cat(entropy_chunks, dim=1), pad)  # (B, T)
+        logps = nn.functional.pad(span_logps, pad)  # (B, T)
+        entropy = nn.functional.pad(span_entropy, pad)  # (B, T)
 
     keep = completion_mask.bool()
     logps = torch.where(keep, logps, torch.zeros_like(logps))  # (B, T)
@@ -119,3 +132,50 @@ def completion_logprob_sums(
     """Σ_t log π(y_t | x, y_<t) over each sequence's completion tokens (DPO's log π(y|x)), shape (B,)."""
     logps = sequence_logprobs(model, input_ids, attention_mask, completion_mask, chunk_size=chunk_size)
     return logps.sum(dim=-1)  # (B,)
+
+
+def shared_prompt_logprobs(
+    model: PreTrainedModel,
+    prompt_ids: Tensor,  # (U, P) left-padded distinct prompts
+    prompt_mask: Tensor,  # (U, P)
+    prompt_index: Tensor,  # (N,) row -> its prompt
+    completion_ids: Tensor,  # (N, C) right-padded
+    completion_mask: Tensor,  # (N, C)
+    *,
+    return_entropy: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """log π(y_t | x, y_<t) of each completion token, (N, C) aligned to completion_ids; 0 where the mask is 0.
+
+    The same values as `sequence_logprobs` on the rows prompt + completion, computed with each distinct prompt
+    run once: its keys/values are cached, gathered per row (a differentiable index, so gradients from every row
+    reach the shared prompt) and the completions attend to them at the positions they have in the full row.
+    GRPO's G samples of a prompt cost one prompt pass instead of G."""
+    for name, tensor, dims in (("prompt_ids", prompt_ids, 2), ("completion_ids", completion_ids, 2),
+                               ("prompt_index", prompt_index, 1)):
+        if tensor.dim() != dims:
+            raise ValueError(f"{name}: expected {dims} dimensions, got shape {tuple(tensor.shape)}")
+    if prompt_mask.shape != prompt_ids.shape or completion_mask.shape != completion_ids.shape:
+        raise ValueError("prompt_mask / completion_mask: expected the shapes of prompt_ids / completion_ids")
+    if prompt_index.shape[0] != completion_ids.shape[0]:
+        raise ValueError(f"prompt_index: expected one entry per completion row ({completion_ids.shape[0]}), "
+                         f"got {prompt_index.shape[0]}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size}: expected >= 1")
+    inner = getattr(model, "module", model)
+    cache = DynamicCache(config=inner.config)
+    prompt_hidden = _final_hidden(model, prompt_ids, prompt_mask, cache=cache, use_cache=True,
+                                  position_ids=position_ids_from_mask(prompt_mask))  # (U, P, H)
+    cache.batch_select_indices(prompt_index)  # (U, ...) -> (N, ...)
+    prompt_lengths = prompt_mask.long().sum(dim=-1)[prompt_index]  # (N,)
+    positions = prompt_lengths.unsqueeze(1) + torch.arange(completion_ids.shape[1], device=completion_ids.device)
+    completion_hidden = _final_hidden(model, completion_ids, torch.cat([prompt_mask[prompt_index], completion_mask], 1),
+                                      cache=cache, use_cache=True, position_ids=positions)  # (N, C, H)
+    # the last prompt position predicts completion token 0, completion position t predicts token t + 1
+    hidden = torch.cat([prompt_hidden[prompt_index, -1:], completion_hidden[:, :-1]], dim=1)  # (N, C, H)
+    logps, entropy = _chunked_logps(inner.get_output_embeddings(), hidden, completion_ids, return_entropy, chunk_size)
+    keep = completion_mask.bool()
+    logps = torch.where(keep, logps, torch.zeros_like(logps))  # (N, C)
+    if return_entropy:
+        return logps, torch.where(keep, entropy, torch.zeros_like(entropy))
+    return logps

@@ -1,5 +1,6 @@
-"""In-process sampling with transformers `generate`: one batched, KV-cached, left-padded call per request,
-`num_return_sequences=n`, seeded without disturbing the caller's RNG; CPU or CUDA."""
+"""In-process sampling with transformers `generate`: one batched, KV-cached, left-padded call per request, n samples
+per prompt drawn from one prompt pass (its cache copied n times), seeded without disturbing the caller's RNG;
+CPU or CUDA."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from pipeline_lib.models.logprobs import position_ids_from_mask
 from pipeline_lib.sampling.base import Completion, SamplingError, check_sampling_args
 
 
@@ -60,6 +62,22 @@ class HFSampler:
             kwargs.update(stop_strings=list(stop), tokenizer=self.tokenizer)
         return kwargs
 
+    def _inputs_with_prompt_cache(self, batch, n: int) -> dict:
+        """generate() inputs for n samples of each prompt. `num_return_sequences=n` would copy every prompt n
+        times and run each copy; here the prompts but their last token run once, their KV cache is copied n
+        times, and generate starts from it. Rows come out in the same order (p0 x n, p1 x n, ...) and draw
+        the same random numbers, so a seed gives the samples num_return_sequences gives."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        if n == 1 or ids.shape[1] < 2:
+            return {**batch, "num_return_sequences": n}
+        cache = DynamicCache(config=self.model.config)
+        head, head_mask = ids[:, :-1], mask[:, :-1]  # (B, P-1)
+        self.model(input_ids=head, attention_mask=head_mask, position_ids=position_ids_from_mask(head_mask),
+                   cache=cache, use_cache=True, logits_to_keep=1)
+        cache.batch_repeat_interleave(n)
+        return {"input_ids": ids.repeat_interleave(n, dim=0), "attention_mask": mask.repeat_interleave(n, dim=0),
+                "cache": cache, "num_return_sequences": 1}
+
     @torch.inference_mode()
     def generate(
         self,
@@ -95,10 +113,9 @@ class HFSampler:
             if seed is not None:
                 torch.manual_seed(seed)
             out = self.model.generate(
-                **batch,
-                max_new_tokens=max_new_tokens,
                 # greedy rejects num_return_sequences > 1: decode once, copy below
-                num_return_sequences=n if temperature > 0 else 1,
+                **self._inputs_with_prompt_cache(batch, n if temperature > 0 else 1),
+                max_new_tokens=max_new_tokens,
                 use_cache=True,
                 return_dict_in_generate=True,
                 output_logits=logprobs,

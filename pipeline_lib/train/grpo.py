@@ -17,7 +17,7 @@ from pipeline_lib.config import GRPOConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.filters import informative_groups
 from pipeline_lib.losses import LOSSES, group_advantages
-from pipeline_lib.models import load_policy, load_tokenizer, sequence_logprobs
+from pipeline_lib.models import load_policy, load_tokenizer
 from pipeline_lib.rewards.math import is_correct
 from pipeline_lib.rewards.registry import CombinedReward, build_reward
 from pipeline_lib.sampling import Completion, Sampler
@@ -39,8 +39,8 @@ from pipeline_lib.train.common import (
 from pipeline_lib.train.data import LogFn, render_prompts, require_columns, run_main, no_log
 from pipeline_lib.train.rollout import (
     check_single_process,
-    completions_batch,
-    logprobs_in_chunks,
+    grouped_completions_batch,
+    grouped_logprobs_in_chunks,
     open_policy_sampler,
     read_problems,
     rollout_seed,
@@ -200,17 +200,18 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
             rollout = sample_groups(sampler, prompt_stream, prompts, answers, reward_fn, cfg, step)
             rollout_seconds = time.perf_counter() - step_started
 
-            # ---- loss: advantages, θ_old and reference log-probs (one no-grad pass each)
+            # ---- loss: advantages, θ_old and reference log-probs (one no-grad pass each); the G samples of a
+            # prompt share one pass over the prompt in every forward (GroupedBatch)
             update_stats: dict[str, list[float]] = {}
             if rollout.groups_kept:
-                batch = completions_batch(tokenizer, rollout.prompts, rollout.completions,
-                                          add_special_tokens=add_special_tokens).to(device)
+                batch = grouped_completions_batch(tokenizer, rollout.prompts, rollout.completions,
+                                                  add_special_tokens=add_special_tokens).to(device)
                 advantages = group_advantages(torch.tensor(rollout.rewards), group_size=cfg.group_size,
                                               scale=cfg.scale_rewards).to(device)  # (N,)
-                n_rows = batch.input_ids.shape[0]
-                ref_logps = logprobs_in_chunks(ref, batch, mini_batch, device) if ref is not None else None
+                n_rows = len(batch)
+                ref_logps = grouped_logprobs_in_chunks(ref, batch, mini_batch) if ref is not None else None  # (N, C)
                 # one mini-batch: θ_old = θ at its first pass, so its log-probs come free from that pass
-                old_logps = logprobs_in_chunks(policy, batch, mini_batch, device) if n_rows > mini_batch else None
+                old_logps = grouped_logprobs_in_chunks(policy, batch, mini_batch) if n_rows > mini_batch else None
 
                 # ---- update: μ passes over the rollout, one optimizer step per mini-batch
                 order_generator = torch.Generator().manual_seed(rollout_seed(cfg.seed, step, 997))
@@ -218,10 +219,10 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                     order = torch.randperm(n_rows, generator=order_generator).to(device)
                     for start in range(0, n_rows, mini_batch):
                         rows = order[start:start + mini_batch]
-                        mask = batch.completion_mask[rows]
+                        micro = batch.select(rows)
+                        mask = micro.completion_mask
                         with autocast(device):
-                            logps, entropy = sequence_logprobs(policy, batch.input_ids[rows], batch.attention_mask[rows],
-                                                               mask, return_entropy=True)  # (n, T)
+                            logps, entropy = micro.logprobs(policy, return_entropy=True)  # (n, C)
                         if old_logps is None:
                             old_logps = torch.empty_like(logps)
                             old_logps[rows] = logps.detach().float()

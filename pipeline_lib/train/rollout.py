@@ -1,5 +1,6 @@
 """Rollout plumbing shared by the PPO and GRPO loops: the prompts, the sampler of the live policy (in-process HF,
-or a vLLM server that reloads the policy's weights before every rollout), completions -> padded (B, T) tensors."""
+or a vLLM server that reloads the policy's weights before every rollout), completions -> padded (B, T) tensors,
+or (GRPO) distinct prompts + completions so G samples of a prompt share one prompt pass."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.models import save_model, sequence_logprobs
+from pipeline_lib.models.logprobs import shared_prompt_logprobs
 from pipeline_lib.sampling import Completion, Sampler
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import autocast
@@ -130,6 +133,81 @@ def logprobs_in_chunks(model: PreTrainedModel, batch: Batch, chunk: int, device:
             parts.append(sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows],
                                            batch.completion_mask[rows]).float())
     return torch.cat(parts)  # (N, T)
+
+
+@dataclass(frozen=True)
+class GroupedBatch:
+    """Completions with their distinct prompts: row i is prompts[prompt_index[i]] + completion_ids[i]."""
+
+    prompt_ids: Tensor  # (U, P) left-padded
+    prompt_mask: Tensor  # (U, P)
+    prompt_index: Tensor  # (N,)
+    completion_ids: Tensor  # (N, C) right-padded
+    completion_mask: Tensor  # (N, C) 1 = sampled token (the loss is taken there)
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    def to(self, device: torch.device) -> "GroupedBatch":
+        return GroupedBatch(*(t.to(device) for t in (self.prompt_ids, self.prompt_mask, self.prompt_index,
+                                                     self.completion_ids, self.completion_mask)))
+
+    def select(self, rows: Tensor) -> "GroupedBatch":
+        """Rows `rows` (in that order) with only the prompts they use."""
+        used, index = torch.unique(self.prompt_index[rows], return_inverse=True)
+        return GroupedBatch(self.prompt_ids[used], self.prompt_mask[used], index, self.completion_ids[rows],
+                            self.completion_mask[rows])
+
+    def logprobs(self, model: PreTrainedModel, *, return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """log π of the completion tokens, (N, C) (with entropies), each distinct prompt run once."""
+        return shared_prompt_logprobs(model, self.prompt_ids, self.prompt_mask, self.prompt_index,
+                                      self.completion_ids, self.completion_mask, return_entropy=return_entropy)
+
+
+def grouped_completions_batch(
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    completions: Sequence[Completion],
+    *,
+    add_special_tokens: bool = True,
+) -> GroupedBatch:
+    """`completions_batch`'s rows as distinct left-padded prompts + right-padded completions: the same tokens
+    (prompts tokenized as the samplers do, sampled ids kept as they are), each prompt stored once."""
+    if len(prompts) != len(completions):
+        raise ValueError(f"completions: expected one per prompt ({len(prompts)}), got {len(completions)}")
+    empty = next((i for i, c in enumerate(completions) if not c.token_ids), None)
+    if empty is not None:
+        raise ValueError(f"completions[{empty}]: no token ids; a rollout needs at least one generated token")
+    distinct = list(dict.fromkeys(prompts))
+    position = {prompt: k for k, prompt in enumerate(distinct)}
+    prompt_ids = tokenizer(distinct, add_special_tokens=add_special_tokens)["input_ids"]
+    prompt_width = max(len(ids) for ids in prompt_ids)
+    completion_width = max(len(c.token_ids) for c in completions)
+    pad = tokenizer.pad_token_id
+    prompt_tensor = torch.full((len(distinct), prompt_width), pad, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_tensor)
+    for k, ids in enumerate(prompt_ids):
+        prompt_tensor[k, prompt_width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        prompt_mask[k, prompt_width - len(ids):] = 1
+    completion_tensor = torch.full((len(completions), completion_width), pad, dtype=torch.long)
+    completion_mask = torch.zeros_like(completion_tensor)
+    for i, completion in enumerate(completions):
+        completion_tensor[i, :completion.n_tokens] = torch.tensor(completion.token_ids, dtype=torch.long)
+        completion_mask[i, :completion.n_tokens] = 1
+    prompt_index = torch.tensor([position[prompt] for prompt in prompts], dtype=torch.long)
+    return GroupedBatch(prompt_tensor, prompt_mask, prompt_index, completion_tensor, completion_mask)
+
+
+@torch.no_grad()
+def grouped_logprobs_in_chunks(model: PreTrainedModel, batch: GroupedBatch, chunk: int) -> Tensor:
+    """log π of the completion tokens, (N, C), `chunk` consecutive rows at a time (a group's rows share its
+    prompt pass), without gradients."""
+    parts = []
+    for start in range(0, len(batch), chunk):
+        with autocast(batch.completion_ids.device):
+            rows = torch.arange(start, min(start + chunk, len(batch)), device=batch.completion_ids.device)
+            parts.append(batch.select(rows).logprobs(model).float())
+    return torch.cat(parts)  # (N, C)
 
 
 def check_single_process(stage: str) -> None:

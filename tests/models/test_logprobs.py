@@ -1,4 +1,5 @@
-"""Chunked per-token log-probs and entropies against the naive full log-softmax, with left padding and gradients."""
+"""Chunked per-token log-probs and entropies against the naive full log-softmax, with left padding and gradients;
+the shared-prompt variant against the full rows."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from pipeline_lib.models import build_tiny_model, completion_logprob_sums, load_policy, sequence_logprobs
-from pipeline_lib.models.logprobs import position_ids_from_mask
+from pipeline_lib.models.logprobs import position_ids_from_mask, shared_prompt_logprobs
 
 CORPUS = [f"{a:02d}+{b:02d}={a + b}" for a in range(0, 100, 9) for b in range(0, 100, 13)] + ["hello world"]
 ATOL = 1e-5
@@ -131,3 +132,67 @@ def test_bad_shapes_are_one_line_errors(model):
         sequence_logprobs(model, ids[0], attention[0], completion[0])
     with pytest.raises(ValueError, match="chunk_size=0"):
         sequence_logprobs(model, ids, attention, completion, chunk_size=0)
+
+
+def _grouped() -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Two prompts of different lengths (3 and 5 tokens), five completions of 1-4 tokens: rows 0-2 continue
+    prompt 1, rows 3-4 prompt 0."""
+    prompts = [[9, 10, 11], [12, 13, 14, 15, 16]]
+    completions = [[7, 8], [17, 18, 7, 8], [9], [10, 11, 12], [13, 14]]
+    return prompts, completions, [1, 1, 1, 0, 0]
+
+
+def _grouped_tensors(prompts, completions, index):
+    p_width, c_width = max(map(len, prompts)), max(map(len, completions))
+    prompt_ids = torch.tensor([[0] * (p_width - len(p)) + p for p in prompts])
+    prompt_mask = torch.tensor([[0] * (p_width - len(p)) + [1] * len(p) for p in prompts])
+    completion_ids = torch.tensor([c + [0] * (c_width - len(c)) for c in completions])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (c_width - len(c)) for c in completions])
+    return prompt_ids, prompt_mask, torch.tensor(index), completion_ids, completion_mask
+
+
+def _full_rows(prompts, completions, index):
+    """The same rows as one left-padded (B, T) batch for sequence_logprobs."""
+    rows = [prompts[i] + c for i, c in zip(index, completions)]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    completion = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in completions])
+    return ids, attention, completion
+
+
+def test_shared_prompt_logprobs_equal_full_rows_values_entropies_and_gradients(model):
+    prompts, completions, index = _grouped()
+    grouped = _grouped_tensors(prompts, completions, index)
+    ids, attention, completion = _full_rows(prompts, completions, index)
+    weights = torch.tensor([0.5, -1.0, 2.0, 1.5, -0.3])
+
+    model.zero_grad(set_to_none=True)
+    full, full_entropy = sequence_logprobs(model, ids, attention, completion, return_entropy=True, chunk_size=2)
+    (full.sum(-1) * weights).sum().backward()
+    full_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    shared, shared_entropy = shared_prompt_logprobs(model, *grouped, return_entropy=True, chunk_size=2)
+    (shared.sum(-1) * weights).sum().backward()
+    shared_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+
+    # completion token j of row i sits at column width - len(completion i) + j of the full batch
+    width = ids.shape[1]
+    for row, tokens in enumerate(completions):
+        columns = slice(width - len(tokens), width)
+        torch.testing.assert_close(shared[row, :len(tokens)], full[row, columns], atol=ATOL, rtol=0)
+        torch.testing.assert_close(shared_entropy[row, :len(tokens)], full_entropy[row, columns], atol=ATOL, rtol=0)
+        assert torch.all(shared[row, len(tokens):] == 0) and torch.all(shared_entropy[row, len(tokens):] == 0)
+    for a, b in zip(shared_grads, full_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prompt_logprobs_rejects_mismatched_inputs(model):
+    prompt_ids, prompt_mask, index, completion_ids, completion_mask = _grouped_tensors(*_grouped())
+    with pytest.raises(ValueError, match="prompt_index: expected one entry per completion row"):
+        shared_prompt_logprobs(model, prompt_ids, prompt_mask, index[:2], completion_ids, completion_mask)
+    with pytest.raises(ValueError, match="prompt_mask / completion_mask"):
+        shared_prompt_logprobs(model, prompt_ids, prompt_mask[:, 1:], index, completion_ids, completion_mask)
+    with pytest.raises(ValueError, match="completion_ids: expected 2 dimensions"):
+        shared_prompt_logprobs(model, prompt_ids, prompt_mask, index, completion_ids[0], completion_mask[0])

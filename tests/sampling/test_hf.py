@@ -49,6 +49,20 @@ def test_seeded_call_leaves_the_callers_rng_alone(hf_sampler):
     assert torch.equal(torch.rand(3), expected)
 
 
+def test_prompt_cache_draws_the_samples_of_num_return_sequences(hf_sampler):
+    """Each prompt runs once and its cache is copied n times; the same seed then draws exactly the tokens that
+    generate's own num_return_sequences=n (every prompt copy run n times) draws."""
+    model, tok = hf_sampler.model, hf_sampler.tokenizer
+    out = hf_sampler.generate(PROMPTS, n=4, max_new_tokens=6, seed=11)
+    batch = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    with torch.random.fork_rng(devices=[]), torch.inference_mode():
+        torch.manual_seed(11)
+        plain = model.generate(**batch, max_new_tokens=6, num_return_sequences=4, use_cache=True,
+                               **hf_sampler._generation_kwargs(1.0, 1.0, ()))[:, batch["input_ids"].shape[1]:]
+    for row, completion in enumerate(c for group in out for c in group):
+        assert completion.token_ids == plain[row, :completion.n_tokens].tolist()
+
+
 def _greedy_reference(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
     """Argmax decoding one token at a time on the unpadded prompt, no cache."""
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]

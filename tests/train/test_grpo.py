@@ -18,14 +18,19 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline_lib.config import ConfigError, DAPOConfig, GRPOConfig, validate_config
-from pipeline_lib.models import RewardModel, build_tiny_model, load_policy, load_tokenizer
+from pipeline_lib.models import RewardModel, build_tiny_model, load_policy, load_tokenizer, sequence_logprobs
 from pipeline_lib.rewards.registry import combined_reward
 from pipeline_lib.sampling import Completion
 from pipeline_lib.train import grpo as grpo_module
 from pipeline_lib.train.common import CHECKPOINT_DIR, NonFiniteLossError
 from pipeline_lib.train.data import write_run_file
 from pipeline_lib.train.grpo import sample_groups, train_grpo
-from pipeline_lib.train.rollout import completions_batch, open_policy_sampler, rollout_seed
+from pipeline_lib.train.rollout import (
+    completions_batch,
+    grouped_completions_batch,
+    open_policy_sampler,
+    rollout_seed,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "data" / "demo"
@@ -152,6 +157,42 @@ def test_completions_batch_left_pads_rows_and_masks_exactly_the_sampled_tokens(t
     assert batch.input_ids.tolist() == [row0, row1]
     assert batch.attention_mask.tolist() == [[1] * 9, [0] * 4 + [1] * 5]
     assert batch.completion_mask.tolist() == [[0] * 6 + [1] * 3, [0] * 8 + [1]]
+
+
+def test_grouped_batch_stores_each_prompt_once_and_select_keeps_only_the_used_ones(tiny):
+    tokenizer = load_tokenizer(tiny)
+    ids = tokenizer(["12+34=", "5+6="], add_special_tokens=True)["input_ids"]
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    prompts = ["5+6=", "12+34=", "5+6="]
+    completions = [Completion("1", [7], "length"), Completion("46", [9, 10, eos], "stop"),
+                   Completion("11", [7, 7, eos], "stop")]
+    batch = grouped_completions_batch(tokenizer, prompts, completions)
+    short = [pad] * 2 + ids[1]  # "5+6=" left-padded to the 6 tokens of "12+34="
+    assert batch.prompt_ids.tolist() == [short, ids[0]]  # first-seen order
+    assert batch.prompt_mask.tolist() == [[0, 0, 1, 1, 1, 1], [1] * 6]
+    assert batch.prompt_index.tolist() == [0, 1, 0]
+    assert batch.completion_ids.tolist() == [[7, pad, pad], [9, 10, eos], [7, 7, eos]]
+    assert batch.completion_mask.tolist() == [[1, 0, 0], [1, 1, 1], [1, 1, 1]]
+
+    picked = batch.select(torch.tensor([2, 0]))  # both rows of "5+6=": one prompt left
+    assert picked.prompt_ids.tolist() == [short] and picked.prompt_index.tolist() == [0, 0]
+    assert picked.completion_ids.tolist() == [[7, 7, eos], [7, pad, pad]]
+
+
+def test_grouped_logprobs_equal_the_full_rows(tiny):
+    """The GRPO loop's shared-prompt log-probs are the per-token log-probs of the left-padded full rows."""
+    tokenizer, policy = load_tokenizer(tiny), load_policy(tiny, device="cpu")
+    prompts = ["12+34=", "12+34=", "5+6=", "5+6="]
+    completions = [Completion("4", [9, 10], "length"), Completion("46", [9, 10, tokenizer.eos_token_id], "stop"),
+                   Completion("1", [7], "length"), Completion("11", [7, 8], "length")]
+    grouped = grouped_completions_batch(tokenizer, prompts, completions)
+    full = completions_batch(tokenizer, prompts, completions)
+    with torch.no_grad():
+        shared = grouped.logprobs(policy)  # (4, 3)
+        rows = sequence_logprobs(policy, full.input_ids, full.attention_mask, full.completion_mask)  # (4, T)
+    torch.testing.assert_close(shared.sum(-1), rows.sum(-1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared[grouped.completion_mask.bool()], rows[full.completion_mask.bool()],
+                               atol=1e-5, rtol=0)
 
 
 # ---- the loop

@@ -1,0 +1,30 @@
+"""Smoke test of benchmarks/vs_trl.py: two steps of DPO and GRPO on each side, so the script cannot rot."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_trl.py"
+
+
+@pytest.mark.slow
+def test_vs_trl_prints_one_row_per_implementation():
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--repeats", "1", "--threads", "1", "--steps", "2", "--warmup", "0",
+         "--no-trl-precompute",
+         "--set", "pairs=64", "batch=4", "prompts=2", "group=2", "max_new_tokens=2"],
+        check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    rows = [line for line in out.splitlines() if line.startswith(("| DPO", "| GRPO"))]
+    assert [row.split(" | ")[1] for row in rows] == [
+        "alignflow train_dpo", "TRL DPOTrainer (precompute_ref_log_probs=False, the default)",
+        "alignflow train_grpo (hf sampler)", "TRL GRPOTrainer (use_vllm=False)",
+    ]
+    for row in rows:
+        step_ms = float(row.split(" | ")[2].split()[0])
+        peak_mib = float(row.split(" | ")[6])
+        assert step_ms > 0 and 100 < peak_mib < 8000
