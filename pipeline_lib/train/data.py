@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from pipeline_lib.config import validate_config
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import fingerprint_path, frame_fingerprint, keyed_dir
-from pipeline_lib.logfns import LogFn, no_log, print_log  # noqa: F401  (the loops import LogFn, no_log from here)
+from pipeline_lib.logfns import print_log
 from pipeline_lib.models.loading import resolve_model_dir
 
 C = TypeVar("C", bound=BaseModel)

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from pipeline_lib.config import DPOConfig
 from pipeline_lib.fingerprint import content_id, fingerprint_path
+from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.losses import dpo_loss
 from pipeline_lib.models import completion_logprob_sums, load_policy, load_tokenizer
 from pipeline_lib.models.loading import resolve_model_dir
@@ -42,7 +43,6 @@ from pipeline_lib.train.common import (
 )
 from pipeline_lib.train.data import (
     Encoded,
-    LogFn,
     collate,
     encode,
     holdout_split,
@@ -51,7 +51,6 @@ from pipeline_lib.train.data import (
     render_prompts,
     require_columns,
     run_main,
-    no_log,
 )
 
 

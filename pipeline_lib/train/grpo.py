@@ -16,6 +16,7 @@ from torch import Tensor
 from pipeline_lib.config import GRPOConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.filters import informative_groups
+from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.losses import LOSSES, group_advantages
 from pipeline_lib.models import load_policy, load_tokenizer
 from pipeline_lib.rewards.math import is_correct
@@ -36,7 +37,7 @@ from pipeline_lib.train.common import (
     save_final,
     seed_everything,
 )
-from pipeline_lib.train.data import LogFn, render_prompts, require_columns, run_main, no_log
+from pipeline_lib.train.data import render_prompts, require_columns, run_main
 from pipeline_lib.train.rollout import (
     check_single_process,
     grouped_completions_batch,

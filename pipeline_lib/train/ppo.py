@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from pipeline_lib.config import PPOConfig
 from pipeline_lib.errors import AlignflowError
+from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.losses import (
     compute_gae,
     kl_k3,
@@ -41,12 +42,10 @@ from pipeline_lib.train.common import (
 )
 from pipeline_lib.train.data import (
     Batch,
-    LogFn,
     TrainDataError,
     render_prompts,
     require_columns,
     run_main,
-    no_log,
 )
 from pipeline_lib.train.rollout import (
     check_single_process,

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from pipeline_lib.config import RMConfig
+from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.losses import bradley_terry_loss, plackett_luce_loss
 from pipeline_lib.models import RewardModel, load_tokenizer
 from pipeline_lib.store.db import Store
@@ -37,7 +38,6 @@ from pipeline_lib.train.common import (
 )
 from pipeline_lib.train.data import (
     Encoded,
-    LogFn,
     TrainDataError,
     encode_texts,
     holdout_split,
@@ -46,7 +46,6 @@ from pipeline_lib.train.data import (
     render_prompts,
     require_columns,
     run_main,
-    no_log,
 )
 
 

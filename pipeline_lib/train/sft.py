@@ -13,6 +13,7 @@ import torch
 
 from pipeline_lib.config import SFTConfig
 from pipeline_lib.filters import best_of_n
+from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.models import load_policy, load_tokenizer, sequence_logprobs
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
@@ -35,14 +36,12 @@ from pipeline_lib.train.common import (
 )
 from pipeline_lib.train.data import (
     Encoded,
-    LogFn,
     TrainDataError,
     collate,
     encode_frame,
     micro_batches,
     require_columns,
     run_main,
-    no_log,
 )
 
 
