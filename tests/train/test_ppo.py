@@ -45,16 +45,6 @@ def small_config(tiny: Path, reward_model: Path, **overrides) -> PPOConfig:
     return PPOConfig(**(settings | overrides))
 
 
-@pytest.fixture
-def one_thread():
-    """Bit-exact comparisons run on one thread: with several, MKL may pick its thread count by machine load,
-    which changes the summation order."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def collect():
     logged: list[tuple[int, dict]] = []
     return logged, lambda metrics, step: logged.append((step, dict(metrics)))
