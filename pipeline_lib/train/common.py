@@ -61,8 +61,17 @@ def autocast(device: torch.device):
 
 
 def make_optimizer(params, *, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999)) -> torch.optim.Optimizer:
-    trainable = [p for p in params if p.requires_grad]
-    return torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=betas)
+    """AdamW over the trainable tensors of `params` (tensors, or param-group dicts that may set their own lr).
+
+    The fused kernel (one op for every tensor, HF Trainer's default `adamw_torch_fused`) runs on CPU and CUDA;
+    without it, torch's CPU AdamW loops over the tensors one op at a time."""
+    groups = list(params)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    groups = [{**group, "params": [p for p in group["params"] if p.requires_grad]} for group in groups]
+    tensors = [p for group in groups for p in group["params"]]
+    fused = bool(tensors) and all(p.device.type in ("cpu", "cuda") for p in tensors)
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused)
 
 
 def make_scheduler(

@@ -34,6 +34,7 @@ from pipeline_lib.train.common import (
     check_finite,
     clip_gradients,
     load_checkpoint,
+    make_optimizer,
     make_scheduler,
     resolve_device,
     save_checkpoint,
@@ -128,9 +129,9 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
                                     trust_remote_code=cfg.trust_remote_code).eval()
     trained = nn.ModuleDict({"policy": policy, "critic": critic})  # one checkpoint for both
     updates_per_step = cfg.ppo_epochs * math.ceil(rows_per_step / mini_batch)
-    optimizer = torch.optim.AdamW(
+    optimizer = make_optimizer(
         [{"params": list(policy.parameters()), "lr": cfg.lr}, {"params": list(critic.parameters()), "lr": cfg.critic_lr}],
-        weight_decay=cfg.weight_decay,
+        lr=cfg.lr, weight_decay=cfg.weight_decay,
     )
     scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps,
                                total_steps=cfg.max_steps * updates_per_step, kind=cfg.lr_schedule)

@@ -74,6 +74,26 @@ def test_make_optimizer_skips_frozen_parameters():
     assert optimizer.param_groups[0]["weight_decay"] == 0.01
 
 
+def test_make_optimizer_is_fused_adamw_with_per_group_lr():
+    """The fused kernel on CPU, each param group at its own lr, and the step torch's reference AdamW takes."""
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(5))
+    ref_a, ref_b = nn.Parameter(a.detach().clone()), nn.Parameter(b.detach().clone())
+    start = a.detach().clone()
+    optimizer = make_optimizer([{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.01}], lr=0.5, weight_decay=0.1)
+    reference = torch.optim.AdamW([{"params": [ref_a], "lr": 0.1}, {"params": [ref_b], "lr": 0.01}],
+                                  lr=0.5, weight_decay=0.1, fused=False, foreach=False)
+    assert optimizer.defaults["fused"] is True
+    assert [group["lr"] for group in optimizer.param_groups] == [0.1, 0.01]
+    for _ in range(3):
+        for opt, (x, y) in ((optimizer, (a, b)), (reference, (ref_a, ref_b))):
+            ((x ** 2).sum() + (y ** 3).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+    assert torch.allclose(a, ref_a, atol=1e-6) and torch.allclose(b, ref_b, atol=1e-6)
+    assert (a - start).abs().min() > 0.1  # three steps of lr 0.1 moved every entry
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_check_finite_names_the_step(bad):
     check_finite(torch.tensor(0.7), step=3)
