@@ -11,7 +11,6 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
 
 from pipeline_lib.errors import AlignflowError
@@ -60,16 +59,11 @@ def run_cli() -> None:
     for name in ("prefect.flow_runs", "prefect.task_runs"):
         logging.getLogger(name).addFilter(DropUserErrorTracebacks())
     try:
-        code = app(standalone_mode=False)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        sys.exit(130)
+        # standalone: usage errors (unknown option, missing argument) print usage + one line and exit 2
+        app(standalone_mode=True)
     except AlignflowError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(2)
-    sys.exit(code or 0)
 
 
 @app.command()

@@ -39,6 +39,19 @@ def test_user_errors_are_one_line(tmp_path, args, expected):
     assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["run", "pipeline", "--config", "x.yaml", "--workspace", "/tmp/w"], "No such option: --workspace"),
+    (["run"], "Missing argument 'stage'"),
+    (["eval", "--modle", "/m"], "No such option: --modle"),
+])
+def test_usage_errors_print_usage_not_a_traceback(tmp_path, args, expected):
+    """click's usage errors (typer vendors its own click) end in usage + the error, exit 2, no traceback."""
+    result = alignflow(*args, workspace=tmp_path)
+    assert result.returncode == 2
+    assert expected in result.stderr and result.stderr.startswith("Usage: ")
+    assert "Traceback" not in result.stderr
+
+
 def test_misspelled_config_field_is_one_line(tmp_path):
     config = tmp_path / "dpo.yaml"
     config.write_text("policy_path: /m\nbetta: 0.2\n")
