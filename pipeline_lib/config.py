@@ -183,6 +183,9 @@ class DPOConfig(TrainLoopConfig):
     """KL strength β, typically 0.1-0.5 (Rafailov et al. 2023)."""
     label_smoothing: float = Field(0.0, ge=0, le=0.5)
     """Conservative-DPO label noise ε (Mitchell 2023); 0 is plain DPO."""
+    rpo_alpha: float = Field(0.0, ge=0)
+    """Weight α of RPO's per-token NLL on the chosen response (Pang et al. 2024; they use 1.0 on GSM8K); 0 is
+    plain DPO. Keeps DPO from lowering the chosen answers' likelihood on near-miss pairs."""
     source: str | None = None
     """Only pairs whose `source` equals this (e.g. a West-of-N run's synthetic pairs); None keeps all."""
     eval_fraction: float = Field(0.1, gt=0, lt=1)

@@ -198,6 +198,7 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
         for k, micro in enumerate(chunks):
             rows = pair_rows(micro)
             ref_logps = ref[rows].to(device).view(-1, 2)  # (B, 2): chosen, rejected
+            chosen_lengths = torch.tensor([len(encoded.completion_ids[r]) for r in rows[::2]], device=device)  # (B,)
             sync = nullcontext() if k == len(chunks) - 1 or not ctx.enabled else ddp_model.no_sync()
             with sync:
                 with autocast(device):
@@ -206,7 +207,8 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
                         encoded, rows, pad_id=pad_id, device=device).view(-1, 2)  # (B, 2)
                 # ---- loss
                 loss, stats = dpo_loss(logps[:, 0], logps[:, 1], ref_logps[:, 0], ref_logps[:, 1],
-                                       beta=cfg.beta, label_smoothing=cfg.label_smoothing)
+                                       beta=cfg.beta, label_smoothing=cfg.label_smoothing,
+                                       rpo_alpha=cfg.rpo_alpha, chosen_lengths=chosen_lengths)
                 # mean over the micro-batch, weighted so the DDP average of the sums is the global-batch mean
                 (loss * len(micro) / len(positions) * ctx.world_size).backward()
             for key, value in {"train/loss": loss, **stats}.items():

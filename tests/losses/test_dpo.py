@@ -57,6 +57,32 @@ def test_gradient_raises_chosen_and_lowers_rejected():
     assert rejected.grad.item() == pytest.approx(0.0450166, abs=1e-6)
 
 
+def test_rpo_adds_the_per_token_nll_of_the_chosen_response():
+    """Pair 1 of test_hand_value (π_c = -1 over 4 tokens) and a pair at policy == ref (π_c = -6 over 2 tokens):
+    DPO mean (0.598139 + log 2) / 2 = 0.645643; NLL mean (1/4 + 6/2) / 2 = 1.625; α = 0.5 adds 0.8125.
+    dL/dπ_c of pair 1: DPO's -0.045017 / 2 plus the NLL's -α / (2 · 4) = -0.0625."""
+    chosen = torch.tensor([-1.0, -6.0], requires_grad=True)
+    loss, stats = dpo_loss(chosen, torch.tensor([-3.0, -8.0]), torch.tensor([-2.0, -6.0]), torch.tensor([-2.0, -8.0]),
+                           beta=0.1, rpo_alpha=0.5, chosen_lengths=torch.tensor([4, 2]))
+    assert loss.item() == pytest.approx(0.6456430 + 0.8125, abs=1e-6)
+    assert stats["nll/chosen"].item() == pytest.approx(1.625)
+    loss.backward()
+    assert chosen.grad[0].item() == pytest.approx(-0.0450166 / 2 - 0.0625, abs=1e-6)
+    plain, plain_stats = dpo_loss(chosen, torch.tensor([-3.0, -8.0]), torch.tensor([-2.0, -6.0]),
+                                  torch.tensor([-2.0, -8.0]), beta=0.1)
+    assert plain.item() == pytest.approx(0.6456430, abs=1e-6) and "nll/chosen" not in plain_stats
+
+
+def test_rpo_needs_the_chosen_lengths():
+    ones = torch.ones(2)
+    with pytest.raises(ValueError, match="chosen_lengths: required when rpo_alpha > 0"):
+        dpo_loss(ones, ones, ones, ones, beta=0.1, rpo_alpha=1.0)
+    with pytest.raises(ValueError, match="chosen_lengths: expected every chosen response"):
+        dpo_loss(ones, ones, ones, ones, beta=0.1, rpo_alpha=1.0, chosen_lengths=torch.tensor([3, 0]))
+    with pytest.raises(ValueError, match="rpo_alpha: expected >= 0"):
+        dpo_loss(ones, ones, ones, ones, beta=0.1, rpo_alpha=-1.0)
+
+
 def test_stats_are_detached():
     chosen = torch.tensor([-1.0, -2.0], requires_grad=True)
     _, stats = dpo_loss(chosen, chosen.detach() - 1, chosen.detach(), chosen.detach(), beta=0.5)

@@ -62,6 +62,22 @@ def test_two_steps_start_at_log_2_and_train_every_weight(tiny, tmp_path):
     assert all(not torch.equal(before[k], after[k]) for k in before)
 
 
+def test_rpo_term_adds_the_chosen_nll_and_holds_the_chosen_answers_up(tiny, tmp_path):
+    """rpo_alpha 1: the first loss is log 2 + the chosen per-token NLL; over the same steps the chosen answers'
+    log-probs end higher than plain DPO's (its NLL pulls them up while DPO pushes the pair apart)."""
+    runs = {}
+    for alpha in (0.0, 1.0):
+        logged, log = collect()
+        cfg = DPOConfig(policy_path=str(tiny), max_steps=8, batch_size=8, lr=3e-3, log_every=1, rpo_alpha=alpha,
+                        device="cpu")
+        train_dpo(cfg, toy_pairs(40), tmp_path / f"alpha{alpha}", log=log)
+        runs[alpha] = [m for step, m in logged if "train/loss" in m]
+    first = runs[1.0][0]
+    assert first["nll/chosen"] > 0 and "nll/chosen" not in runs[0.0][0]
+    assert first["train/loss"] == pytest.approx(math.log(2) + first["nll/chosen"], abs=1e-5)
+    assert runs[1.0][-1]["logps/chosen"] > runs[0.0][-1]["logps/chosen"] + 0.5
+
+
 def test_reference_logps_are_cached_by_weights_and_data(tiny, tmp_path):
     tokenizer, model = load_tokenizer(tiny), load_policy(tiny, device="cpu")
     encoded = encode_pairs(tokenizer, toy_pairs(6), max_length=64)
