@@ -216,12 +216,32 @@ def batches(n_items: int, batch_size: int, *, seed: int, start_step: int = 0) ->
 # ---- checkpoints
 
 
+def _fsync_tree(path: Path) -> None:
+    """fsync every file under `path`, then `path` itself: the rename that follows publishes data already on disk,
+    so a power cut right after it cannot leave a checkpoint whose files hold unwritten blocks."""
+    for file in sorted(path.rglob("*")):
+        if file.is_file():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    """fsync a directory: makes the renames inside it durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, scheduler=None,
                     extra: dict | None = None) -> Path:
     """Write model, optimizer, scheduler, RNG states and the step to `out_dir/checkpoint` atomically.
 
-    The checkpoint is written to a temp dir and renamed over the previous one: a crash mid-write leaves the
-    previous checkpoint intact, and a failed write (disk full) is a one-line CheckpointWriteError."""
+    The checkpoint is written to a temp dir, fsynced and renamed over the previous one: a crash (or power cut)
+    mid-write leaves the previous checkpoint intact, and a failed write (disk full) is a one-line
+    CheckpointWriteError."""
     final = out_dir / CHECKPOINT_DIR
     tmp = out_dir / f".{CHECKPOINT_DIR}.tmp"
     old = out_dir / f".{CHECKPOINT_DIR}.old"
@@ -241,10 +261,12 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
         torch.save(state, tmp / "state.pt")
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
         (tmp / "python_rng.json").write_text(json.dumps([python_state[0], list(python_state[1]), python_state[2]]))
+        _fsync_tree(tmp)
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():
             final.rename(old)
         tmp.rename(final)
+        _fsync_dir(out_dir)
     except (OSError, RuntimeError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(f"{out_dir}: cannot write the step {step} checkpoint ({_first_line(exc)}); "
@@ -312,8 +334,10 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, *, metrics: dict | No
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / FINAL_MARKER).write_text(json.dumps({"metrics": metrics or {}}, indent=2))
+        _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
+        _fsync_dir(out_dir)
     except (OSError, RuntimeError, SafetensorError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(f"{final}: cannot write the final model ({_first_line(exc)}); the last "

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from prefect.testing.utilities import prefect_test_harness
+
+from pipeline_lib import tracking
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -17,3 +21,18 @@ def flow_workspace(workspace, monkeypatch):
     """The workspace the tasks resolve through ALIGNFLOW_HOME."""
     monkeypatch.setenv("ALIGNFLOW_HOME", str(workspace.root))
     return workspace
+
+
+@pytest.fixture
+def the_run():
+    """`run, artifacts = the_run(workspace, stage)`: the one MLflow run of `stage`, finished and started by a
+    flow run, with its artifact directory."""
+
+    def find(workspace, stage: str):
+        runs = tracking.find_runs(workspace, f"tags.`alignflow.stage` = '{stage}'")
+        assert len(runs) == 1
+        run = runs[0]
+        assert run.info.status == "FINISHED" and run.data.tags["prefect.flow_run_id"]
+        return run, Path(run.info.artifact_uri.removeprefix("file://"))
+
+    return find

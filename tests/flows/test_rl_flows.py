@@ -12,7 +12,6 @@ import pytest
 from flows.dapo import dapo_flow
 from flows.grpo import grpo_flow
 from flows.ppo import ppo_flow
-from pipeline_lib import tracking
 from pipeline_lib.config import DAPOConfig, GRPOConfig, PPOConfig
 from pipeline_lib.models import RewardModel, build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.store.db import open_store
@@ -36,15 +35,7 @@ def tiny(flow_workspace, tmp_path) -> str:
                                 intermediate_size=128))
 
 
-def the_run(workspace, stage: str):
-    runs = tracking.find_runs(workspace, f"tags.`alignflow.stage` = '{stage}'")
-    assert len(runs) == 1
-    run = runs[0]
-    assert run.info.status == "FINISHED" and run.data.tags["prefect.flow_run_id"]
-    return run, Path(run.info.artifact_uri.removeprefix("file://"))
-
-
-def test_grpo_flow_trains_on_the_store_problems_and_logs_curves(flow_workspace, tiny):
+def test_grpo_flow_trains_on_the_store_problems_and_logs_curves(flow_workspace, tiny, the_run):
     cfg = GRPOConfig(policy_path=tiny, problems_source="demo", group_size=4, rewards=SHAPED, **ROLLOUT)
     final = Path(grpo_flow(cfg))
     assert final.name == "final" and final.parent.parent == flow_workspace.models_dir / "grpo"
@@ -67,7 +58,7 @@ def test_grpo_task_rerun_returns_the_finished_model_and_force_retrains(flow_work
     assert (Path(first) / "model.safetensors").stat().st_mtime_ns != stamp
 
 
-def test_dapo_flow_logs_dynamic_sampling(flow_workspace, tiny):
+def test_dapo_flow_logs_dynamic_sampling(flow_workspace, tiny, the_run):
     hard = pl.DataFrame({"problem_id": [f"h{i}" for i in range(8)], "source": "hard", "split": "train",
                          "prompt": [f"{i}*1111=" for i in range(1, 9)], "answer": [str(1111 * i) for i in range(1, 9)]})
     with open_store(flow_workspace.store_path) as store:
@@ -83,7 +74,7 @@ def test_dapo_flow_logs_dynamic_sampling(flow_workspace, tiny):
     assert (artifacts / "dapo_curves.png").is_file()
 
 
-def test_ppo_flow_trains_with_a_reward_model_and_logs_kl(flow_workspace, tiny, tmp_path):
+def test_ppo_flow_trains_with_a_reward_model_and_logs_kl(flow_workspace, tiny, tmp_path, the_run):
     reward_model = RewardModel.from_policy(tiny, device="cpu", seed=1).save_pretrained(tmp_path / "rm",
                                                                                        load_tokenizer(tiny))
     cfg = PPOConfig(policy_path=tiny, reward_model_path=str(reward_model), problems_source="demo",

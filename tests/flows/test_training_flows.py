@@ -12,7 +12,6 @@ import pytest
 from flows.dpo import dpo_flow
 from flows.rm import rm_flow
 from flows.sft import sft_flow
-from pipeline_lib import tracking
 from pipeline_lib.config import DPOConfig, RMConfig, SFTConfig
 from pipeline_lib.models import RewardModel, build_tiny_model, load_policy
 from pipeline_lib.store.db import open_store
@@ -52,16 +51,7 @@ def tiny(flow_workspace, tmp_path) -> str:
                                 intermediate_size=128))
 
 
-def the_run(workspace, stage: str):
-    runs = tracking.find_runs(workspace, f"tags.`alignflow.stage` = '{stage}'")
-    assert len(runs) == 1
-    run = runs[0]
-    assert run.info.status == "FINISHED" and run.data.tags["prefect.flow_run_id"]
-    artifacts = Path(run.info.artifact_uri.removeprefix("file://"))
-    return run, artifacts
-
-
-def test_sft_flow_trains_on_problems_and_logs_to_mlflow(flow_workspace, tiny):
+def test_sft_flow_trains_on_problems_and_logs_to_mlflow(flow_workspace, tiny, the_run):
     final = Path(sft_flow(SFTConfig(model_path=tiny, **FAST)))
     assert final.parent.parent == flow_workspace.models_dir / "sft" and final.name == "final"
     load_policy(final, device="cpu")
@@ -81,7 +71,7 @@ def test_sft_task_rerun_returns_the_finished_model(flow_workspace, tiny):
     assert other != first
 
 
-def test_rm_flow_reports_held_out_accuracy(flow_workspace, tiny):
+def test_rm_flow_reports_held_out_accuracy(flow_workspace, tiny, the_run):
     final = Path(rm_flow(RMConfig(model_path=tiny, eval_fraction=0.2, **FAST)))
     RewardModel.from_pretrained(final, device="cpu")
     run, artifacts = the_run(flow_workspace, "rm")
@@ -94,7 +84,7 @@ def test_rm_flow_reports_held_out_accuracy(flow_workspace, tiny):
     assert ranked != final and RewardModel.from_pretrained(ranked, device="cpu").pooling == "mean"
 
 
-def test_dpo_flow_logs_before_after_and_caches_reference_logps(flow_workspace, tiny):
+def test_dpo_flow_logs_before_after_and_caches_reference_logps(flow_workspace, tiny, the_run):
     final = Path(dpo_flow(DPOConfig(policy_path=tiny, lr=1e-3, eval_fraction=0.2, **FAST)))
     load_policy(final, device="cpu")
     run, artifacts = the_run(flow_workspace, "dpo")

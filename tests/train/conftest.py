@@ -14,3 +14,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def collect():
+    """`logged, log = collect()`: a LogFn for the training loops that records (step, metrics) into `logged`."""
+
+    def sink():
+        logged: list[tuple[int, dict]] = []
+        return logged, lambda metrics, step: logged.append((step, dict(metrics)))
+
+    return sink

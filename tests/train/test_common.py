@@ -8,6 +8,7 @@ import errno
 import io
 import json
 import math
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -197,6 +198,28 @@ def test_checkpoint_survives_a_crash_between_renames(tmp_path):
 def tiny_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "base", ["12+34=46", "no answer!"],
                             hidden_size=64, num_heads=2, intermediate_size=128)
+
+
+def test_checkpoint_and_final_files_reach_the_disk_before_their_rename(tmp_path, tiny_dir, monkeypatch):
+    """Every file of the temp dir, and the dir, is fsynced while it still has its temp name; after the rename
+    the parent dir is fsynced, so the new name is durable too (the real fsync runs; this records its order)."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    model = load_policy(tiny_dir, device="cpu")
+    save_checkpoint(tmp_path, step=1, model=model, optimizer=make_optimizer(model.parameters(), lr=0.1))
+    tmp, out = str(tmp_path / f".{CHECKPOINT_DIR}.tmp"), str(tmp_path)
+    assert {f"{tmp}/state.pt", f"{tmp}/trainer_state.json", f"{tmp}/python_rng.json", tmp} <= set(synced)
+    assert synced.index(tmp) > synced.index(f"{tmp}/state.pt") and synced[-1] == out
+    synced.clear()
+    save_final(model, load_tokenizer(tiny_dir), tmp_path)
+    tmp = str(tmp_path / ".final.tmp")
+    assert {f"{tmp}/model.safetensors", f"{tmp}/{FINAL_MARKER}", tmp} <= set(synced) and synced[-1] == out
 
 
 def test_save_final_writes_safetensors_and_drops_the_checkpoint(tmp_path, tiny_dir):

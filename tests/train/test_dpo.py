@@ -37,12 +37,7 @@ def toy_pairs(n: int, seed: int = 0) -> pl.DataFrame:
                          "rejected": [str(a + b + 1) if i % 2 else "no idea!" for i, (a, b) in enumerate(rows)]})
 
 
-def collect():
-    logged: list[tuple[int, dict]] = []
-    return logged, lambda metrics, step: logged.append((step, dict(metrics)))
-
-
-def test_two_steps_start_at_log_2_and_train_every_weight(tiny, tmp_path):
+def test_two_steps_start_at_log_2_and_train_every_weight(tiny, tmp_path, collect):
     """At the first step the policy is the reference: every logit is 0, the loss is log 2 and the implicit
     rewards are 0."""
     logged, log = collect()
@@ -62,7 +57,7 @@ def test_two_steps_start_at_log_2_and_train_every_weight(tiny, tmp_path):
     assert all(not torch.equal(before[k], after[k]) for k in before)
 
 
-def test_rpo_term_adds_the_chosen_nll_and_holds_the_chosen_answers_up(tiny, tmp_path):
+def test_rpo_term_adds_the_chosen_nll_and_holds_the_chosen_answers_up(tiny, tmp_path, collect):
     """rpo_alpha 1: the first loss is log 2 + the chosen per-token NLL; over the same steps the chosen answers'
     log-probs end higher than plain DPO's (its NLL pulls them up while DPO pushes the pair apart)."""
     runs = {}
@@ -98,7 +93,7 @@ def test_reference_logps_are_cached_by_weights_and_data(tiny, tmp_path):
     assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 2
 
 
-def test_lora_reference_disables_adapters_and_final_is_merged(tiny, tmp_path):
+def test_lora_reference_disables_adapters_and_final_is_merged(tiny, tmp_path, collect):
     """LoRA on the attention projections: the cached reference is the same file as a full fine-tune's (adapters
     off = the base weights), the MLP stays untouched and the saved model has no adapter left."""
     pairs = toy_pairs(24)

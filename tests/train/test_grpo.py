@@ -70,11 +70,6 @@ def small_config(tiny: Path, **overrides) -> GRPOConfig:
     return GRPOConfig(**(settings | overrides))
 
 
-def collect():
-    logged: list[tuple[int, dict]] = []
-    return logged, lambda metrics, step: logged.append((step, dict(metrics)))
-
-
 # ---- rollouts and dynamic sampling
 
 
@@ -188,7 +183,7 @@ def test_grouped_logprobs_equal_the_full_rows(tiny):
 # ---- the loop
 
 
-def test_two_steps_change_the_weights_and_log_finite_metrics(tiny, problems, tmp_path):
+def test_two_steps_change_the_weights_and_log_finite_metrics(tiny, problems, tmp_path, collect):
     logged, log = collect()
     final = train_grpo(small_config(tiny), problems, tmp_path / "out", log=log)
 
@@ -204,7 +199,7 @@ def test_two_steps_change_the_weights_and_log_finite_metrics(tiny, problems, tmp
     assert not (tmp_path / "out" / CHECKPOINT_DIR).exists()
 
 
-def test_beta_zero_loads_no_reference_and_logs_no_reference_kl(tiny, problems, tmp_path, monkeypatch):
+def test_beta_zero_loads_no_reference_and_logs_no_reference_kl(tiny, problems, tmp_path, monkeypatch, collect):
     loads: list[str] = []
 
     def counting_load_policy(path, **kwargs):
@@ -216,14 +211,15 @@ def test_beta_zero_loads_no_reference_and_logs_no_reference_kl(tiny, problems, t
     for beta in (0.04, 0.0):
         loads.clear()
         logged, log = collect()
-        train_grpo(small_config(tiny, beta=beta, max_steps=1, num_iterations=1), problems, tmp_path / str(beta), log=log)
+        train_grpo(small_config(tiny, beta=beta, max_steps=1, num_iterations=1), problems, tmp_path / str(beta),
+                   log=log)
         runs[beta] = (len(loads), logged[0][1])
     assert runs[0.04][0] == 2 and runs[0.0][0] == 1  # the policy, plus the reference only when β > 0
     assert "policy/kl_ref" not in runs[0.0][1]
     assert runs[0.04][1]["policy/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # one update, taken at π = π_ref
 
 
-def test_rewards_can_mix_a_reward_model_with_the_verifier(tiny, problems, tmp_path):
+def test_rewards_can_mix_a_reward_model_with_the_verifier(tiny, problems, tmp_path, collect):
     """rewards = 0.5·RM + verifier: each logged component is its own batch mean, the total their weighted sum."""
     reward_model = RewardModel.from_policy(tiny, device="cpu", seed=1).save_pretrained(tmp_path / "rm",
                                                                                        load_tokenizer(tiny))
@@ -243,7 +239,7 @@ def dapo_config(tiny: Path, **overrides) -> DAPOConfig:
     return DAPOConfig(**(settings | overrides))
 
 
-def test_dapo_preset_runs_the_same_loop_with_its_loss(tiny, problems, tmp_path):
+def test_dapo_preset_runs_the_same_loop_with_its_loss(tiny, problems, tmp_path, collect):
     """DAPO's loss through LOSSES (clip-higher, no reference KL), two mini-batches per rollout."""
     logged, log = collect()
     final = train_grpo(dapo_config(tiny, dynamic_sampling=False), problems, tmp_path / "dapo", log=log)
@@ -252,7 +248,7 @@ def test_dapo_preset_runs_the_same_loop_with_its_loss(tiny, problems, tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
-def test_dapo_step_without_an_informative_group_updates_nothing(tiny, problems, tmp_path):
+def test_dapo_step_without_an_informative_group_updates_nothing(tiny, problems, tmp_path, collect):
     """The random model never answers correctly: every group is filtered, the refills run out, no update."""
     logged, log = collect()
     final = train_grpo(dapo_config(tiny, max_steps=1, max_refill_rounds=1), problems, tmp_path / "dapo", log=log)
@@ -282,7 +278,7 @@ def test_dapo_preset_has_the_papers_settings_and_configs_reject_mixed_ones():
         validate_config(DAPOConfig, {"policy_path": "m", "max_new_tokens": 6})
 
 
-def test_crash_then_resume_ends_with_the_weights_of_an_uninterrupted_run(one_thread, tiny, problems, tmp_path):
+def test_crash_then_resume_ends_with_the_weights_of_an_uninterrupted_run(one_thread, tiny, problems, tmp_path, collect):
     cfg = small_config(tiny, max_steps=3, save_every=1)
     full_log, log = collect()
     uninterrupted = train_grpo(cfg, problems, tmp_path / "a", log=log)
@@ -375,7 +371,7 @@ def test_vllm_sampler_serves_the_policy_weights_after_each_sync(tiny, tmp_path):
 
 
 @pytest.mark.vllm
-def test_two_grpo_steps_with_the_vllm_backend(tiny, problems, tmp_path):
+def test_two_grpo_steps_with_the_vllm_backend(tiny, problems, tmp_path, collect):
     _vllm_or_skip()
     logged, log = collect()
     final = train_grpo(small_config(tiny, backend="vllm"), problems, tmp_path / "out", log=log)

@@ -45,11 +45,6 @@ def small_config(tiny: Path, reward_model: Path, **overrides) -> PPOConfig:
     return PPOConfig(**(settings | overrides))
 
 
-def collect():
-    logged: list[tuple[int, dict]] = []
-    return logged, lambda metrics, step: logged.append((step, dict(metrics)))
-
-
 def test_state_values_are_the_critics_values_of_the_prefix_before_each_token(tiny):
     """V(s_t) for token t must see tokens < t only: equal to the critic's last value on the cut prefix."""
     critic = ValueModel.from_policy(tiny, device="cpu")
@@ -72,7 +67,7 @@ def test_adaptive_kl_controller_moves_beta_proportionally_and_clips_the_error():
     assert adapt_kl_coef(0.1, 0.0, target=6.0, horizon=100, n_samples=10) == pytest.approx(0.098)
 
 
-def test_two_steps_change_actor_and_log_finite_metrics(tiny, reward_model, problems, tmp_path):
+def test_two_steps_change_actor_and_log_finite_metrics(tiny, reward_model, problems, tmp_path, collect):
     logged, log = collect()
     final = train_ppo(small_config(tiny, reward_model), problems, tmp_path / "out", log=log)
 
@@ -91,7 +86,7 @@ def test_two_steps_change_actor_and_log_finite_metrics(tiny, reward_model, probl
     assert not (tmp_path / "out" / CHECKPOINT_DIR).exists()
 
 
-def test_adaptive_kl_updates_beta_from_each_rollouts_kl(tiny, reward_model, problems, tmp_path):
+def test_adaptive_kl_updates_beta_from_each_rollouts_kl(tiny, reward_model, problems, tmp_path, collect):
     """Step 1's KL is 0, so β_2 = 0.05·(1 - 0.2·8/40) = 0.048; β_3 follows from step 2's logged KL."""
     cfg = small_config(tiny, reward_model, max_steps=3, adaptive_kl=True, kl_target=0.5, kl_horizon=40)
     logged, log = collect()
@@ -103,7 +98,8 @@ def test_adaptive_kl_updates_beta_from_each_rollouts_kl(tiny, reward_model, prob
     assert coefs[2] == pytest.approx(adapt_kl_coef(0.048, kl_2, target=0.5, horizon=40, n_samples=8))
 
 
-def test_crash_then_resume_ends_with_the_weights_of_an_uninterrupted_run(one_thread, tiny, reward_model, problems, tmp_path):
+def test_crash_then_resume_ends_with_the_weights_of_an_uninterrupted_run(one_thread, tiny, reward_model, problems,
+                                                                          tmp_path, collect):
     cfg = small_config(tiny, reward_model, max_steps=3, save_every=1, adaptive_kl=True, kl_target=0.5,
                        kl_horizon=40)
     full_log, log = collect()

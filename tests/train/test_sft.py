@@ -40,11 +40,6 @@ def tiny(tmp_path_factory) -> Path:
                             hidden_size=64, num_heads=2, intermediate_size=128)
 
 
-def collect():
-    logged: list[tuple[int, dict]] = []
-    return logged, lambda metrics, step: logged.append((step, dict(metrics)))
-
-
 def test_sft_rows_from_each_source():
     problems = pl.DataFrame({"problem_id": ["p"], "prompt": ["1+1="], "answer": ["2"], "split": ["train"]})
     assert sft_rows(problems, "problems").to_dicts() == [{"prompt": "1+1=", "completion": "2"}]
@@ -60,7 +55,7 @@ def test_sft_rows_from_each_source():
         sft_rows(problems, "pairs")
 
 
-def test_two_steps_change_the_weights_and_log_the_completion_nll(tiny, tmp_path):
+def test_two_steps_change_the_weights_and_log_the_completion_nll(tiny, tmp_path, collect):
     rows = arithmetic_rows(32)
     cfg = SFTConfig(model_path=str(tiny), max_steps=2, batch_size=8, lr=1e-2, log_every=1, device="cpu")
     logged, log = collect()
@@ -91,7 +86,7 @@ def test_two_steps_change_the_weights_and_log_the_completion_nll(tiny, tmp_path)
     assert json.loads((final / FINAL_MARKER).read_text())["metrics"]["eval/loss"] == logged[-1][1]["eval/loss"]
 
 
-def test_gradient_accumulation_gives_the_same_update(tiny, tmp_path):
+def test_gradient_accumulation_gives_the_same_update(tiny, tmp_path, collect):
     """Same global batch of 8 as one micro-batch or as 4 of 2: the same loss and gradient norm (Adam would
     hide a gradient scale error, the norm does not), and weights within 1% of one Adam step."""
     rows = arithmetic_rows(16)
