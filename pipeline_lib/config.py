@@ -404,14 +404,19 @@ class DAPOConfig(GRPOConfig):
 
 class PPOConfig(BaseModel):
     """PPO for RLHF (InstructGPT; Ziegler et al. 2019): actor, frozen reference, reward model and critic;
-    RM score + per-token KL penalty, GAE, clipped policy and value losses over several epochs."""
+    sequence reward + per-token KL penalty, GAE, clipped policy and value losses over several epochs."""
 
     model_config = STRICT
 
     policy_path: str
     """Starting policy (the SFT checkpoint); also the frozen reference."""
-    reward_model_path: str
-    """Reward model dir from the RM stage (backbone + scalar head)."""
+    rewards: tuple[dict[str, str | int | float], ...] = ({"name": "reward_model", "weight": 1.0},)
+    """Reward specs `{name, weight, **options}` summed into each completion's score (pipeline_lib.rewards.registry):
+    the reward model (InstructGPT), the verifier on problems with answers (PPO on verifiable rewards, as in
+    VAPO arXiv:2504.05118), or a weighted mix."""
+    reward_model_path: str | None = None
+    """Reward model dir from the RM stage (backbone + scalar head); needed when `rewards` names `reward_model`
+    or the critic starts from it."""
     critic_init: Literal["reward_model", "policy"] = "reward_model"
     """Backbone the critic starts from (InstructGPT: the RM); its value head starts at zero."""
     prompts_table: Literal["problems", "preference_pairs"] = "problems"
@@ -484,6 +489,13 @@ class PPOConfig(BaseModel):
     """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
     trust_remote_code: bool = False
     """Allow model code shipped with a hub checkpoint (off: DESIGN.md reliability rules)."""
+
+    @model_validator(mode="after")
+    def _check_rewards_and_critic(self):
+        _check_reward_specs(self.rewards, self.reward_model_path)
+        if self.critic_init == "reward_model" and not self.reward_model_path:
+            raise ValueError("critic_init 'reward_model' needs reward_model_path; set it or use critic_init 'policy'")
+        return self
 
 
 # ---- model preparation (the tiny offline model of the demo and the tests)

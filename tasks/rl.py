@@ -24,7 +24,7 @@ from tasks.training import result_table
 GRPO_CURVES = ["rewards/accuracy", "rewards/mean", "policy/kl_ref", "policy/entropy", "completions/mean_length"]
 DAPO_CURVES = ["rewards/accuracy", "rewards/mean", "rollout/groups_filtered_frac", "policy/clipfrac_high",
                "policy/entropy"]
-PPO_CURVES = ["rewards/rm_mean", "objective/kl", "objective/kl_coef", "value/loss", "rewards/accuracy"]
+PPO_CURVES = ["rewards/mean", "objective/kl", "objective/kl_coef", "value/loss", "rewards/accuracy"]
 
 
 def curves_figure(history: list[tuple[int, dict[str, float]]], keys: list[str]) -> Figure:

@@ -23,9 +23,9 @@ from pipeline_lib.losses import (
     ppo_policy_loss,
     ppo_value_loss,
 )
-from pipeline_lib.models import RewardModel, ValueModel, load_policy, load_tokenizer, sequence_logprobs
+from pipeline_lib.models import ValueModel, load_policy, load_tokenizer, sequence_logprobs
 from pipeline_lib.rewards.math import is_correct
-from pipeline_lib.rewards.model import RewardModelScorer
+from pipeline_lib.rewards.registry import build_reward
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
     FINAL_MARKER,
@@ -92,7 +92,7 @@ def adapt_kl_coef(kl_coef: float, kl: float, *, target: float, horizon: int, n_s
 def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn = no_log) -> Path:
     """PPO on `prompts` (prompt[, prompt_messages][, answer]); returns `out_dir/final` (the actor).
 
-    With an `answer` column, rewards/accuracy is logged too (the reward itself is the RM's). Resumes from
+    With an `answer` column, rewards/accuracy is logged too (the reward itself is `cfg.rewards`'). Resumes from
     `out_dir/checkpoint` (actor, critic, optimizer, scheduler, RNG, KL coefficient) when one exists."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
@@ -116,13 +116,13 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
                          trust_remote_code=cfg.trust_remote_code).eval()
     ref = load_policy(cfg.policy_path, device=device, trust_remote_code=cfg.trust_remote_code).eval()
     ref.requires_grad_(False)
-    reward_model = RewardModel.from_pretrained(cfg.reward_model_path, device=device)
-    reward_model.requires_grad_(False)
-    # the RM scores prompt + completion text as the RM stage trained on it (rewards/model.py), in its own tokens
-    rm_tokenizer = load_tokenizer(cfg.reward_model_path)
-    score = RewardModelScorer(reward_model, rm_tokenizer, batch_size=mini_batch)
+    if answers is None and any(spec["name"] == "verifier" for spec in cfg.rewards):
+        raise AlignflowError("ppo: rewards name 'verifier' but the prompts have no answers (use prompts_table "
+                             "problems)")
+    # an RM scores prompt + completion text as the RM stage trained on it (rewards/model.py), in its own tokens
+    reward_fn = build_reward(cfg.rewards, reward_model_path=cfg.reward_model_path, device=device)
     critic_path = cfg.reward_model_path if cfg.critic_init == "reward_model" else cfg.policy_path
-    if cfg.critic_init == "reward_model" and rm_tokenizer.get_vocab() != tokenizer.get_vocab():
+    if cfg.critic_init == "reward_model" and load_tokenizer(critic_path).get_vocab() != tokenizer.get_vocab():
         raise AlignflowError(f"critic_init=reward_model: the tokenizer of {cfg.reward_model_path} differs from the "
                              "policy's, so its backbone cannot read the rollouts; use critic_init=policy")
     critic = ValueModel.from_policy(critic_path, dtype="float32", device=device,
@@ -148,7 +148,7 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
             if step >= cfg.max_steps:
                 break
             step_started = time.perf_counter()
-            # ---- rollout: one completion per prompt from θ_old; θ_old, π_ref, V and the RM score it once
+            # ---- rollout: one completion per prompt from θ_old; θ_old, π_ref, V and the rewards score it once
             sync_seconds = sync()
             groups = sampler.generate([texts[i] for i in indices], n=1, max_new_tokens=cfg.max_new_tokens,
                                       temperature=cfg.temperature, top_p=cfg.top_p,
@@ -161,11 +161,14 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
             ref_logps = logprobs_in_chunks(ref, batch, mini_batch, device)  # (B, T)
             with torch.no_grad(), autocast(device):
                 old_values = state_values(critic, batch.input_ids, batch.attention_mask).float()  # (B, T)
-            scores = torch.tensor(score([texts[i] + c.text for i, c in zip(indices, completions)]),
-                                  device=device)  # (B,)
+            lengths = [c.n_tokens for c in completions]
+            totals, components = reward_fn([texts[i] for i in indices], [c.text for c in completions],
+                                           answers=[None] * len(indices) if answers is None else
+                                           [answers[i] for i in indices], lengths=lengths)
+            scores = torch.tensor(totals, device=device)  # (B,)
             rollout_seconds = time.perf_counter() - step_started
 
-            # ---- loss targets: RM score + per-token KL penalty (InstructGPT eq. 2), then GAE with the critic
+            # ---- loss targets: sequence reward + per-token KL penalty (InstructGPT eq. 2), then GAE with the critic
             rewards, reward_stats = kl_penalized_rewards(scores, old_logps, ref_logps, mask, kl_coef=kl_coef)
             advantages, returns = compute_gae(rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam)  # (B, T)
             if cfg.whiten_advantages:
@@ -205,10 +208,10 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
             done = step + 1
             kl_seq = float(reward_stats["objective/kl"])
             step_seconds = time.perf_counter() - step_started
-            lengths = [c.n_tokens for c in completions]
             metrics = {
-                "rewards/rm_mean": float(scores.mean()),
-                "rewards/rm_std": float(scores.std(unbiased=False)),
+                "rewards/mean": float(scores.mean()),
+                "rewards/std": float(scores.std(unbiased=False)),
+                **{f"rewards/{name}": sum(values) / len(values) for name, values in components.items()},
                 **({"rewards/accuracy": sum(is_correct(c.text, answers[i]) for c, i in zip(completions, indices))
                     / len(indices)} if answers is not None else {}),
                 **{key: float(value) for key, value in reward_stats.items()},

@@ -89,3 +89,4 @@ def test_demo_preset_end_to_end(flow_workspace):
     assert 0.0 < pass1["sft"] < 1.0  # SFT learned something and left RL room
     assert max(pass1["grpo"], pass1["dapo"]) > pass1["sft"]
     assert pass1["dpo"] > pass1["sft"]  # RPO's NLL term; plain DPO fell to 0.10 here (measured: 0.37 -> 0.49)
+    assert pass1["ppo"] > pass1["sft"]  # RM + verifier; the RM alone was hacked to 0.21 (measured: 0.37 -> 0.47)

@@ -82,6 +82,6 @@ def test_ppo_flow_trains_with_a_reward_model_and_logs_kl(flow_workspace, tiny, t
     final = Path(ppo_flow(cfg))
     load_policy(final, device="cpu")
     run, artifacts = the_run(flow_workspace, "ppo")
-    assert {"rewards/rm_mean", "objective/kl", "objective/kl_k3", "value/loss", "policy/clipfrac",
+    assert {"rewards/mean", "objective/kl", "objective/kl_k3", "value/loss", "policy/clipfrac",
             "rewards/accuracy"} <= set(run.data.metrics)
     assert (artifacts / "ppo_curves.png").is_file()

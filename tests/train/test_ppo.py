@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline_lib.config import PPOConfig
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.models import RewardModel, ValueModel, build_tiny_model, load_tokenizer
 from pipeline_lib.train.common import CHECKPOINT_DIR, NonFiniteLossError
 from pipeline_lib.train.ppo import adapt_kl_coef, state_values, train_ppo
@@ -74,7 +75,7 @@ def test_two_steps_change_actor_and_log_finite_metrics(tiny, reward_model, probl
     assert [step for step, _ in logged] == [1, 2]
     for _, metrics in logged:
         assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
-        for key in ("objective/kl", "objective/kl_k3", "objective/kl_coef", "rewards/rm_mean", "rewards/accuracy",
+        for key in ("objective/kl", "objective/kl_k3", "objective/kl_coef", "rewards/mean", "rewards/accuracy",
                     "value/loss", "value/clipfrac", "policy/clipfrac", "policy/approx_kl", "policy/entropy",
                     "completions/mean_length", "perf/tokens_per_s"):
             assert key in metrics, key
@@ -84,6 +85,35 @@ def test_two_steps_change_actor_and_log_finite_metrics(tiny, reward_model, probl
     before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert not (tmp_path / "out" / CHECKPOINT_DIR).exists()
+
+
+def test_rewards_mix_the_reward_model_with_the_verifier_or_use_the_verifier_alone(tiny, reward_model, problems,
+                                                                                   tmp_path, collect):
+    """rewards = 0.5·RM + verifier: each component is logged, rewards/mean is their weighted sum; the verifier
+    alone needs no reward model at all (critic from the policy), and its mean is the rollout accuracy."""
+    logged, log = collect()
+    mixed = [{"name": "reward_model", "weight": 0.5}, {"name": "verifier", "weight": 1.0}]
+    train_ppo(small_config(tiny, reward_model, max_steps=1, rewards=mixed), problems, tmp_path / "mixed", log=log)
+    metrics = logged[0][1]
+    assert metrics["rewards/mean"] == pytest.approx(0.5 * metrics["rewards/reward_model"] + metrics["rewards/verifier"],
+                                                    abs=1e-5)
+    assert metrics["rewards/verifier"] == metrics["rewards/accuracy"]
+
+    logged, log = collect()
+    cfg = small_config(tiny, reward_model, max_steps=1, rewards=[{"name": "verifier"}], critic_init="policy")
+    train_ppo(cfg.model_copy(update={"reward_model_path": None}), problems, tmp_path / "verifier", log=log)
+    assert logged[0][1]["rewards/mean"] == logged[0][1]["rewards/accuracy"]
+    assert "rewards/reward_model" not in logged[0][1]
+
+
+def test_reward_settings_fail_fast(tiny, reward_model, problems, tmp_path):
+    with pytest.raises(ValueError, match="critic_init 'reward_model' needs reward_model_path"):
+        PPOConfig(policy_path=str(tiny), rewards=[{"name": "verifier"}])
+    with pytest.raises(ValueError, match="rewards name 'reward_model' but reward_model_path is not set"):
+        PPOConfig(policy_path=str(tiny), critic_init="policy")
+    cfg = small_config(tiny, reward_model, rewards=[{"name": "verifier"}])
+    with pytest.raises(AlignflowError, match="rewards name 'verifier' but the prompts have no answers"):
+        train_ppo(cfg, problems.drop("answer"), tmp_path / "out")
 
 
 def test_adaptive_kl_updates_beta_from_each_rollouts_kl(tiny, reward_model, problems, tmp_path, collect):
