@@ -2,7 +2,7 @@
 model, data, hyper-parameters, torch threads and machine; each run in its own subprocess, ours and TRL alternating.
 
     .venv/bin/python benchmarks/vs_trl.py [--model demo|large] [--algo dpo grpo] [--repeats 2] [--threads 2]
-                                          [--steps N --warmup W] [--set batch=8 ...] [--profile]
+                                          [--data demo|gsm8k] [--steps N --warmup W] [--set batch=8 ...] [--profile]
 
 Per run: mean step time over the steps after `--warmup` (a step ends at our log call / TRL's on_step_end, so data,
 forward, backward, optimizer and logging are all inside it; a GRPO step also holds generation and scoring), the
@@ -65,6 +65,18 @@ TRL_SETTINGS = {
             "bf16=False, use_cpu=True, lr_scheduler_type='constant', max_grad_norm=1.0); reward: pipeline_lib's "
             "verifier; ours: GRPOConfig(prompts_per_step, group_size, num_iterations=1, clip 0.2, backend='hf')",
 }
+
+
+def grpo_problems(name: str):
+    """GRPO's rollout prompts and answers: the demo's `ab+cd=` train problems (6-token prompts), or the shipped
+    GSM8K train questions (~240-character prompts, MIT-licensed) with the number after `####` as the answer."""
+    import polars as pl
+
+    if name == "demo":
+        return pl.read_ndjson(DEMO / "problems.jsonl").filter(pl.col("split") == "train").select("prompt", "answer")
+    rows = pl.read_ndjson(ROOT / "data" / "gsm8k" / "train-first500.jsonl")
+    return rows.select(pl.col("question").alias("prompt"),
+                       pl.col("answer").str.split("####").list.last().str.strip_chars().alias("answer"))
 
 
 def _rss_mib() -> float:
@@ -135,12 +147,10 @@ def _ours_dpo(model_dir: str, s: dict, out_dir: Path, clock: StepClock) -> None:
 
 
 def _ours_grpo(model_dir: str, s: dict, out_dir: Path, clock: StepClock) -> None:
-    import polars as pl
-
     from pipeline_lib.config import GRPOConfig
     from pipeline_lib.train.grpo import train_grpo
 
-    problems = pl.read_ndjson(DEMO / "problems.jsonl").filter(pl.col("split") == "train")
+    problems = grpo_problems(s["data"])
     cfg = GRPOConfig(policy_path=model_dir, max_steps=s["steps"], prompts_per_step=s["prompts"],
                      group_size=s["group"], num_iterations=1, lr=s["lr"], beta=s["beta"], clip_eps_low=0.2,
                      clip_eps_high=0.2, max_new_tokens=s["max_new_tokens"], temperature=1.0, top_p=1.0,
@@ -182,7 +192,6 @@ def _trl_dpo(model_dir: str, s: dict, out_dir: Path, clock: StepClock, precomput
 
 
 def _trl_grpo(model_dir: str, s: dict, out_dir: Path, clock: StepClock) -> None:
-    import polars as pl
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -192,7 +201,7 @@ def _trl_grpo(model_dir: str, s: dict, out_dir: Path, clock: StepClock) -> None:
     def verifier(prompts, completions, answer, completion_ids, **_):
         return REWARDS["verifier"](prompts, completions, answers=answer, lengths=[len(c) for c in completion_ids])
 
-    problems = pl.read_ndjson(DEMO / "problems.jsonl").filter(pl.col("split") == "train")
+    problems = grpo_problems(s["data"])
     args = GRPOConfig(per_device_train_batch_size=s["prompts"] * s["group"], num_generations=s["group"],
                       max_completion_length=s["max_new_tokens"], beta=s["beta"], epsilon=0.2, loss_type="grpo",
                       scale_rewards="group", num_iterations=1, temperature=1.0, top_p=1.0, top_k=0, use_vllm=False,
@@ -240,8 +249,9 @@ def worker(args: argparse.Namespace) -> None:
 # ---- driver
 
 
-def build_model(out_dir: Path, size: str) -> tuple[str, int]:
-    """The tiny Llama of `size` with the demo's character-level tokenizer (corpus: every demo text)."""
+def build_model(out_dir: Path, size: str, data: str) -> tuple[str, int]:
+    """The tiny Llama of `size` with a character-level tokenizer over every demo text (and the GSM8K problems
+    with `data` gsm8k, whose prompts need 1,024 positions)."""
     import polars as pl
     from safetensors import safe_open
 
@@ -253,7 +263,12 @@ def build_model(out_dir: Path, size: str) -> tuple[str, int]:
     corpus = (pairs["prompt"].to_list() + pairs["chosen"].to_list() + pairs["rejected"].to_list()
               + problems["prompt"].to_list() + problems["answer"].cast(pl.Utf8).to_list()
               + rankings["prompt"].to_list() + rankings["responses"].explode().to_list())
-    path = build_tiny_model(out_dir, corpus, **SIZES[size])
+    positions = {}
+    if data == "gsm8k":
+        gsm8k = grpo_problems("gsm8k")
+        corpus += gsm8k["prompt"].to_list() + gsm8k["answer"].to_list()
+        positions = {"max_position_embeddings": 1024}
+    path = build_tiny_model(out_dir, corpus, **SIZES[size], **positions)
     with safe_open(str(path / "model.safetensors"), "pt") as weights:
         n_params = sum(math.prod(weights.get_slice(key).get_shape()) for key in weights.keys())
     return str(path), n_params
@@ -297,6 +312,8 @@ def main() -> None:
     parser.add_argument("--algo", nargs="+", choices=sorted(IMPLS), default=["dpo", "grpo"])
     parser.add_argument("--repeats", type=int, default=2, help="runs of each implementation, alternating")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in every run")
+    parser.add_argument("--data", choices=["demo", "gsm8k"], default="demo",
+                        help="GRPO's prompts: demo `ab+cd=` problems (6 tokens) or GSM8K questions (~240)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run (default: per model and algorithm)")
     parser.add_argument("--warmup", type=int, help="steps left out of the step-time mean")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
@@ -324,11 +341,11 @@ def main() -> None:
           f"(1/5/15 min load), nproc {os.cpu_count()}, torch {torch.__version__}, trl {trl.__version__}, "
           f"threads {args.threads}, {time.strftime('%Y-%m-%d %H:%M')}")
     with tempfile.TemporaryDirectory(prefix="vs-trl-model-") as tmp:
-        model_dir, n_params = build_model(Path(tmp) / "model", args.model)
+        model_dir, n_params = build_model(Path(tmp) / "model", args.model, args.data)
         print(f"model {args.model}: {n_params:,} parameters, {SIZES[args.model] or 'TinyModelConfig defaults'}")
         lines = []
         for algo in args.algo:
-            settings = dict(DEFAULTS[(args.model, algo)])
+            settings = dict(DEFAULTS[(args.model, algo)]) | ({"data": args.data} if algo == "grpo" else {})
             settings.update({k: v for k, v in (("steps", args.steps), ("warmup", args.warmup)) if v is not None})
             for key, value in overrides.items():
                 if key in settings:  # a key of the other algorithm applies there
