@@ -3,3 +3,8 @@
 
 class AlignflowError(Exception):
     """A one-line error that names the file / field / value at fault and what was expected."""
+
+
+def first_line(exc: BaseException) -> str:
+    """`Type: first line of the message`: how a wrapped library error appears inside a one-line error."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"

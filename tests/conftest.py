@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 from pipeline_lib.workspace import OFFLINE_ENV
 
@@ -18,6 +22,35 @@ from pipeline_lib.workspace import Workspace  # noqa: E402
 def workspace(tmp_path) -> Workspace:
     """An empty workspace under the test's tmp dir."""
     return Workspace(tmp_path / "ws").create()
+
+
+@pytest.fixture
+def lock_holder():
+    """`proc = lock_holder(workspace, holder)`: another process that takes the workspace's run lock as `holder`,
+    says so, and holds it until killed (at teardown at the latest)."""
+    root = Path(__file__).resolve().parents[1]
+    started: list[subprocess.Popen] = []
+
+    def hold(workspace: Workspace, holder: str) -> subprocess.Popen:
+        code = textwrap.dedent(f"""
+            import time
+            from pathlib import Path
+            from pipeline_lib.workspace import Workspace, workspace_lock
+            with workspace_lock(Workspace(Path({str(workspace.root)!r})), {holder!r}):
+                print("locked", flush=True)
+                time.sleep(600)
+        """)
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(root)})
+        started.append(proc)
+        assert proc.stdout.readline().strip() == "locked"
+        return proc
+
+    yield hold
+    for proc in started:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
 
 
 @pytest.fixture

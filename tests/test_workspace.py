@@ -17,30 +17,14 @@ import pytest
 import yaml
 
 from pipeline_lib.store.db import TABLE_KEYS, TABLES, open_store
-from pipeline_lib.workspace import Workspace, WorkspaceLockedError, workspace_lock
+from pipeline_lib.workspace import WorkspaceLockedError, workspace_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "data" / "demo"
 
 
-def hold_lock(workspace: Workspace, holder: str) -> subprocess.Popen:
-    """A second process that takes the lock, says so, and holds it until killed."""
-    code = textwrap.dedent(f"""
-        import sys, time
-        from pathlib import Path
-        from pipeline_lib.workspace import Workspace, workspace_lock
-        with workspace_lock(Workspace(Path({str(workspace.root)!r})), {holder!r}):
-            print("locked", flush=True)
-            time.sleep(600)
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.stdout.readline().strip() == "locked"
-    return proc
-
-
-def test_a_second_process_gets_a_one_line_error_naming_the_holder(workspace):
-    holder = hold_lock(workspace, "alignflow run pipeline --config demo.yaml")
+def test_a_second_process_gets_a_one_line_error_naming_the_holder(workspace, lock_holder):
+    holder = lock_holder(workspace, "alignflow run pipeline --config demo.yaml")
     try:
         with pytest.raises(WorkspaceLockedError) as err:
             with workspace_lock(workspace, "alignflow run sft"):
@@ -55,8 +39,8 @@ def test_a_second_process_gets_a_one_line_error_naming_the_holder(workspace):
         holder.wait()
 
 
-def test_a_sigkilled_holder_leaves_a_file_that_blocks_nobody(workspace):
-    holder = hold_lock(workspace, "victim")
+def test_a_sigkilled_holder_leaves_a_file_that_blocks_nobody(workspace, lock_holder):
+    holder = lock_holder(workspace, "victim")
     holder.send_signal(signal.SIGKILL)
     assert holder.wait() == -signal.SIGKILL
     assert workspace.lock_path.read_text() == f"{holder.pid} victim\n"  # the stale file is still there
@@ -64,7 +48,7 @@ def test_a_sigkilled_holder_leaves_a_file_that_blocks_nobody(workspace):
         assert workspace.lock_path.read_text() == f"{os.getpid()} next run\n"
 
 
-def test_reentrant_in_one_process_and_free_after_the_outer_exit(workspace):
+def test_reentrant_in_one_process_and_free_after_the_outer_exit(workspace, lock_holder):
     with workspace_lock(workspace, "alignflow run pipeline"):
         with workspace_lock(workspace, "pipeline demo"):  # the pipeline flow inside the CLI command
             pass
@@ -76,17 +60,18 @@ def test_reentrant_in_one_process_and_free_after_the_outer_exit(workspace):
                 pass
         """)], cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert probe.returncode == 1 and f"in use by alignflow process {os.getpid()}" in probe.stderr
-    holder = hold_lock(workspace, "after")  # released: another process takes it
+    holder = lock_holder(workspace, "after")  # released: another process takes it
     holder.kill()
     holder.wait()
 
 
-def test_a_child_process_does_not_inherit_the_lock(workspace):
+def test_a_child_process_does_not_inherit_the_lock(workspace, lock_holder):
     """A vLLM server or torchrun child started during a run must not keep the workspace locked after it."""
     with workspace_lock(workspace, "parent"):
-        child = subprocess.Popen(["sleep", "60"])
+        # close_fds=False: the child gets every inheritable descriptor; only the lock's O_CLOEXEC keeps it out
+        child = subprocess.Popen(["sleep", "60"], close_fds=False)
     try:
-        holder = hold_lock(workspace, "next")
+        holder = lock_holder(workspace, "next")
         holder.kill()
         holder.wait()
     finally:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
+from pipeline_lib.errors import first_line
 from pipeline_lib.models.loading import ModelLoadError, atomic_output_dir, load_pretrained
 from pipeline_lib.models.logprobs import position_ids_from_mask
 
@@ -107,8 +108,7 @@ def _load(
     try:
         head.load_state_dict(load_file(str(head_file)))
     except (SafetensorError, RuntimeError, OSError) as exc:  # a truncated file, wrong shapes
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        raise ModelLoadError(f"{head_file}: cannot load the {kind} head ({type(exc).__name__}: {first_line})") from exc
+        raise ModelLoadError(f"{head_file}: cannot load the {kind} head ({first_line(exc)})") from exc
     return backbone, head.to(backbone.device), config
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from pipeline_lib.errors import AlignflowError
+from pipeline_lib.errors import AlignflowError, first_line
 
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 # Files a model dir needs besides weights; a hub download fetches only these plus the allowed weights.
@@ -125,10 +125,7 @@ def load_pretrained(
             local_files_only=True,
         )
     except Exception as exc:  # noqa: BLE001 - surface one line; the chained cause keeps the detail
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        raise ModelLoadError(
-            f"model dir {model_dir}: {auto_cls.__name__} could not load it ({type(exc).__name__}: {first_line})"
-        ) from exc
+        raise ModelLoadError(f"model dir {model_dir}: {auto_cls.__name__} could not load it ({first_line(exc)})") from exc
     return model.to(target)
 
 
@@ -158,8 +155,7 @@ def load_tokenizer(path_or_id: str | Path, *, trust_remote_code: bool = False) -
             model_dir, trust_remote_code=trust_remote_code, local_files_only=True, padding_side="left"
         )
     except Exception as exc:  # noqa: BLE001 - surface one line; the chained cause keeps the detail
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        raise ModelLoadError(f"tokenizer in {model_dir}: could not load it ({type(exc).__name__}: {first_line})") from exc
+        raise ModelLoadError(f"tokenizer in {model_dir}: could not load it ({first_line(exc)})") from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelLoadError(f"tokenizer in {model_dir}: has neither a pad token nor an eos token to pad with")

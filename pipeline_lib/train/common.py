@@ -22,7 +22,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from torch import Tensor, nn
 
-from pipeline_lib.errors import AlignflowError
+from pipeline_lib.errors import AlignflowError, first_line
 
 CHECKPOINT_DIR = "checkpoint"
 FINAL_MARKER = "alignflow_final.json"
@@ -34,10 +34,6 @@ class NonFiniteLossError(AlignflowError):
 
 class CheckpointWriteError(AlignflowError):
     """A checkpoint or the final model could not be written (disk full, read-only dir); the previous one is kept."""
-
-
-def _first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
 def seed_everything(seed: int) -> None:
@@ -269,7 +265,7 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
         _fsync_dir(out_dir)
     except (OSError, RuntimeError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(f"{out_dir}: cannot write the step {step} checkpoint ({_first_line(exc)}); "
+        raise CheckpointWriteError(f"{out_dir}: cannot write the step {step} checkpoint ({first_line(exc)}); "
                                    "the previous checkpoint is kept") from exc
     shutil.rmtree(old, ignore_errors=True)
     return final
@@ -289,7 +285,7 @@ def _read_checkpoint(ckpt: Path) -> tuple[int, dict, list] | None:
         if missing:
             raise KeyError(f"state.pt lacks {sorted(missing)}")
     except (OSError, RuntimeError, EOFError, ValueError, KeyError, TypeError, pickle.UnpicklingError) as exc:
-        warnings.warn(f"checkpoint {ckpt} is unreadable ({_first_line(exc)}); ignoring it", RuntimeWarning,
+        warnings.warn(f"checkpoint {ckpt} is unreadable ({first_line(exc)}); ignoring it", RuntimeWarning,
                       stacklevel=3)
         return None
     return step, state, python_rng
@@ -340,7 +336,7 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, *, metrics: dict | No
         _fsync_dir(out_dir)
     except (OSError, RuntimeError, SafetensorError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(f"{final}: cannot write the final model ({_first_line(exc)}); the last "
+        raise CheckpointWriteError(f"{final}: cannot write the final model ({first_line(exc)}); the last "
                                    "checkpoint is kept, rerun the stage to resume") from exc
     shutil.rmtree(out_dir / CHECKPOINT_DIR, ignore_errors=True)
     return final

@@ -101,6 +101,14 @@ def open_policy_sampler(
     shutil.rmtree(sync_dir, ignore_errors=True)
 
 
+def _check_completions(prompts: Sequence[str], completions: Sequence[Completion]) -> None:
+    if len(prompts) != len(completions):
+        raise ValueError(f"completions: expected one per prompt ({len(prompts)}), got {len(completions)}")
+    empty = next((i for i, c in enumerate(completions) if not c.token_ids), None)
+    if empty is not None:
+        raise ValueError(f"completions[{empty}]: no token ids; a rollout needs at least one generated token")
+
+
 def completions_batch(
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[str],
@@ -113,11 +121,7 @@ def completions_batch(
     Prompts are tokenized as the samplers tokenize them (`add_special_tokens`); the completion keeps the
     sampled ids as they are (eos included when the model stopped), so the log-probs of training are those of
     exactly the sampled tokens. Equal-length prompts and completions give a batch without padding."""
-    if len(prompts) != len(completions):
-        raise ValueError(f"completions: expected one per prompt ({len(prompts)}), got {len(completions)}")
-    empty = next((i for i, c in enumerate(completions) if not c.token_ids), None)
-    if empty is not None:
-        raise ValueError(f"completions[{empty}]: no token ids; a rollout needs at least one generated token")
+    _check_completions(prompts, completions)
     prompt_ids = tokenizer(list(prompts), add_special_tokens=add_special_tokens)["input_ids"]
     encoded = Encoded(prompt_ids, [list(c.token_ids) for c in completions])
     return collate(encoded, range(len(completions)), pad_id=tokenizer.pad_token_id)
@@ -173,11 +177,7 @@ def grouped_completions_batch(
 ) -> GroupedBatch:
     """`completions_batch`'s rows as distinct left-padded prompts + right-padded completions: the same tokens
     (prompts tokenized as the samplers do, sampled ids kept as they are), each prompt stored once."""
-    if len(prompts) != len(completions):
-        raise ValueError(f"completions: expected one per prompt ({len(prompts)}), got {len(completions)}")
-    empty = next((i for i, c in enumerate(completions) if not c.token_ids), None)
-    if empty is not None:
-        raise ValueError(f"completions[{empty}]: no token ids; a rollout needs at least one generated token")
+    _check_completions(prompts, completions)
     distinct = list(dict.fromkeys(prompts))
     position = {prompt: k for k, prompt in enumerate(distinct)}
     prompt_ids = tokenizer(distinct, add_special_tokens=add_special_tokens)["input_ids"]

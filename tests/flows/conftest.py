@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import psutil
 import pytest
 from prefect.testing.utilities import prefect_test_harness
 
@@ -21,6 +22,25 @@ def flow_workspace(workspace, monkeypatch):
     """The workspace the tasks resolve through ALIGNFLOW_HOME."""
     monkeypatch.setenv("ALIGNFLOW_HOME", str(workspace.root))
     return workspace
+
+
+@pytest.fixture
+def listening_sockets():
+    """`listening_sockets(pid)`: (address, port) of every listening TCP socket of `pid` and its descendants (the
+    sockets themselves, not the URLs a command prints)."""
+
+    def find(pid: int) -> set[tuple[str, int]]:
+        found = set()
+        root = psutil.Process(pid)
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                found |= {(c.laddr.ip, c.laddr.port) for c in process.net_connections("inet")
+                          if c.status == psutil.CONN_LISTEN}
+            except psutil.NoSuchProcess:  # a child that exited during the scan
+                continue
+        return found
+
+    return find
 
 
 @pytest.fixture

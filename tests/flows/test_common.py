@@ -3,10 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -18,19 +14,9 @@ from pipeline_lib.workspace import WorkspaceLockedError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_stage_flow_refuses_a_workspace_another_process_runs_on(flow_workspace):
-    code = textwrap.dedent(f"""
-        import time
-        from pathlib import Path
-        from pipeline_lib.workspace import Workspace, workspace_lock
-        with workspace_lock(Workspace(Path({str(flow_workspace.root)!r})), "alignflow run pipeline"):
-            print("locked", flush=True)
-            time.sleep(600)
-    """)
-    holder = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+def test_stage_flow_refuses_a_workspace_another_process_runs_on(flow_workspace, lock_holder):
+    holder = lock_holder(flow_workspace, "alignflow run pipeline")
     try:
-        assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(WorkspaceLockedError, match=f"in use by alignflow process {holder.pid} "):
             ingest_flow(IngestConfig(path=str(ROOT / "data" / "demo" / "pairs.jsonl"), source="demo"))
         assert not flow_workspace.store_path.exists()

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from pipeline_lib.store.db import open_store
@@ -47,7 +46,7 @@ def stop(process: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_env):
+def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_env, listening_sockets):
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     server_env = os.environ | {"PREFECT_HOME": str(tmp_path / "server-home")}
@@ -72,7 +71,7 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_e
         wait_for(lambda: _deployment(api, "smoke-eval"), 60, "the stage deployments")
         assert _deployment(api, "smoke-sft") is not None
         # the serving process opens no socket beyond loopback (checked on the sockets themselves)
-        assert {address for address, _ in _listening(served.pid)} <= {"127.0.0.1"}
+        assert {address for address, _ in listening_sockets(served.pid)} <= {"127.0.0.1"}
 
         def create_run() -> dict | None:
             created = httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", json={}, timeout=10)
@@ -90,13 +89,6 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_e
         if served is not None:
             stop(served)  # serve processes first, or they hang (ENVIRONMENT.md)
         stop(server)
-
-
-def _listening(pid: int) -> set[tuple[str, int]]:
-    """(address, port) of every listening TCP socket of `pid` and its descendants."""
-    root = psutil.Process(pid)
-    return {(c.laddr.ip, c.laddr.port) for process in [root, *root.children(recursive=True)]
-            for c in process.net_connections("inet") if c.status == psutil.CONN_LISTEN}
 
 
 def _healthy(api: str) -> bool:

@@ -12,7 +12,6 @@ import sys
 import time
 
 import httpx
-import psutil
 import pytest
 
 
@@ -20,19 +19,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def listening_sockets(pid: int) -> set[tuple[str, int]]:
-    """(address, port) of every listening TCP socket of `pid` and its descendants."""
-    found = set()
-    root = psutil.Process(pid)
-    for process in [root, *root.children(recursive=True)]:
-        try:
-            found |= {(c.laddr.ip, c.laddr.port) for c in process.net_connections("inet")
-                      if c.status == psutil.CONN_LISTEN}
-        except psutil.NoSuchProcess:
-            continue
-    return found
 
 
 def healthy(url: str) -> bool:
@@ -43,7 +29,7 @@ def healthy(url: str) -> bool:
 
 
 @pytest.mark.slow
-def test_ui_serves_prefect_and_mlflow_on_loopback_and_stops(tmp_path, subprocess_env):
+def test_ui_serves_prefect_and_mlflow_on_loopback_and_stops(tmp_path, subprocess_env, listening_sockets):
     prefect_port, mlflow_port = free_port(), free_port()
     env = subprocess_env | {"ALIGNFLOW_HOME": str(tmp_path / "ws")}
     ui = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--prefect-port", str(prefect_port),

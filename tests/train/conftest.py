@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+
+from pipeline_lib.models import RewardModel, load_tokenizer
 
 
 @pytest.fixture
@@ -25,3 +29,11 @@ def collect():
         return logged, lambda metrics, step: logged.append((step, dict(metrics)))
 
     return sink
+
+
+@pytest.fixture(scope="module")
+def reward_model(tiny, tmp_path_factory) -> Path:
+    """A reward model on the module's `tiny` backbone with a seeded random head: scores differ between
+    completions, which is all the loop mechanics need (the slow learning tests train real ones)."""
+    return RewardModel.from_policy(tiny, device="cpu", seed=1).save_pretrained(tmp_path_factory.mktemp("rm") / "rm",
+                                                                               load_tokenizer(tiny))

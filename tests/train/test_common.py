@@ -339,37 +339,32 @@ def sft_run(tiny_dir: Path, out_dir: Path, **overrides) -> Path:
 
 
 @pytest.mark.parametrize("failing", ["checkpoint", "final"])
-def test_sft_stage_with_a_failing_write_reruns_to_the_uninterrupted_weights(tiny_dir, tmp_path, monkeypatch,
-                                                                           failing):
+def test_sft_stage_with_a_failing_write_reruns_to_the_uninterrupted_weights(one_thread, tiny_dir, tmp_path,
+                                                                           monkeypatch, failing):
     """The step-4 checkpoint (or the final model) fails half-written: the stage stops with the one-line error,
     no `final` exists, and the rerun resumes from the step-2 checkpoint to the uninterrupted run's weights."""
     import transformers.modeling_utils
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # bit-exact comparison: one summation order
-    try:
-        uninterrupted = sft_run(tiny_dir, tmp_path / "full")
-        if failing == "checkpoint":
-            calls = []
+    uninterrupted = sft_run(tiny_dir, tmp_path / "full")
+    if failing == "checkpoint":
+        calls = []
 
-            def second_save_fails(obj, path, *args, **kwargs):
-                calls.append(path)
-                if len(calls) == 2:
-                    return full_disk_after_half(torch_bytes)(obj, path)
-                return REAL_TORCH_SAVE(obj, path, *args, **kwargs)
+        def second_save_fails(obj, path, *args, **kwargs):
+            calls.append(path)
+            if len(calls) == 2:
+                return full_disk_after_half(torch_bytes)(obj, path)
+            return REAL_TORCH_SAVE(obj, path, *args, **kwargs)
 
-            monkeypatch.setattr(torch, "save", second_save_fails)
-        else:
-            monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk_after_half(safetensors_bytes))
-        with pytest.raises(CheckpointWriteError, match="the (previous|last) checkpoint is kept"):
-            sft_run(tiny_dir, tmp_path / "failed")
-        monkeypatch.undo()
-        assert not (tmp_path / "failed" / "final").exists()
-        expected_step = 2 if failing == "checkpoint" else 4
-        assert json.loads((tmp_path / "failed" / CHECKPOINT_DIR / "trainer_state.json").read_text()) == \
-            {"step": expected_step}
-        rerun = sft_run(tiny_dir, tmp_path / "failed")
-    finally:
-        torch.set_num_threads(threads)
+        monkeypatch.setattr(torch, "save", second_save_fails)
+    else:
+        monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk_after_half(safetensors_bytes))
+    with pytest.raises(CheckpointWriteError, match="the (previous|last) checkpoint is kept"):
+        sft_run(tiny_dir, tmp_path / "failed")
+    monkeypatch.undo()
+    assert not (tmp_path / "failed" / "final").exists()
+    expected_step = 2 if failing == "checkpoint" else 4
+    assert json.loads((tmp_path / "failed" / CHECKPOINT_DIR / "trainer_state.json").read_text()) == \
+        {"step": expected_step}
+    rerun = sft_run(tiny_dir, tmp_path / "failed")
     a, b = load_file(str(uninterrupted / "model.safetensors")), load_file(str(rerun / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

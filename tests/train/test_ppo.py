@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from pipeline_lib.config import PPOConfig
 from pipeline_lib.errors import AlignflowError
-from pipeline_lib.models import RewardModel, ValueModel, build_tiny_model, load_tokenizer
+from pipeline_lib.models import ValueModel, build_tiny_model
 from pipeline_lib.train.common import CHECKPOINT_DIR, NonFiniteLossError
 from pipeline_lib.train.ppo import adapt_kl_coef, state_values, train_ppo
 
@@ -24,14 +24,6 @@ DEMO = Path(__file__).resolve().parents[2] / "data" / "demo"
 def tiny(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("ppo") / "tiny", ["0123456789+="], hidden_size=64,
                             num_heads=2, intermediate_size=128)
-
-
-@pytest.fixture(scope="module")
-def reward_model(tiny, tmp_path_factory) -> Path:
-    """A reward model on the tiny backbone with a seeded random head: scores differ between completions,
-    which is all the loop mechanics need (the slow learning test trains a real one)."""
-    out = tmp_path_factory.mktemp("ppo") / "rm"
-    return RewardModel.from_policy(tiny, device="cpu", seed=1).save_pretrained(out, load_tokenizer(tiny))
 
 
 @pytest.fixture(scope="module")

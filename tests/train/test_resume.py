@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline_lib.config import DAPOConfig, DPOConfig, PPOConfig, RMConfig, SFTConfig
-from pipeline_lib.models import RewardModel, build_tiny_model, load_tokenizer
+from pipeline_lib.models import build_tiny_model
 from pipeline_lib.train.data import write_run_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,13 +37,6 @@ def pairs(n: int) -> pl.DataFrame:
     rows = [(rng.randrange(50), rng.randrange(50)) for _ in range(n)]
     return pl.DataFrame({"prompt": [f"{a:02d}+{b:02d}=" for a, b in rows], "chosen": [str(a + b) for a, b in rows],
                          "rejected": [str(a + b + 1) if i % 2 else "no idea!" for i, (a, b) in enumerate(rows)]})
-
-
-@pytest.fixture(scope="module")
-def reward_model(tiny, tmp_path_factory) -> Path:
-    """The tiny backbone with a seeded random head: PPO's scores differ between completions."""
-    return RewardModel.from_policy(tiny, device="cpu", seed=1).save_pretrained(
-        tmp_path_factory.mktemp("resume") / "rm", load_tokenizer(tiny))
 
 
 def stage_run(stage: str, model: Path, reward_model: Path) -> tuple[object, dict[str, pl.DataFrame]]:
