@@ -58,8 +58,8 @@ def masked_whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps:
 
     shift_mean=False adds the mean back (scale only), as PPO implementations do for rewards."""
     mean = token_mean(values, mask)
-    var = token_mean((values - mean) ** 2, mask)
-    whitened = (values - mean) * torch.rsqrt(var + eps)
+    centered = zero_invalid(values - mean, mask)  # padding zeroed before any arithmetic reaches the gradient
+    whitened = centered * torch.rsqrt(token_mean(centered**2, mask) + eps)
     if not shift_mean:
         whitened = whitened + mean
     return zero_invalid(whitened, mask)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from pipeline_lib.losses._masked import check_shape, seq_mean_token_mean, token_mean, valid_mask, zero_invalid
-from pipeline_lib.losses.ppo import clipped_surrogate
+from pipeline_lib.losses.ppo import MAX_LOG_RATIO, clipped_surrogate
 
 
 def group_advantages(rewards: Tensor, *, group_size: int, scale: bool = True, eps: float = 1e-6) -> Tensor:
@@ -16,24 +16,29 @@ def group_advantages(rewards: Tensor, *, group_size: int, scale: bool = True, ep
 
     rewards: (B·G,), groups are consecutive runs of `group_size`. std is the POPULATION std
     (1/G Σ (r_j - mean)², as in the seeds' formula); the eps sits outside the sqrt as DESIGN.md states.
-    scale=False returns r_i - mean(r) (Dr.GRPO). Returns (B·G,)."""
+    scale=False returns r_i - mean(r) (Dr.GRPO). Returns (B·G,) in the rewards' float dtype (at least float32).
+
+    The group statistics are taken in float64: a group of equal float32 rewards then has a mean equal to each
+    reward, so its advantages are exactly 0 (in float32 the mean can be one ulp off, and that ulp divided by
+    std + eps gives every member the same arbitrary non-zero advantage)."""
     if rewards.ndim != 1:
         raise ValueError(f"rewards: expected a 1-D (B*G,) tensor, got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.numel() % group_size != 0:
         raise ValueError(f"group_size: expected a positive divisor of len(rewards)={rewards.numel()}, got {group_size}")
-    grouped = rewards.to(torch.promote_types(rewards.dtype, torch.float32)).view(-1, group_size)  # (B, G)
+    grouped = rewards.to(torch.float64).view(-1, group_size)  # (B, G)
     centered = grouped - grouped.mean(dim=-1, keepdim=True)  # (B, G)
     if scale:
         centered = centered / (grouped.std(dim=-1, correction=0, keepdim=True) + eps)
-    return centered.view(-1)
+    return centered.view(-1).to(torch.promote_types(rewards.dtype, torch.float32))
 
 
 def kl_k3(policy_logps: Tensor, ref_logps: Tensor) -> Tensor:
     """k3 estimator of KL(π‖π_ref) per token (DeepSeekMath eq. 4): π_ref/π - log(π_ref/π) - 1, always >= 0.
 
-    Written as expm1(d) - d with d = log π_ref - log π, which keeps precision when d is tiny."""
+    Written as expm1(d) - d with d = log π_ref - log π, which keeps precision when d is tiny; d is clamped to
+    ±MAX_LOG_RATIO so a token the policy has all but ruled out gives a large finite penalty, not inf."""
     check_shape("ref_logps", ref_logps, policy_logps.shape)
-    log_ratio = ref_logps - policy_logps
+    log_ratio = torch.clamp(ref_logps - policy_logps, -MAX_LOG_RATIO, MAX_LOG_RATIO)
     return torch.expm1(log_ratio) - log_ratio
 
 

@@ -10,6 +10,9 @@ from torch import Tensor
 
 from pipeline_lib.losses._masked import check_shape, token_mean, valid_mask, zero_invalid
 
+# |log π - log π'| beyond this is clamped before exp(): e^20 ≈ 5e8 is already far past any clip range (as verl does)
+MAX_LOG_RATIO = 20.0
+
 
 def kl_penalized_rewards(
     scores: Tensor,  # (B,) reward-model score of each completion
@@ -110,8 +113,10 @@ def clipped_surrogate(
     if eps_low < 0 or eps_high < 0:
         raise ValueError(f"eps_low/eps_high: expected >= 0, got {eps_low}/{eps_high}")
     valid = valid_mask(mask, logps)
-    # zero the padding BEFORE exp(): garbage there would otherwise give inf and NaN gradients
+    # zero the padding BEFORE exp(): garbage there would otherwise give inf and NaN gradients; the clamp keeps
+    # exp() finite, else a clipped token's unused branch would backpropagate 0 * inf = NaN
     log_ratio = zero_invalid(logps, valid) - zero_invalid(old_logps.detach(), valid)  # (B, T)
+    log_ratio = torch.clamp(log_ratio, -MAX_LOG_RATIO, MAX_LOG_RATIO)
     advantages = zero_invalid(advantages.detach(), valid)  # (B, T)
     ratio = torch.exp(log_ratio)  # (B, T)
     unclipped = ratio * advantages

@@ -52,6 +52,17 @@ def test_clip_higher_bounds_and_gradients():
     torch.testing.assert_close(logps.grad, torch.tensor([[-1.25 / 4, 0.0, 0.0, -0.75 / 4]]))
 
 
+@pytest.mark.parametrize("log_ratio, advantage", [(89.0, 1.0), (200.0, 1.0), (-200.0, -1.0)])
+def test_far_clipped_tokens_give_zero_gradient_not_nan(log_ratio, advantage):
+    """exp(89) overflows float32: without the clamp the unused branch backpropagated 0 * inf = NaN."""
+    logps = torch.tensor([[log_ratio, 0.1]], requires_grad=True)
+    loss, _ = dapo_loss(logps, torch.zeros(1, 2), torch.tensor([advantage]), torch.ones(1, 2))
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert logps.grad[0, 0].item() == 0.0
+    assert logps.grad[0, 1].item() == pytest.approx(-advantage * torch.exp(torch.tensor(0.1)).item() / 2)
+
+
 def test_ratio_one_gives_minus_token_mean_advantage():
     """ρ = 1: loss = -(2·3 + (-1)·1)/4 tokens = -1.25."""
     logps = -torch.rand(2, 3)

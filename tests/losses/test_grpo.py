@@ -49,6 +49,26 @@ def test_group_advantages_all_equal_rewards_give_zero():
     assert (advantages == 0).all()
 
 
+@pytest.mark.parametrize("reward", [0.7, 0.1, 7.9, 13.37, 123.456, -2.3])
+@pytest.mark.parametrize("group_size", [3, 6, 8, 16])
+def test_equal_float32_rewards_give_exactly_zero_advantages(reward, group_size):
+    """In float32 the mean of 8 x 0.7 is one ulp off 0.7, and that ulp / (std + eps) gave every member 0.056."""
+    rewards = torch.tensor([reward] * group_size + [0.0, 1.0] * (group_size // 2) + [1.0] * (group_size % 2))
+    advantages = group_advantages(rewards, group_size=group_size)
+    assert advantages.dtype == torch.float32
+    assert (advantages[:group_size] == 0).all()
+    assert advantages[group_size:].abs().max() > 0.9  # the mixed group still gets its full-size advantages
+
+
+def test_kl_k3_stays_finite_where_the_policy_has_ruled_a_token_out():
+    ref_logps = torch.tensor([-1.0])
+    logps = torch.tensor([-150.0], requires_grad=True)
+    kl = kl_k3(logps, ref_logps)
+    kl.backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(logps.grad).all()
+    assert kl.item() == pytest.approx(math.expm1(20.0) - 20.0, rel=1e-6)  # log-ratio clamped at 20
+
+
 def test_dr_grpo_only_centers():
     """scale=False: [1, 0, 0, 0] - 0.25 = [0.75, -0.25, -0.25, -0.25]."""
     advantages = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), group_size=4, scale=False)

@@ -67,6 +67,14 @@ def test_masked_whiten_has_zero_mean_unit_std_on_valid_tokens():
     assert token_mean(scaled, MASK).item() == pytest.approx(2.5, abs=1e-6)
 
 
+def test_masked_whiten_gradient_ignores_garbage_under_padding():
+    values = torch.tensor([[1.0, 2.0, float("nan")], [4.0, float("inf"), 3.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    masked_whiten(values, mask).pow(2).sum().backward()
+    assert torch.isfinite(values.grad).all()
+    assert values.grad[0, 2].item() == 0.0 and values.grad[1, 1].item() == 0.0
+
+
 def test_shape_mismatch_names_the_mask():
     with pytest.raises(ValueError, match=r"mask: expected shape \(2, 3\), got \(2, 2\)"):
         token_mean(VALUES, torch.ones(2, 2))

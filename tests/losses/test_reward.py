@@ -78,6 +78,12 @@ def test_plackett_luce_mask_equals_the_truncated_ranking():
     torch.testing.assert_close(loss, torch.stack(per_ranking).mean())
 
 
+def test_plackett_luce_leaves_empty_padding_rows_out_of_the_mean():
+    scores = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
+    loss, _ = plackett_luce_loss(scores, mask=torch.tensor([[1, 1, 1], [0, 0, 0]]))
+    torch.testing.assert_close(loss, plackett_luce_loss(scores[:1])[0])
+
+
 def test_plackett_luce_masked_accuracy_counts_only_valid_adjacent_pairs():
     """Row 0: 3 > 1 ✓, 1 < 2 ✗ (its 4th entry is padding); row 1: 0 < 5 ✗ → 1 of 3 pairs.
     Top score (3 + 0) / 2 = 1.5."""

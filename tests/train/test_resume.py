@@ -96,6 +96,11 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_weights(stage, tiny, reward_
     assert train_steps[-1] == cfg.max_steps
     output, _ = full.communicate(timeout=300)
     assert full.returncode == 0, output.decode()
+    if stage == "dapo":  # refills before the kill point moved the prompt stream, which the checkpoint must restore
+        logged = [dict(part.rsplit(" ", 1) for part in line.split(" | ")) for line in output.decode().splitlines()
+                  if line.startswith("step ")]  # "step 3 | rollout/refill_rounds 1 | ..."
+        refills = [int(row["step"]) for row in logged if float(row.get("rollout/refill_rounds", 0)) > 0]
+        assert refills and refills[0] < train_steps[0], "no refill round before the resume point"
 
     files = sorted(p.name for p in (tmp_path / "full" / "final").glob("*.safetensors"))
     assert files == sorted(p.name for p in (tmp_path / "killed" / "final").glob("*.safetensors"))
