@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from numpy.lib.stride_tricks import sliding_window_view
 
 from pipeline_lib.config import EvalConfig
-from pipeline_lib.rewards.math import answer_value, extract_answer, values_equivalent
+from pipeline_lib.rewards.math import answer_value, extract_answer, is_numeric_answer, values_equivalent
 from pipeline_lib.store.db import Store
 from pipeline_lib.logfns import LogFn, no_log
 
@@ -254,7 +254,8 @@ def evaluate(
     absent = [pid for pid in prompt_ids if pid not in gold]
     if absent:
         raise ValueError(f"gold: no answer for prompt_id {absent[0]!r} ({len(absent)} prompt(s) without one)")
-    answers = [[extract_answer(text) for text in texts] for texts in grouped["completion"].to_list()]
+    answers = [[extract_answer(text, numeric=is_numeric_answer(gold[pid])) for text in texts]
+               for pid, texts in zip(prompt_ids, grouped["completion"].to_list())]
     votes = count_votes(answers, [gold[pid] for pid in prompt_ids])
     n_samples = int(votes.n.min())
     ks = sorted({int(k) for k in ks if int(k) <= n_samples})

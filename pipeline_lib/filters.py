@@ -167,7 +167,7 @@ def run_best_of_n_stage(store: Store, *, run_id: str) -> dict[str, float]:
     best = best_of_n(samples).join(samples.select("prompt_id", "completion", "is_correct").unique(),
                                    on=["prompt_id", "completion"], how="left")
     return {"filter/prompts": best.height, "filter/best_reward_mean": float(best["reward"].mean()),
-            "filter/all_reward_mean": float(samples["reward"].mean()),
+            "filter/all_reward_mean": float(samples["reward"].fill_nan(None).mean()),  # NaN: unscored, as in best_of_n
             "filter/best_accuracy": float(best["is_correct"].cast(pl.Float64).mean()),
             "filter/all_accuracy": float(samples["is_correct"].cast(pl.Float64).mean())}
 

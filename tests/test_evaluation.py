@@ -173,6 +173,15 @@ def test_evaluate_rows_per_k():
         evaluate(samples, {"p1": "4"}, [1], model="sft", dataset="demo")
 
 
+def test_evaluate_reads_numeric_answers_for_numeric_gold_and_text_for_text_gold():
+    """'A: Let me think. 5+7 = 12' answers 12 for a numeric gold answer; a text gold answer keeps `A: yes`."""
+    completions = {"p1": ["A: Let me think. 5+7 = 12", "A: 11"], "p2": ["A: yes.", "A: no, 3 > 2"]}
+    samples = pl.DataFrame([{"prompt_id": pid, "sample_idx": i, "completion": text}
+                            for pid, texts in completions.items() for i, text in enumerate(texts)])
+    results = evaluate(samples, {"p1": "12", "p2": "yes"}, [1], model="sft", dataset="demo")
+    assert results["pass_at_k"].to_list() == pytest.approx([0.5])
+
+
 def test_plot_curves_one_line_per_model():
     samples = sample_rows({"p1": ["4", "4", "5", "6"], "p2": ["7", "1", "1", "2"]})
     results = pl.concat([

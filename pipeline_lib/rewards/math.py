@@ -12,7 +12,8 @@ from functools import lru_cache
 MAX_SCAN_CHARS = 10_000
 MAX_NUMBER_CHARS = 100
 MAX_EXPONENT = 100
-TOLERANCE = Fraction(1, 10**6)  # both relative and absolute: |a-b| <= tol * (1 + max(|a|, |b|))
+# Between a repeating value and a decimal (1/3 vs 0.333333) only: |a-b| <= tol * (1 + max(|a|, |b|))
+TOLERANCE = Fraction(1, 10**6)
 
 # One number token: optional sign and `$`, digits with optional thousands commas and decimals (or `.5`),
 # an optional exponent and an optional `/denominator`. The lookbehind keeps tokens from starting inside a
@@ -116,14 +117,16 @@ def _text_answer(text: str) -> str | None:
     return text if 0 < len(text) <= MAX_NUMBER_CHARS else None
 
 
-def _segment_answer(segment: str) -> str | None:
-    """The answer right after a marker: the number it starts with; else, if its first clause has no digit,
-    that clause as text (`yes`, `B`); else None (`A: Janet has 16 eggs...` is reasoning, not an answer)."""
+def _segment_answer(segment: str, numeric: bool) -> str | None:
+    """The answer right after a marker: the number it starts with; else, unless `numeric`, its first clause as
+    text (`yes`, `B`) if that clause has no digit; else None (`A: Janet has 16 eggs...` is reasoning)."""
     segment = segment.lstrip(" \t:*")
     match = _NUMBER.match(segment)
     if match is not None:
         parsed = _token_value(match)
         return None if parsed is None else format_number(*parsed)
+    if numeric:
+        return None
     clause = _CLAUSE_END.split(segment, maxsplit=1)[0]
     if _DIGIT.search(clause):
         return None
@@ -168,12 +171,13 @@ def _boxed_answer(content: str) -> str | None:
     return _text_answer(content)
 
 
-def extract_answer(text: str | None) -> str | None:
+def extract_answer(text: str | None, *, numeric: bool = False) -> str | None:
     """The final answer in a completion (or a GSM8K gold solution), normalized; None if there is none.
 
     Priority: the last `#### x` (GSM8K), then the last `\\boxed{x}`, then the last `answer is x` /
     `answer: x`, then the last `A: x`. A marker counts only when a number follows it directly (or, for
     non-numeric answers, a clause without digits: `The answer is yes.`); otherwise the next rule applies.
+    `numeric` (the gold answer is a number) drops that text case: `A: Let me think. 5+7 = 12` gives 12.
     Without any usable marker: the last number in the text. Numbers come back
     canonical: commas, `$`, `%`, units and trailing zeros/periods stripped (`$1,234.50` -> `1234.5`),
     fractions as `p/q` (`\\frac{3}{4}` -> `3/4`). Only the last MAX_SCAN_CHARS characters are read."""
@@ -184,14 +188,14 @@ def extract_answer(text: str | None) -> str | None:
         text = text[re.match(r"\S*", text).end():]  # drop the token the cut went through
     text = _strip_latex(text.replace("\u2212", "-"))
     segment = _after_last(_HASHES, text)
-    if segment is not None and (found := _segment_answer(segment)) is not None:
+    if segment is not None and (found := _segment_answer(segment, numeric)) is not None:
         return found
     content = _boxed_content(text)
     if content is not None and (found := _boxed_answer(content)) is not None:
         return found
     for marker in (_ANSWER_IS, _A_COLON):
         segment = _after_last(marker, text)
-        if segment is not None and (found := _segment_answer(segment)) is not None:
+        if segment is not None and (found := _segment_answer(segment, numeric)) is not None:
             return found
     return _last_number(text)
 
@@ -215,7 +219,7 @@ def _parse_number(text: str) -> tuple[Fraction, bool] | None:
 def answer_value(answer: str) -> Fraction | str:
     """The comparable value of an answer: a Fraction if it is a number, else casefolded, space-collapsed text.
 
-    Equal values are the same answer (Maj@K votes on them); `is_equivalent` adds the numeric tolerance."""
+    Equal values are the same answer (Maj@K votes on them); `is_equivalent` adds the tolerance for repeating values."""
     if len(answer) > MAX_SCAN_CHARS:  # never a number; kept out of the cache so it cannot hold huge strings
         return _clean_text(_strip_latex(answer)).casefold()
     return _cached_answer_value(answer)
@@ -229,11 +233,26 @@ def _cached_answer_value(answer: str) -> Fraction | str:
     return _clean_text(_strip_latex(answer)).casefold()
 
 
+def is_numeric_answer(answer: str | None) -> bool:
+    """Whether a (gold) answer is a number, so only a numeric answer can match it."""
+    return answer is not None and isinstance(answer_value(str(answer)), Fraction)
+
+
+def _terminates(value: Fraction) -> bool:
+    """Whether `value` has a finite decimal expansion (its denominator has no prime factor but 2 and 5)."""
+    den = value.denominator
+    for prime in (2, 5):
+        while den % prime == 0:
+            den //= prime
+    return den == 1
+
+
 def values_equivalent(a: Fraction | str, b: Fraction | str) -> bool:
-    """Two `answer_value`s: numbers within |a-b| <= tol + tol*max(|a|,|b|) (tol = 1e-6), text exactly equal."""
+    """Two `answer_value`s: text exactly equal; numbers exactly equal (`1000001 != 1000000`), or, when one of
+    them has no finite decimal expansion (`1/3` vs `0.333333`), within |a-b| <= tol + tol*max(|a|,|b|), tol 1e-6."""
     if a == b:
         return True
-    if not (isinstance(a, Fraction) and isinstance(b, Fraction)):
+    if not (isinstance(a, Fraction) and isinstance(b, Fraction)) or (_terminates(a) and _terminates(b)):
         return False
     # The same inequality multiplied through by both denominators and 1/tol: integers only (fast, exact).
     an, ad, bn, bd = a.numerator, a.denominator, b.numerator, b.denominator
@@ -250,5 +269,6 @@ def is_equivalent(pred: str | None, gold: str | None) -> bool:
 
 
 def is_correct(completion: str | None, answer: str | None) -> bool:
-    """The verifier: the completion's extracted answer is equivalent to the gold answer."""
-    return is_equivalent(extract_answer(completion), answer)
+    """The verifier: the completion's extracted answer is equivalent to the gold answer (a numeric gold answer is
+    matched against the completion's numeric answer only)."""
+    return is_equivalent(extract_answer(completion, numeric=is_numeric_answer(answer)), answer)

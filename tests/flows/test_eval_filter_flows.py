@@ -58,6 +58,9 @@ def test_filter_flows_on_a_sampling_run(flow_workspace):
 
     bon = filter_flow("best_of_n", "r1")
     assert bon["filter/best_accuracy"] == 2 / 3 and bon["filter/all_accuracy"] == 6 / 12
+    with open_store(flow_workspace.store_path) as store:  # an unscored (NaN) sample counts in neither mean
+        store.insert_new("samples", SAMPLES.with_columns(run_id=pl.lit("r2"), reward=pl.col("reward").replace(0.0, float("nan"))))
+    assert filter_task.fn("best_of_n", "r2")["filter/all_reward_mean"] == 1.0
     dyn = filter_flow("dynamic", "r1", group_size=4)
     assert dyn == {"filter/groups_total": 3, "filter/groups_kept": 1, "filter/dropped_all_correct": 1,
                    "filter/dropped_all_wrong": 1}

@@ -20,6 +20,7 @@ from pipeline_lib.rewards.math import (
     format_number,
     is_correct,
     is_equivalent,
+    is_numeric_answer,
 )
 from pipeline_lib.rewards.registry import combined_reward
 
@@ -107,12 +108,13 @@ def test_only_the_tail_of_a_long_completion_is_read():
         ("$5", "5 dollars", True),
         ("50%", "50", True),
         (r"\frac{3}{4}", "0.75", True),
-        ("0.3333333", "1/3", True),  # within 1e-6 relative + absolute
+        ("0.3333333", "1/3", True),  # a repeating value vs a decimal: within 1e-6 relative + absolute
+        ("-0.6666667", r"-\frac{2}{3}", True),
         ("0.333", "1/3", False),
-        ("1000001", "1000000", True),  # relative tolerance: |diff| = 1 <= 1e-6 * (1 + 1e6)
-        ("1000003", "1000000", False),
-        ("0.0000005", "0", True),  # absolute tolerance near zero
-        ("0.000002", "0", False),
+        ("1000001", "1000000", False),  # two finite decimals compare exactly: an off-by-one is wrong
+        ("123456789", "123456800", False),
+        ("0.0000009", "0", False),
+        ("2.50", "2.5", True),
         ("-2", "2", False),
         ("Yes", "yes.", True),
         ("  Paris ", "paris", True),
@@ -126,6 +128,25 @@ def test_only_the_tail_of_a_long_completion_is_read():
 def test_is_equivalent(pred, gold, expected):
     assert is_equivalent(pred, gold) is expected
     assert is_equivalent(gold, pred) is expected
+
+
+@pytest.mark.parametrize(
+    "completion",
+    ["Q: How many? A: Let me think. 5+7 = 12",
+     "Hmm, so the answer is wrong. Let me redo it: 3*4 = 12",
+     "My first answer is incorrect; recomputing, 5+7 = 12"],
+)
+def test_a_numeric_gold_answer_skips_text_after_a_marker(completion):
+    """A marker followed by digit-free words is a text answer only when the gold answer is text."""
+    assert extract_answer(completion, numeric=True) == "12"
+    assert is_correct(completion, "12")
+    assert not is_correct(completion, "13")
+
+
+def test_a_text_gold_answer_still_reads_text_after_a_marker():
+    assert is_correct("The answer is yes.", "Yes")
+    assert is_numeric_answer("1,234") and is_numeric_answer(r"\frac{1}{2}")
+    assert not is_numeric_answer("yes") and not is_numeric_answer(None)
 
 
 def test_format_number_is_canonical():
