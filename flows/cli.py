@@ -191,7 +191,7 @@ def evaluate(
         fail(f"{model}: no such model dir")
     cfg = validate_config(EvalConfig, {
         "model_path": str(model), "model_name": name, "problems_source": problems, "split": split, "n": n,
-        "ks": [int(k) for k in ks.split(",") if k.strip()], "max_new_tokens": max_new_tokens,
+        "ks": [k.strip() for k in ks.split(",") if k.strip()], "max_new_tokens": max_new_tokens,  # the config parses
     }, origin="alignflow eval")
     from flows.evaluate import eval_flow
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import typing
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -11,17 +13,40 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pipeline_lib.errors import AlignflowError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-STRICT = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 M = TypeVar("M", bound=BaseModel)
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
 
 
 class ConfigError(AlignflowError, ValueError):
     """A one-line config error naming the file, the field and what was expected."""
 
 
-class IngestConfig(BaseModel):
-    model_config = STRICT
+def _numeric(annotation: object) -> bool:
+    """Whether a field holds numbers: int / float, optionally in `X | None` or `tuple[X, ...]`."""
+    if annotation in (int, float):
+        return True
+    return typing.get_origin(annotation) in (typing.Union, tuple, type(int | None)) and any(
+        arg in (int, float) for arg in typing.get_args(annotation))
 
+
+class Config(BaseModel):
+    """Base of every config: unknown fields, inf/NaN and booleans given for numbers are errors; frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: object) -> object:
+        # pydantic reads `max_steps: true` as 1; a YAML boolean where a number belongs is a mistake
+        for name, value in data.items() if isinstance(data, dict) else ():
+            field = cls.model_fields.get(name)
+            values = value if isinstance(value, (list, tuple)) else (value,)
+            if field is not None and _numeric(field.annotation) and any(isinstance(v, bool) for v in values):
+                raise ValueError(f"{name}: expected a number, got {value!r}")
+        return data
+
+
+class IngestConfig(Config):
     path: str
     """File to ingest: .jsonl, .jsonl.gz, .json (array), .parquet or .csv."""
     format: Literal["auto", "pairs", "hh", "chat", "ranking", "problem"] = "auto"
@@ -30,7 +55,7 @@ class IngestConfig(BaseModel):
     """Source name stored with each row; defaults to the file name without extensions."""
     split: str | None = None
     """Split for problems (`train`/`test`); a `split` field in the records wins; default `train`."""
-    max_record_bytes: int = 1_000_000
+    max_record_bytes: int = Field(1_000_000, ge=1)
     """Records larger than this many bytes are quarantined (default 1 MB)."""
 
     @property
@@ -41,13 +66,38 @@ class IngestConfig(BaseModel):
         return path if path.exists() or path.is_absolute() or not shipped.exists() else shipped
 
 
-def format_validation_error(exc: ValidationError, origin: str) -> str:
-    """`origin: field 'a.b': <what was expected>` for the first error, on one line."""
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names of the config nested at `loc` inside `model` (for a did-you-mean), or [] if not a config."""
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            if isinstance(part, int):  # an item of a tuple of configs (`ingest[0]`)
+                continue
+            return []
+        nested = [arg for arg in (field.annotation, *typing.get_args(field.annotation))
+                  if isinstance(arg, type) and issubclass(arg, BaseModel)]
+        if not nested:
+            return []
+        model = nested[0]
+    return list(model.model_fields)
+
+
+def format_validation_error(exc: ValidationError, origin: str, model: type[BaseModel] | None = None) -> str:
+    """`origin: field 'a.b': <what was expected> (got ...)` for the first error, on one line; a misspelled
+    field gets the closest real one, a cross-field check its own message."""
     err = exc.errors()[0]
-    field = ".".join(str(part) for part in err["loc"]) or "<root>"
+    field = ".".join(str(part) for part in err["loc"])
     if err["type"] == "extra_forbidden":
-        return f"{origin}: unknown field '{field}' (misspelled? not a field of this config)"
-    return f"{origin}: field '{field}': {err['msg']} (got {err.get('input')!r})"
+        known = _fields_at(model, err["loc"][:-1]) if model is not None else []
+        close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "misspelled? not a field of this config"
+        return f"{origin}: unknown field '{field}' ({hint})"
+    if err["type"] == "value_error":  # a validator's own message names the fields and what it expected
+        where = f"{field}: " if field else ""
+        return f"{origin}: {where}{err['ctx']['error']}"
+    got = repr(err.get("input"))
+    got = got if len(got) <= 80 else got[:77] + "..."
+    return f"{origin}: field '{field or '<root>'}': {err['msg']} (got {got})"
 
 
 def validate_config(model: type[M], data: object, origin: str = "config") -> M:
@@ -55,7 +105,7 @@ def validate_config(model: type[M], data: object, origin: str = "config") -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, origin)) from None
+        raise ConfigError(format_validation_error(exc, origin, model)) from None
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -64,9 +114,14 @@ def load_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML ({str(exc).splitlines()[0]})") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     return data
@@ -80,10 +135,8 @@ def load_config(model: type[M], path: str | Path) -> M:
 # ---- training stages (SFT, RM, DPO); the loops live in pipeline_lib/train/
 
 
-class TrainLoopConfig(BaseModel):
+class TrainLoopConfig(Config):
     """Optimizer, schedule, batching and checkpoint settings shared by the SFT, RM and DPO loops."""
-
-    model_config = STRICT
 
     max_steps: int = Field(500, ge=1)
     """Optimizer updates to run; the data order repeats in seeded epochs as needed."""
@@ -111,7 +164,7 @@ class TrainLoopConfig(BaseModel):
     """Log training metrics every N steps."""
     seed: int = 0
     """Seeds the data order, the held-out split and torch's RNG."""
-    device: str = "auto"
+    device: str = Field("auto", pattern=DEVICE_PATTERN)
     """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
     trust_remote_code: bool = False
     """Allow model code shipped with a hub checkpoint (off: DESIGN.md reliability rules)."""
@@ -126,7 +179,7 @@ class TrainLoopConfig(BaseModel):
 class SFTConfig(TrainLoopConfig):
     """Supervised fine-tuning: next-token loss on the response tokens only."""
 
-    model_path: str
+    model_path: str = Field(min_length=1)
     """Starting causal LM: a local HF model dir (the tiny base model in the demo) or a cached hub id."""
     data: Literal["problems", "pairs", "best_of_n"] = "problems"
     """`problems`: gold answers of the problems table; `pairs`: the chosen responses of preference_pairs;
@@ -158,7 +211,7 @@ class SFTConfig(TrainLoopConfig):
 class RMConfig(TrainLoopConfig):
     """Reward model: causal-LM backbone + scalar head trained on preferences."""
 
-    model_path: str
+    model_path: str = Field(min_length=1)
     """Backbone init: the SFT checkpoint (usual) or the base model."""
     loss: Literal["bradley_terry", "plackett_luce"] = "bradley_terry"
     """`bradley_terry` on preference_pairs (InstructGPT eq. 1) or `plackett_luce` on rankings (K responses)."""
@@ -177,7 +230,7 @@ class RMConfig(TrainLoopConfig):
 class DPOConfig(TrainLoopConfig):
     """Direct Preference Optimization on preference_pairs, reference = the starting policy."""
 
-    policy_path: str
+    policy_path: str = Field(min_length=1)
     """Starting policy (usually the SFT checkpoint); also the frozen reference."""
     beta: float = Field(0.1, gt=0)
     """KL strength β, typically 0.1-0.5 (Rafailov et al. 2023)."""
@@ -204,16 +257,20 @@ class DPOConfig(TrainLoopConfig):
     lr: float = Field(5e-7, gt=0)
     """Peak AdamW learning rate (5e-7..5e-6 on real LMs; the tiny demo model needs ~1e-4)."""
 
+    @model_validator(mode="after")
+    def _lora_has_targets(self):
+        if self.lora_r > 0 and not self.lora_target_modules:
+            raise ValueError(f"lora_r {self.lora_r} but lora_target_modules is empty: name the modules to adapt")
+        return self
+
 
 # ---- sampling stage (pipeline_lib/sampling/stage.py)
 
 
-class SampleConfig(BaseModel):
+class SampleConfig(Config):
     """N samples per problem from a policy, scored and written to the `samples` table (`alignflow sample`)."""
 
-    model_config = STRICT
-
-    model_path: str
+    model_path: str = Field(min_length=1)
     """Policy to sample from: a local HF model dir (a cached hub id also works with the hf backend)."""
     problems_source: str | None = None
     """Only problems whose `source` equals this (e.g. `problems` for data/demo/problems.jsonl); None keeps all."""
@@ -242,7 +299,7 @@ class SampleConfig(BaseModel):
     """Base URL of an already running vLLM server to use instead of starting one (backend vllm only)."""
     vllm_max_model_len: int | None = Field(None, ge=16)
     """Context length the started vLLM server reserves KV cache for; None: the model's maximum."""
-    device: str = "auto"
+    device: str = Field("auto", pattern=DEVICE_PATTERN)
     """Device of the hf backend: `auto` (CUDA when available), `cpu`, `cuda`, `cuda:N`."""
     batch_size: int = Field(32, ge=1)
     """Prompts per generate call and per store write (a crash loses at most one batch); part of the run id,
@@ -262,8 +319,7 @@ class SampleConfig(BaseModel):
     def _check_backend_and_rewards(self):
         if self.vllm_url is not None and self.backend != "vllm":
             raise ValueError("vllm_url is set but backend is not 'vllm'")
-        if any(spec.get("name") == "reward_model" for spec in self.rewards) and not self.reward_model_path:
-            raise ValueError("rewards name 'reward_model' but reward_model_path is not set")
+        _check_reward_specs(self.rewards, self.reward_model_path)
         return self
 
 
@@ -271,23 +327,20 @@ class SampleConfig(BaseModel):
 
 
 def _check_reward_specs(rewards: tuple[dict, ...], reward_model_path: str | None) -> None:
-    """Each spec names a reward; `reward_model` needs the RM dir (names are checked by the loop's registry)."""
-    if not rewards:
-        raise ValueError("rewards: expected at least one {name, weight} spec")
-    for i, spec in enumerate(rewards):
-        if not isinstance(spec.get("name"), str):
-            raise ValueError(f"rewards[{i}]: expected a 'name' string, got {spec!r}")
+    """The registry's checks of every spec (name, weight, options), now rather than when the stage starts;
+    `reward_model` also needs the RM dir."""
+    from pipeline_lib.rewards.registry import check_reward_specs  # imports torch: only when validating
+
+    check_reward_specs(rewards)
     if any(spec["name"] == "reward_model" for spec in rewards) and not reward_model_path:
         raise ValueError("rewards name 'reward_model' but reward_model_path is not set")
 
 
-class GRPOConfig(BaseModel):
+class GRPOConfig(Config):
     """GRPO (DeepSeekMath, arXiv:2402.03300): G samples per prompt from θ_old, group-normalized advantages,
     clipped surrogate + β·k3 KL to the reference, μ updates per rollout. Defaults are the paper's."""
 
-    model_config = STRICT
-
-    policy_path: str
+    policy_path: str = Field(min_length=1)
     """Starting policy (the SFT checkpoint); also the frozen reference when beta > 0."""
     problems_source: str | None = None
     """Only problems whose `source` equals this; None keeps all."""
@@ -353,7 +406,7 @@ class GRPOConfig(BaseModel):
     """Log metrics every N steps."""
     seed: int = 0
     """Seeds the prompt order, each rollout's sampling and the mini-batch order."""
-    device: str = "auto"
+    device: str = Field("auto", pattern=DEVICE_PATTERN)
     """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
     trust_remote_code: bool = False
     """Allow model code shipped with a hub checkpoint (off: DESIGN.md reliability rules)."""
@@ -363,6 +416,9 @@ class GRPOConfig(BaseModel):
         _check_reward_specs(self.rewards, self.reward_model_path)
         if self.loss == "grpo" and self.clip_eps_high != self.clip_eps_low:
             raise ValueError("loss 'grpo' clips symmetrically: clip_eps_high must equal clip_eps_low (use loss 'dapo')")
+        if self.clip_eps_high < self.clip_eps_low:
+            raise ValueError(f"clip_eps_high {self.clip_eps_high} < clip_eps_low {self.clip_eps_low}: clip-higher "
+                             "(DAPO §3.1) widens the upper bound, expected clip_eps_high >= clip_eps_low")
         if self.loss == "dapo" and self.beta != 0:
             raise ValueError("loss 'dapo' has no KL term: beta must be 0 (use loss 'grpo' for a KL penalty)")
         for spec in self.rewards:
@@ -402,13 +458,11 @@ class DAPOConfig(GRPOConfig):
     """Keep only groups with 0 < #correct < G and refill (DAPO §3.2)."""
 
 
-class PPOConfig(BaseModel):
+class PPOConfig(Config):
     """PPO for RLHF (InstructGPT; Ziegler et al. 2019): actor, frozen reference, reward model and critic;
     sequence reward + per-token KL penalty, GAE, clipped policy and value losses over several epochs."""
 
-    model_config = STRICT
-
-    policy_path: str
+    policy_path: str = Field(min_length=1)
     """Starting policy (the SFT checkpoint); also the frozen reference."""
     rewards: tuple[dict[str, str | int | float], ...] = ({"name": "reward_model", "weight": 1.0},)
     """Reward specs `{name, weight, **options}` summed into each completion's score (pipeline_lib.rewards.registry):
@@ -485,7 +539,7 @@ class PPOConfig(BaseModel):
     """Log metrics every N steps."""
     seed: int = 0
     """Seeds the prompt order, each rollout's sampling and the mini-batch order."""
-    device: str = "auto"
+    device: str = Field("auto", pattern=DEVICE_PATTERN)
     """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
     trust_remote_code: bool = False
     """Allow model code shipped with a hub checkpoint (off: DESIGN.md reliability rules)."""
@@ -495,21 +549,22 @@ class PPOConfig(BaseModel):
         _check_reward_specs(self.rewards, self.reward_model_path)
         if self.critic_init == "reward_model" and not self.reward_model_path:
             raise ValueError("critic_init 'reward_model' needs reward_model_path; set it or use critic_init 'policy'")
+        if self.prompts_table == "preference_pairs" and any(spec["name"] == "verifier" for spec in self.rewards):
+            raise ValueError("rewards name 'verifier' but prompts_table 'preference_pairs' has no answers; "
+                             "use prompts_table 'problems'")
         return self
 
 
 # ---- model preparation (the tiny offline model of the demo and the tests)
 
 
-class TinyModelConfig(BaseModel):
+class TinyModelConfig(Config):
     """A tiny Llama + character-level tokenizer built offline from the store's texts (pipeline_lib/models/tiny.py)."""
-
-    model_config = STRICT
 
     corpus_sources: tuple[str, ...] | None = None
     """Store sources whose texts train the tokenizer (every character the model will see); None = all."""
-    vocab_size: int | None = None
-    """BPE vocabulary size; None = alphabet + specials only, every digit its own token (DEMO-CALIBRATION.md)."""
+    vocab_size: int | None = Field(None, ge=8)
+    """BPE vocabulary size (more than the 7 special tokens); None = alphabet + specials only, every digit its own token (DEMO-CALIBRATION.md)."""
     hidden_size: int = Field(128, ge=8)
     """Model width (128 in the calibrated demo)."""
     num_layers: int = Field(2, ge=1)
@@ -529,12 +584,10 @@ class TinyModelConfig(BaseModel):
 # ---- evaluation stage (pipeline_lib/evaluation.py: run_eval_stage)
 
 
-class EvalConfig(BaseModel):
+class EvalConfig(Config):
     """Pass@K / Maj@K of one model on held-out problems: n samples per problem, then exact estimators."""
 
-    model_config = STRICT
-
-    model_path: str
+    model_path: str = Field(min_length=1)
     """Model to evaluate (a local HF model dir)."""
     model_name: str | None = None
     """Label of the model in eval_results, plots and metrics (e.g. `sft`, `grpo`); None uses model_path."""
@@ -562,7 +615,7 @@ class EvalConfig(BaseModel):
     """Sampling backend: in-process transformers or a vLLM server."""
     vllm_url: str | None = None
     """An already running vLLM server to use (backend vllm)."""
-    device: str = "auto"
+    device: str = Field("auto", pattern=DEVICE_PATTERN)
     """Device of the hf backend."""
     batch_size: int = Field(32, ge=1)
     """Prompts per generate call."""
@@ -594,15 +647,17 @@ class EvalConfig(BaseModel):
 FROM = "from:"
 # Stages in the order the pipeline runs them; a `from:X` reference must name an enabled earlier stage.
 STAGE_ORDER = ("base", "sft", "rm", "sample", "rs_sft", "dpo", "grpo", "dapo", "ppo")
-REF_FIELDS = ("model_path", "policy_path", "reward_model_path", "samples_run_id")
+POLICY_STAGES = ("base", "sft", "rs_sft", "dpo", "grpo", "dapo", "ppo")  # their output is a causal LM
+# what a `from:` reference in each field may name: a policy, the reward model, or the sampling run
+REF_TARGETS = {"model_path": POLICY_STAGES, "policy_path": POLICY_STAGES, "reward_model_path": ("rm",),
+               "samples_run_id": ("sample",)}
+REF_FIELDS = tuple(REF_TARGETS)
 
 
-class PipelineConfig(BaseModel):
+class PipelineConfig(Config):
     """A whole pipeline: the stages to run, each with its own config. A path field written `from:<stage>`
     (e.g. `policy_path: from:sft`) takes that stage's output when the pipeline runs; an explicit path is
     used as is. Omitted stages are skipped."""
-
-    model_config = STRICT
 
     name: str = "pipeline"
     """Name of the pipeline's MLflow parent run and Prefect deployments."""
@@ -645,9 +700,12 @@ class PipelineConfig(BaseModel):
         for stage, field, target in self.stage_refs():
             if target not in enabled or STAGE_ORDER.index(target) >= STAGE_ORDER.index(stage):
                 raise ValueError(f"{stage}.{field}: 'from:{target}' must name an enabled earlier stage of {STAGE_ORDER}")
-        unknown = set(self.eval_models) - set(STAGE_ORDER)
+            if target not in REF_TARGETS[field]:
+                raise ValueError(f"{stage}.{field}: 'from:{target}' is not a stage whose output fits {field}; "
+                                 f"expected one of {REF_TARGETS[field]}")
+        unknown = set(self.eval_models) - set(POLICY_STAGES)
         if unknown:
-            raise ValueError(f"eval_models: unknown stage(s) {sorted(unknown)}; expected names from {STAGE_ORDER}")
+            raise ValueError(f"eval_models: {sorted(unknown)} are not policy stages; expected names from {POLICY_STAGES}")
         return self
 
     def stage_refs(self) -> list[tuple[str, str, str]]:
@@ -669,4 +727,7 @@ class PipelineConfig(BaseModel):
 
     @property
     def evaluated(self) -> tuple[str, ...]:
+        """The enabled stages of eval_models; none without an `eval` section (it holds the sampling settings)."""
+        if self.eval is None:
+            return ()
         return tuple(s for s in self.eval_models if s == "base" or getattr(self, s) is not None)

@@ -31,6 +31,7 @@ def test_help_everywhere(tmp_path, command):
     (["run", "nosuch", "--config", "x.yaml"], "error: unknown stage 'nosuch'"),
     (["eval", "--model", "/no/model"], "error: /no/model: no such model dir"),
     (["ingest", str(DATA / "demo" / "pairs.jsonl"), "--format", "xml"], "error: alignflow ingest: field 'format'"),
+    (["eval", "--model", str(DATA), "--ks", "1,a"], "error: alignflow eval: field 'ks.1': Input should be a valid integer"),
 ])
 def test_user_errors_are_one_line(tmp_path, args, expected):
     result = alignflow(*args, workspace=tmp_path)
@@ -57,7 +58,7 @@ def test_misspelled_config_field_is_one_line(tmp_path):
     config.write_text("policy_path: /m\nbetta: 0.2\n")
     result = alignflow("run", "dpo", "--config", str(config), workspace=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.strip() == f"error: {config}: unknown field 'betta' (misspelled? not a field of this config)"
+    assert result.stderr.strip() == f"error: {config}: unknown field 'betta' (did you mean 'beta'?)"
 
 
 def test_ingest_then_stats(tmp_path):
@@ -69,16 +70,17 @@ def test_ingest_then_stats(tmp_path):
     assert "rankings" in stats.stdout and "600" in stats.stdout
 
 
-@pytest.mark.parametrize(("stage", "text", "field"), [
-    ("pipeline", "base: {corpus_sources: [demo]}\nsft:\n  model_path: from:base\n  max_step: 5\n", "sft.max_step"),
-    ("grpo", "policy_path: /m\ngroup_sise: 4\n", "group_sise"),
-    ("sample", "model_path: /m\nn_samples: 4\n", "n_samples"),
+@pytest.mark.parametrize(("stage", "text", "field", "hint"), [
+    ("pipeline", "base: {corpus_sources: [demo]}\nsft:\n  model_path: from:base\n  max_step: 5\n", "sft.max_step",
+     "did you mean 'max_steps'?"),
+    ("grpo", "policy_path: /m\ngroup_sise: 4\n", "group_sise", "did you mean 'group_size'?"),
+    ("sample", "model_path: /m\nwhatever: 4\n", "whatever", "misspelled? not a field of this config"),
 ])
-def test_misspelled_field_in_any_run_config_is_one_line(tmp_path, stage, text, field):
+def test_misspelled_field_in_any_run_config_is_one_line(tmp_path, stage, text, field, hint):
     """`alignflow run <stage>`, nested pipeline fields included: refused before any lock, store or Prefect."""
     config = tmp_path / f"{stage}.yaml"
     config.write_text(text)
     result = alignflow("run", stage, "--config", str(config), workspace=tmp_path / "ws")
     assert result.returncode == 2
-    assert result.stderr.strip() == f"error: {config}: unknown field '{field}' (misspelled? not a field of this config)"
+    assert result.stderr.strip() == f"error: {config}: unknown field '{field}' ({hint})"
     assert not (tmp_path / "ws" / "run.lock").exists() and not (tmp_path / "ws" / "store.duckdb").exists()

@@ -6,7 +6,22 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_lib.config import ConfigError, PipelineConfig, SFTConfig, load_config, validate_config
+from pipeline_lib.config import (
+    ConfigError,
+    DAPOConfig,
+    DPOConfig,
+    EvalConfig,
+    GRPOConfig,
+    IngestConfig,
+    PipelineConfig,
+    PPOConfig,
+    RMConfig,
+    SampleConfig,
+    SFTConfig,
+    TinyModelConfig,
+    load_config,
+    validate_config,
+)
 
 PRESETS = Path(__file__).resolve().parents[1] / "flows" / "configs"
 
@@ -28,7 +43,8 @@ def test_wrong_type_names_field_and_value(tmp_path):
         load_config(SFTConfig, path)
 
 
-@pytest.mark.parametrize("text, expected", [("", "expected a mapping"), ("a: [1\n", "invalid YAML")])
+@pytest.mark.parametrize("text, expected", [("", "expected a mapping"), ("a: [1\n", "invalid YAML"),
+                                            ("a:\n  b: 1\n c: 2\n", "invalid YAML at line 3, column 2")])
 def test_bad_yaml_files(tmp_path, text, expected):
     path = tmp_path / "x.yaml"
     path.write_text(text)
@@ -69,3 +85,93 @@ def test_every_shipped_preset_validates():
     for preset in PRESETS.glob("*.yaml"):
         cfg = load_config(PipelineConfig, preset)
         assert cfg.evaluated, preset
+
+
+def test_a_file_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_bytes(b"model_path: m\nlr: \xff\n")
+    with pytest.raises(ConfigError, match=r"x.yaml: not UTF-8 text \(byte 18"):
+        load_config(SFTConfig, path)
+
+
+@pytest.mark.parametrize(("model", "data", "message"), [
+    (SFTConfig, {"model_path": "m", "max_steps": True}, "max_steps: expected a number, got True"),
+    (SFTConfig, {"model_path": "m", "lr": True}, "lr: expected a number, got True"),
+    (EvalConfig, {"model_path": "m", "ks": [True]}, "ks: expected a number, got [True]"),
+    (SFTConfig, {"model_path": "m", "lr": float("inf")}, "field 'lr': Input should be a finite number"),
+    (RMConfig, {"model_path": "m", "margin": float("nan")}, "field 'margin': Input should be a finite number"),
+    (SFTConfig, {"model_path": ""}, "field 'model_path': String should have at least 1 character"),
+    (SFTConfig, {"model_path": "m", "device": "gpu"}, "field 'device': String should match pattern"),
+    (IngestConfig, {"path": "x", "max_record_bytes": 0}, "field 'max_record_bytes': Input should be greater"),
+    (TinyModelConfig, {"vocab_size": 5}, "field 'vocab_size': Input should be greater than or equal to 8"),
+    (DAPOConfig, {"policy_path": "m", "clip_eps_high": 0.1, "clip_eps_low": 0.2,
+                  "rewards": [{"name": "verifier"}]}, "clip_eps_high 0.1 < clip_eps_low 0.2"),
+    (DPOConfig, {"policy_path": "m", "lora_r": 8, "lora_target_modules": []}, "lora_target_modules is empty"),
+    (PPOConfig, {"policy_path": "m", "reward_model_path": "r", "prompts_table": "preference_pairs",
+                 "rewards": [{"name": "verifier"}]}, "prompts_table 'preference_pairs' has no answers"),
+])
+def test_invalid_values_are_one_line_errors_naming_the_field(model, data, message):
+    with pytest.raises(ConfigError) as err:
+        validate_config(model, data, origin="cfg.yaml")
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value).startswith("cfg.yaml: ")
+
+
+def test_numbers_written_as_strings_are_still_read():
+    cfg = validate_config(SFTConfig, {"model_path": "m", "lr": "1e-4", "max_steps": "10", "device": "cuda:1"})
+    assert (cfg.lr, cfg.max_steps, cfg.device) == (1e-4, 10, "cuda:1")
+
+
+@pytest.mark.parametrize(("rewards", "message"), [
+    ([{"name": "verifer"}], "rewards[0].name: unknown reward 'verifer'; expected one of"),
+    ([{"name": "verifier", "foo": 1}], "rewards[0] (verifier): got an unexpected keyword argument 'foo'"),
+    ([{"name": "verifier"}, {"name": "verifier"}], "each reward may appear once"),
+    ([{"name": "overlong", "cache_len": 2}], "missing a required argument: 'max_len'"),
+    ([{"name": "verifier", "weight": "abc"}], "rewards[0].weight: expected a finite number, got 'abc'"),
+    ([{"name": "overlong", "max_len": 6.7, "cache_len": 2}], "rewards[0].max_len: expected an integer, got 6.7"),
+    ([{"name": "overlong", "max_len": 4, "cache_len": 6}], "cache_len: expected 0 < cache_len <= max_len=4"),
+    ([], "expected at least one"),
+])
+@pytest.mark.parametrize("model", [SampleConfig, GRPOConfig, PPOConfig])
+def test_reward_specs_are_checked_when_the_config_loads(model, rewards, message):
+    """Every stage with rewards refuses a bad spec at load time, not after its models have loaded."""
+    path_field = "model_path" if model is SampleConfig else "policy_path"
+    data = {path_field: "m", "rewards": rewards, "max_new_tokens": 8, "reward_model_path": "r"}
+    with pytest.raises(ConfigError) as err:
+        validate_config(model, data, origin="cfg.yaml")
+    assert message in str(err.value)
+
+
+def test_a_reward_weight_written_in_exponent_form_is_a_number():
+    """YAML reads `1e-1` (no dot) as text; the weight still counts as 0.1."""
+    from pipeline_lib.rewards.registry import build_reward
+
+    cfg = validate_config(GRPOConfig, {"policy_path": "m", "rewards": [{"name": "verifier", "weight": "1e-1"}]})
+    total, _ = build_reward(cfg.rewards)(["1+1="], ["2"], answers=["2"], lengths=[1])
+    assert total == [pytest.approx(0.1)]
+
+
+def test_cross_field_errors_are_one_short_line():
+    data = {"base": {}, "sft": {"model_path": "from:base"}, "eval": {"model_path": "x"},
+            "eval_models": ["sft", "dpoo"]}
+    with pytest.raises(ConfigError) as err:
+        validate_config(PipelineConfig, data, origin="p.yaml")
+    assert str(err.value) == ("p.yaml: eval_models: ['dpoo'] are not policy stages; expected names from "
+                              "('base', 'sft', 'rs_sft', 'dpo', 'grpo', 'dapo', 'ppo')")
+
+
+@pytest.mark.parametrize(("stage", "field", "target"), [
+    ("ppo", "reward_model_path", "sft"), ("rs_sft", "samples_run_id", "sft"), ("dpo", "policy_path", "rm")])
+def test_a_reference_must_name_a_stage_whose_output_fits_the_field(stage, field, target):
+    data = {"base": {}, "sft": {"model_path": "from:base"}, "rm": {"model_path": "from:sft"},
+            "sample": {"model_path": "from:sft"}}
+    stage_cfg = {"ppo": {"policy_path": "from:sft", "reward_model_path": "from:rm"}, "dpo": {"policy_path": "from:sft"},
+                 "rs_sft": {"model_path": "from:sft", "data": "best_of_n", "samples_run_id": "from:sample"}}[stage]
+    data[stage] = stage_cfg | {field: f"from:{target}"}
+    with pytest.raises(ConfigError, match=f"{stage}.{field}: 'from:{target}' is not a stage whose output fits"):
+        validate_config(PipelineConfig, data)
+
+
+def test_a_pipeline_without_an_eval_section_evaluates_nothing():
+    cfg = validate_config(PipelineConfig, {"base": {}, "sft": {"model_path": "from:base"}})
+    assert cfg.evaluated == ()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -91,16 +92,33 @@ def _component(spec: Mapping[str, Any], index: int) -> tuple[str, float, dict[st
     if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
         raise ValueError(f"{where}: expected a mapping with a 'name' string, got {spec!r}")
     options = {key: value for key, value in spec.items() if key not in ("name", "weight")}
-    name, weight = spec["name"], spec.get("weight", 1.0)
+    name, weight = spec["name"], _number(spec.get("weight", 1.0))
     if name not in REWARDS:
         raise ValueError(f"{where}.name: unknown reward {name!r}; expected one of {sorted(REWARDS)}")
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-        raise ValueError(f"{where}.weight: expected a finite number, got {weight!r}")
+    if weight is None:
+        raise ValueError(f"{where}.weight: expected a finite number, got {spec['weight']!r}")
     try:
         inspect.signature(REWARDS[name]).bind([], [], answers=[], lengths=[], **options)
     except TypeError as exc:
         raise ValueError(f"{where} ({name}): {exc}") from None
-    return name, float(weight), options
+    hints = typing.get_type_hints(REWARDS[name])
+    for key, value in options.items():
+        if hints.get(key) is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{where}.{key}: expected an integer, got {value!r}")
+        if hints.get(key) is float and _number(value) is None:
+            raise ValueError(f"{where}.{key}: expected a finite number, got {value!r}")
+    return name, weight, options
+
+
+def _number(value: Any) -> float | None:
+    """A finite float from a number or a numeric string (YAML reads `1e-1` as text), else None; never a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def combined_reward(specs: Sequence[Mapping[str, Any]]) -> CombinedReward:
@@ -138,6 +156,19 @@ def combined_reward(specs: Sequence[Mapping[str, Any]]) -> CombinedReward:
         return total, components
 
     return reward
+
+
+def check_reward_specs(specs: Sequence[Mapping[str, Any]]) -> None:
+    """A config's reward specs checked as `build_reward` will check them (names, weights, options, each name
+    once) and run once on an empty batch, so each function's own option checks (overlong's cache_len) apply
+    too; a reward model's scorer, built only when the stage starts, is stood in for."""
+    placeholder = {"scorer": lambda texts: [0.0] * len(texts)}
+    reward = combined_reward([{**spec, **placeholder} if spec.get("name") == "reward_model" else spec
+                              for spec in specs])
+    try:
+        reward([], [], answers=[], lengths=[])
+    except ValueError as exc:
+        raise ValueError(f"rewards: {exc}") from None
 
 
 def build_reward(specs: Sequence[Mapping[str, Any]], *, reward_model_path: str | None = None,

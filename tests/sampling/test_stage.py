@@ -141,7 +141,9 @@ def test_chat_template_renders_prompts_and_keeps_the_raw_prompt(store, tiny_mode
 def test_bad_inputs_are_one_line_errors(store, tiny_model_dir):
     with pytest.raises(SamplingError, match=r"no problems in the store with split='train', source='nope'"):
         select_problems(store, SampleConfig(model_path="m", split="train", problems_source="nope"))
-    with pytest.raises(AlignflowError, match="rewards: .*unknown reward 'bleu'"):
-        build_reward_fn(SampleConfig(model_path="m", rewards=[{"name": "bleu"}]))
+    with pytest.raises(ValueError, match="rewards\\[0\\].name: unknown reward 'bleu'"):  # when the config loads
+        SampleConfig(model_path="m", rewards=[{"name": "bleu"}])
+    with pytest.raises(AlignflowError, match="rewards: .*unknown reward 'bleu'"):  # and when built unvalidated
+        build_reward_fn(SampleConfig.model_construct(model_path="m", rewards=[{"name": "bleu"}]))
     with pytest.raises(SamplingError, match=r"missing column\(s\) \['answer'\]"):
         _sample(GoldEveryOtherSampler({}), pl.DataFrame({"problem_id": ["a"], "prompt": ["1+1="]}), store)
