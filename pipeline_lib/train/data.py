@@ -75,7 +75,7 @@ def render_prompts(tokenizer: PreTrainedTokenizerBase, frame: pl.DataFrame) -> t
 
 @dataclass(frozen=True)
 class Encoded:
-    """Token ids of (prompt, completion) rows; completions end with eos."""
+    """Token ids of (prompt, completion) rows; completions end with eos unless they were cut."""
 
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
@@ -101,12 +101,15 @@ def encode(
     *,
     max_length: int,
     templated: Sequence[bool] | None = None,
+    group_size: int = 1,
 ) -> Encoded:
     """Tokenize prompts and completions separately (the completion mask is exact) and append eos.
 
     Raw prompts get the tokenizer's special tokens (bos for most LMs), as the samplers do; chat-template
     prompts already hold them. Rows over `max_length` lose prompt tokens from the left, then (a completion
-    alone too long) completion tokens from the right."""
+    alone too long) completion tokens from the right, with a warning counting them. Consecutive runs of
+    `group_size` rows answer one prompt (a DPO pair's chosen and rejected): the prompt is cut once for the
+    longest of them, so every answer of the group is conditioned on the same tokens."""
     if len(prompts) != len(completions):
         raise TrainDataError(f"{len(prompts)} prompts but {len(completions)} completions")
     if not prompts:
@@ -122,13 +125,22 @@ def encode(
             for i, row_ids in zip(rows, ids):
                 prompt_ids[i] = row_ids
     completion_ids = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
+    if group_size < 1 or len(prompts) % group_size:
+        raise TrainDataError(f"group_size {group_size}: expected a positive divisor of {len(prompts)} rows")
     eos = tokenizer.eos_token_id
+    ends = [completion + [eos] for completion in completion_ids]
+    cut = sum(len(end) > max_length - 1 for end in ends)
+    if cut:
+        print(f"warning: {cut} of {len(ends)} completions are longer than max_length - 1 = {max_length - 1} "
+              f"tokens and were cut from the right, eos included; raise max_length to keep them whole",
+              file=sys.stderr, flush=True)
     out_prompts, out_completions = [], []
-    for prompt, completion in zip(prompt_ids, completion_ids):
-        completion = (completion + [eos])[: max_length - 1]
-        room = max_length - len(completion)  # >= 1: a completion never fills the whole row
-        out_prompts.append(prompt[-room:] if len(prompt) > room else prompt)
-        out_completions.append(completion)
+    for start in range(0, len(ends), group_size):
+        group = [end[: max_length - 1] for end in ends[start:start + group_size]]
+        room = max_length - max(len(completion) for completion in group)  # >= 1: never the whole row
+        prompt = prompt_ids[start]
+        out_prompts += [prompt[-room:] if len(prompt) > room else list(prompt) for _ in group]
+        out_completions += group
     return Encoded(out_prompts, out_completions)
 
 

@@ -65,7 +65,7 @@ def encode_pairs(tokenizer, pairs: pl.DataFrame, *, max_length: int) -> Encoded:
     prompts, templated = render_prompts(tokenizer, pairs)
     completions = [text for pair in zip(pairs["chosen"].to_list(), pairs["rejected"].to_list()) for text in pair]
     return encode(tokenizer, [p for p in prompts for _ in range(2)], completions, max_length=max_length,
-                  templated=[t for t in templated for _ in range(2)])
+                  templated=[t for t in templated for _ in range(2)], group_size=2)
 
 
 def pair_rows(pair_ids: list[int]) -> list[int]:

@@ -72,10 +72,25 @@ def test_templated_rows_get_no_extra_special_tokens_and_long_rows_lose_the_promp
     assert tokenizer.convert_ids_to_tokens(encoded.prompt_ids[0])[0] == "<|user|>"
     cut = encode(tokenizer, ["123456789="], ["12"], max_length=6)
     assert tokenizer.decode(cut.prompt_ids[0]) == "89=" and len(cut.completion_ids[0]) == 3  # 6 - 3
-    long_answer = encode(tokenizer, ["1="], ["123456"], max_length=4)
-    assert len(long_answer.prompt_ids[0]) == 1 and len(long_answer.completion_ids[0]) == 3  # 4 - 1 kept
     with pytest.raises(TrainDataError, match="no training rows"):
         encode(tokenizer, [], [], max_length=8)
+
+
+def test_a_completion_longer_than_the_row_is_cut_with_a_warning(tokenizer, capsys):
+    long_answer = encode(tokenizer, ["1=", "2="], ["123456", "7"], max_length=4)
+    assert len(long_answer.prompt_ids[0]) == 1 and len(long_answer.completion_ids[0]) == 3  # 4 - 1 kept
+    assert tokenizer.eos_token_id not in long_answer.completion_ids[0]
+    assert "warning: 1 of 2 completions are longer than max_length - 1 = 3 tokens" in capsys.readouterr().err
+
+
+def test_the_answers_of_one_prompt_share_one_prompt_cut(tokenizer):
+    """A DPO pair: the prompt is cut once for the longer answer, so chosen and rejected see the same prompt."""
+    pair = encode(tokenizer, ["0123456789+0123456789="] * 2, ["1", "123456"], max_length=12, group_size=2)
+    assert pair.prompt_ids[0] == pair.prompt_ids[1]
+    assert tokenizer.decode(pair.prompt_ids[0]) == "6789="  # 12 - len("123456" + eos)
+    assert [len(ids) for ids in pair.completion_ids] == [2, 7]
+    with pytest.raises(TrainDataError, match="group_size 2: expected a positive divisor of 3 rows"):
+        encode(tokenizer, ["a", "b", "c"], ["1", "2", "3"], max_length=12, group_size=2)
 
 
 def test_fingerprint_tracks_every_id(tokenizer):

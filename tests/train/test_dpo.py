@@ -73,6 +73,12 @@ def test_rpo_term_adds_the_chosen_nll_and_holds_the_chosen_answers_up(tiny, tmp_
     assert runs[1.0][-1]["logps/chosen"] > runs[0.0][-1]["logps/chosen"] + 0.5
 
 
+def test_a_long_pair_keeps_one_prompt_for_chosen_and_rejected(tiny):
+    pairs = pl.DataFrame({"prompt": ["12+34+56+78="], "chosen": ["180"], "rejected": ["no idea"]})
+    encoded = encode_pairs(load_tokenizer(tiny), pairs, max_length=12)
+    assert encoded.prompt_ids[0] == encoded.prompt_ids[1] and len(encoded.prompt_ids[0]) == 12 - len("no idea") - 1
+
+
 def test_reference_logps_are_cached_by_weights_and_data(tiny, tmp_path):
     tokenizer, model = load_tokenizer(tiny), load_policy(tiny, device="cpu")
     encoded = encode_pairs(tokenizer, toy_pairs(6), max_length=64)
