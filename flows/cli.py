@@ -78,6 +78,8 @@ def ingest(
 
     cfg = validate_config(IngestConfig, {"path": str(path), "format": format, "source": source, "split": split},
                           origin="alignflow ingest")
+    if path.is_dir():
+        fail(f"{path}: is a directory, expected a data file")
     if not path.is_file():
         fail(f"{path}: no such file")
     from flows.ingest import ingest_flow

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import orjson
 import polars as pl
 
 # Files above this size are fingerprinted by (size, mtime) instead of content: hashing the multi-GB
@@ -33,8 +34,14 @@ def fingerprint_path(path: str | Path) -> str:
 
 def content_id(*parts: str) -> str:
     """sha256 hex of the parts joined with the unit separator "\\x1f": the row id of every store table
-    (re-ingesting is idempotent) and the key of content-addressed stage dirs."""
-    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
+    (re-ingesting is idempotent) and the key of content-addressed stage dirs.
+
+    A part that holds "\\x1f" itself would make the join ambiguous (`a\\x1fb`, `c` vs `a`, `b\\x1fc`): then the
+    parts are hashed as a JSON array behind a 0xFF byte, which no UTF-8 join can contain. So no two part lists
+    share an id, and the ids of every other text stay what they always were (stores keep deduplicating)."""
+    if not any("\x1f" in part for part in parts):
+        return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()
+    return hashlib.sha256(b"\xff" + orjson.dumps(parts)).hexdigest()
 
 
 def keyed_dir(root: str | Path, stage: str, *parts: str) -> Path:

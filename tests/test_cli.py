@@ -28,6 +28,7 @@ def test_help_everywhere(tmp_path, command):
 
 @pytest.mark.parametrize("args, expected", [
     (["ingest", "/no/such.jsonl"], "error: /no/such.jsonl: no such file"),
+    (["ingest", str(DATA)], f"error: {DATA}: is a directory, expected a data file"),
     (["run", "nosuch", "--config", "x.yaml"], "error: unknown stage 'nosuch'"),
     (["eval", "--model", "/no/model"], "error: /no/model: no such model dir"),
     (["ingest", str(DATA / "demo" / "pairs.jsonl"), "--format", "xml"], "error: alignflow ingest: field 'format'"),

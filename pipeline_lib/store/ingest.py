@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import csv
 import gzip
-import hashlib
 import io
+import json
+import re
 import time
 import zlib
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,14 +21,18 @@ import orjson
 import polars as pl
 
 from pipeline_lib.errors import AlignflowError
-from pipeline_lib.fingerprint import fingerprint_path
+from pipeline_lib.fingerprint import content_id, fingerprint_path
 from pipeline_lib.store.db import Store
-from pipeline_lib.store.shapes import FIELDS, SCHEMAS, TABLE_OF, Rows, shape_records
+from pipeline_lib.store.shapes import FIELDS, SCHEMAS, TABLE_OF, TOO_DEEP, Rows, shape_records
 
 FORMATS = ("pairs", "hh", "chat", "ranking", "problem")
 SUFFIXES = (".jsonl.gz", ".jsonl", ".json", ".parquet", ".csv")
 RAW_LIMIT = 10_000  # characters of a quarantined record kept in `raw`
 _DETECT_SAMPLE = 1_000  # records whose keys vote for the detected format
+# ends every object key, so a line with more of these than its record has keys may repeat a key
+_KEY_END = re.compile(rb'"\s*:')
+# orjson reads an integer past 64 bits as a float, which it writes with an exponent of 18 or more
+_HUGE_NUMBER = re.compile(rb"e\+(?:1[89]|[2-9][0-9]|[0-9]{3})")
 _ID_FIELDS = {
     "preference_pairs": ("pair_id", ["prompt", "chosen", "rejected"]),
     "rankings": ("ranking_id", ["prompt", "responses"]),
@@ -97,11 +103,11 @@ def ingest_file(
         raise IngestError(f"{path}: max_record_bytes must be > 0, got {max_record_bytes}")
     suffix = _suffix(path)
     source = source or path.name[: -len(suffix)]
-    lines, line_base, pre_bad = _read_lines(path, suffix)
+    lines, line_nos, pre_bad = _read_lines(path, suffix)
     fmt = _detect_format(path, lines, pre_bad) if format == "auto" else format
     rows = _screen(lines, fmt, max_record_bytes, pre_bad)
     accepted, bad = shape_records(fmt, rows, split=split or "train")
-    quarantine = _quarantine_frame(lines, line_base, sorted(rows.bad + bad), source, str(path.resolve()))
+    quarantine = _quarantine_frame(lines, line_nos, sorted(rows.bad + bad), source, str(path.resolve()))
     n_records = rows.n_records
     del lines, rows  # free the raw lines and the parsed frame before hashing and inserting (peak memory)
     table = TABLE_OF[fmt]
@@ -141,12 +147,14 @@ def _suffix(path: Path) -> str:
     raise IngestError(f"{path}: unknown file type; expected one of {', '.join(SUFFIXES)}")
 
 
-def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], int, dict[int, str]]:
-    """(lines, line_base, pre_bad): record i is reported as line_no i + line_base.
+def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], Sequence[int], dict[int, str]]:
+    """(lines, line_nos, pre_bad): record i is reported as line_no line_nos[i].
 
-    jsonl: physical lines, 1-based. json array / parquet: 0-based record index. csv: the header is
-    line 1, so record i is line i + 2. pre_bad maps record index -> reason for rows the reader
-    itself rejected (csv only)."""
+    jsonl: physical lines, 1-based. json array / parquet: 0-based record index. csv: the physical line
+    the record starts on (the header is line 1). pre_bad maps record index -> reason for records the
+    reader itself rejected."""
+    if path.is_dir():
+        raise IngestError(f"{path}: is a directory, expected a data file")
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -162,7 +170,7 @@ def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], int, dict[int, st
         lines = data.split(b"\n")
         if lines and not lines[-1]:
             lines.pop()
-        return lines, 1, {}
+        return lines, range(1, len(lines) + 1), {}
     if suffix == ".json":
         try:
             items = orjson.loads(data)
@@ -170,51 +178,93 @@ def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], int, dict[int, st
             raise IngestError(f"{path}: not valid JSON ({exc})") from None
         if not isinstance(items, list):
             raise IngestError(f"{path}: expected a JSON array of records, got {_json_type(items)}")
-        return [orjson.dumps(item) for item in items], 0, {}
+        lines, pre_bad = [], {}
+        for i, item in enumerate(items):
+            try:
+                lines.append(orjson.dumps(item))
+            except orjson.JSONEncodeError:  # orjson reads deeper than it writes; no text to keep in `raw`
+                pre_bad[i] = TOO_DEEP
+                lines.append(b"")
+        return lines, range(len(lines)), pre_bad
     if suffix == ".parquet":
-        try:
-            frame = pl.read_parquet(io.BytesIO(data))
-            return frame.write_ndjson().encode().splitlines(), 0, {}
-        except (pl.exceptions.PolarsError, OSError, ValueError) as exc:
-            raise IngestError(f"{path}: unreadable parquet file ({str(exc).splitlines()[0]})") from None
+        return _parquet_lines(path, data)
     return _csv_lines(path, data)
 
 
-def _csv_lines(path: Path, data: bytes) -> tuple[list[bytes], int, dict[int, str]]:
-    """CSV rows as JSON lines; polars reads a clean file, Python's csv module locates bad rows."""
+def _parquet_lines(path: Path, data: bytes) -> tuple[list[bytes], Sequence[int], dict[int, str]]:
+    """Parquet rows as JSON lines. Binary columns become UTF-8 text (writers often store strings as
+    binary, and polars cannot write binary as JSON); a row whose bytes are not UTF-8 is rejected."""
     try:
-        frame = pl.read_csv(data, infer_schema=False, empty_string_is_null=False)
-        return frame.write_ndjson().encode().splitlines(), 2, {}
-    except pl.exceptions.NoDataError:
-        return [], 2, {}
-    except pl.exceptions.PolarsError:
-        pass
-    # polars refuses the whole file for one ragged row or one invalid UTF-8 byte: find those rows
-    text = data.decode("utf-8", errors="surrogateescape")
-    try:
-        rows = list(csv.reader(io.StringIO(text, newline="")))
-    except csv.Error as exc:  # e.g. a cell over the csv module's 128 KB field limit
-        raise IngestError(f"{path}: unreadable CSV file ({exc})") from None
-    header, lines, pre_bad = rows[0] if rows else [], [], {}
-    for i, row in enumerate(rows[1:]):
-        raw = ",".join(row)
-        if len(row) != len(header):
-            pre_bad[i] = f"row has {len(row)} fields, the header has {len(header)}"
-        elif not raw.isascii() and _has_surrogate(raw):
-            pre_bad[i] = "invalid UTF-8"
-        if i in pre_bad:
-            lines.append(raw.encode("utf-8", errors="surrogateescape"))
-        else:
-            lines.append(orjson.dumps(dict(zip(header, row))))
-    return lines, 2, pre_bad
+        frame = pl.read_parquet(io.BytesIO(data))
+    except (pl.exceptions.PolarsError, OSError, ValueError) as exc:
+        raise IngestError(f"{path}: unreadable parquet file ({str(exc).splitlines()[0]})") from None
+    pre_bad: dict[int, str] = {}
+    for name, dtype in frame.schema.items():
+        if dtype == pl.Binary:
+            texts = []
+            for i, value in enumerate(frame[name].to_list()):
+                try:
+                    texts.append(None if value is None else value.decode("utf-8"))
+                except UnicodeDecodeError:
+                    pre_bad.setdefault(i, f"invalid UTF-8 in field '{name}'")
+                    texts.append(value.decode("utf-8", errors="replace"))  # readable in `raw`
+            frame = frame.with_columns(pl.Series(name, texts, dtype=pl.String))
+        elif _text_dtype(dtype) != dtype:
+            try:
+                frame = frame.with_columns(frame[name].cast(_text_dtype(dtype)))
+            except pl.exceptions.ComputeError:
+                raise IngestError(f"{path}: column '{name}' holds binary values that are not UTF-8 text "
+                                  f"inside a {dtype}") from None
+    return frame.write_ndjson().encode().splitlines(), range(frame.height), pre_bad
 
 
-def _has_surrogate(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
+def _text_dtype(dtype: pl.DataType) -> pl.DataType:
+    """`dtype` with Binary replaced by String at any depth (lists, arrays, structs)."""
+    if dtype == pl.Binary:
+        return pl.String
+    if isinstance(dtype, pl.List):
+        return pl.List(_text_dtype(dtype.inner))
+    if isinstance(dtype, pl.Array):
+        return pl.Array(_text_dtype(dtype.inner), dtype.shape)
+    if isinstance(dtype, pl.Struct):
+        return pl.Struct({field.name: _text_dtype(field.dtype) for field in dtype.fields})
+    return dtype
+
+
+def _csv_lines(path: Path, data: bytes) -> tuple[list[bytes], list[int], dict[int, str]]:
+    """CSV records as JSON lines (header name -> cell text), with the physical line each starts on.
+
+    Python's csv module reads the file: it reports a ragged row as it is (polars pads a short row, or
+    refuses the file) and counts the lines a quoted cell spans. Blank lines hold no record."""
+    text = data.decode("utf-8", errors="surrogateescape")  # invalid UTF-8 rejects its row, not the file
+    physical = io.StringIO(text, newline="").readlines()
+    # no cell is longer than the file; the record size limit applies later, as for every file type.
+    # The limit is process-wide: only ever raise it, another thread may be reading a CSV file too.
+    csv.field_size_limit(max(csv.field_size_limit(), len(text)))
+    reader = csv.reader(physical)
+    header = next(reader, [])
+    repeated = [name for name, n in Counter(header).items() if n > 1]
+    if repeated:
+        raise IngestError(f"{path}: the header repeats column '{repeated[0]}'")
+    lines, line_nos, pre_bad = [], [], {}
+    start = reader.line_num + 1
+    for row in reader:
+        end = reader.line_num
+        if len(row) > 1 or (row and row[0].strip()):
+            line_nos.append(start)
+            reason = None
+            if len(row) != len(header):
+                reason = f"row has {len(row)} fields, the header has {len(header)}"
+            else:
+                try:
+                    lines.append(orjson.dumps(dict(zip(header, row))))
+                except orjson.JSONEncodeError:  # a cell holds an undecodable byte (a surrogate escape)
+                    reason = "invalid UTF-8"
+            if reason is not None:  # the row's own text is its raw
+                pre_bad[len(lines)] = reason
+                lines.append("".join(physical[start - 1 : end]).rstrip("\r\n").encode(errors="surrogateescape"))
+        start = end + 1
+    return lines, line_nos, pre_bad
 
 
 # ---- format detection and the per-record screen (JSON validity, object, field types)
@@ -280,7 +330,8 @@ def _size(n_bytes: float) -> str:
 
 def _screen(lines: list[bytes], fmt: str, limit: int, pre_bad: dict[int, str]) -> Rows:
     """Parse every record once with orjson (strict JSON and UTF-8, exact types); polars then reads
-    only the lines that passed, so its lenient casts (1 -> "1") never see a wrong type."""
+    only the lines that passed, so its lenient casts (1 -> "1") never see a wrong type. The stdlib
+    parser reads a line again only where orjson loses something: a repeated key, a huge integer."""
     fields = FIELDS[fmt]
     known = frozenset(name for names, _, _ in fields for name in names)
     # required one-name string fields are checked inline (the common case, ~0.2 us a record);
@@ -288,8 +339,9 @@ def _screen(lines: list[bytes], fmt: str, limit: int, pre_bad: dict[int, str]) -
     simple = tuple(names[0] for names, kind, required in fields if kind == "text" and required and len(names) == 1)
     rest = tuple(field for field in fields if field[0][0] not in simple)
     only_simple = not rest
+    alternatives = tuple(names for names, _, _ in fields if len(names) > 1)
     keep = fmt == "chat"  # chat is shaped from the parsed messages, not from a polars read
-    loads, dumps, decode_error = orjson.loads, orjson.dumps, orjson.JSONDecodeError
+    loads, decode_error, key_ends = orjson.loads, orjson.JSONDecodeError, _KEY_END.findall
     good: list[int] = []
     bad: list[tuple[int, str]] = []
     metas: dict[int, str] = {}
@@ -325,12 +377,21 @@ def _screen(lines: list[bytes], fmt: str, limit: int, pre_bad: dict[int, str]) -
         if reason is not None:
             bad.append((i, reason))
             continue
+        if only_simple:  # with only required fields, a longer record must have extra fields
+            extra = len(record) > len(simple)
+        else:  # a field's second name (problem: prompt beside question) is an extra field too
+            extra = bool(alternatives) or not record.keys() <= known
+        try:
+            if len(key_ends(line)) > len(record):  # more key ends than keys: a key may be repeated
+                _check_unique_keys(line)
+            if extra and (extras := _extra_keys(record, known, alternatives)):
+                metas[i] = _meta(line, record, extras)
+        except _Rejected as exc:
+            bad.append((i, str(exc)))
+            continue
         good.append(i)
         if keep:
             records.append(record)
-        # with only required fields, a longer record must have extra fields
-        if (len(record) > len(simple)) if only_simple else not record.keys() <= known:
-            metas[i] = dumps({k: v for k, v in record.items() if k not in known}).decode()
     frame = None
     if not keep:
         buffer = b"\n".join([lines[i] for i in good])
@@ -338,6 +399,48 @@ def _screen(lines: list[bytes], fmt: str, limit: int, pre_bad: dict[int, str]) -
         if frame.height != len(good):
             raise RuntimeError(f"polars read {frame.height} records of {len(good)} screened lines (a bug)")
     return Rows(n_records=n_records, index=good, frame=frame, records=records, metas=metas, bad=bad)
+
+
+class _Rejected(Exception):
+    """A record the screen quarantines; the message is the reason."""
+
+
+def _check_unique_keys(line: bytes) -> None:
+    """Raise _Rejected if an object in the line repeats a key: orjson keeps the last value and polars the
+    first, so the record would be checked with one value and stored with the other."""
+
+    def unique(pairs: list[tuple[str, object]]) -> None:
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _Rejected(f"duplicate key '{key}'")
+            seen.add(key)
+
+    try:
+        json.loads(line, object_pairs_hook=unique)
+    except RecursionError:  # the stdlib parser reads fewer levels than orjson
+        raise _Rejected(TOO_DEEP) from None
+
+
+def _extra_keys(record: dict, known: frozenset[str], alternatives: tuple[tuple[str, ...], ...]) -> list[str]:
+    """Keys no field uses: unknown names, and a field's other names after the first one present."""
+    extras = [key for key in record if key not in known]
+    for names in alternatives:
+        extras += [name for name in names if name in record][1:]
+    return extras
+
+
+def _meta(line: bytes, record: dict, extras: list[str]) -> str:
+    """JSON of the record's `extras` fields, with integers past 64 bits exact (orjson reads them as
+    floats: then the stdlib parser reads the line again). Raises _Rejected if it nests too deep."""
+    try:
+        meta = orjson.dumps({key: record[key] for key in extras})
+    except orjson.JSONEncodeError:  # orjson reads 1024 levels but writes only MAX_DEPTH
+        raise _Rejected(TOO_DEEP) from None
+    if _HUGE_NUMBER.search(meta):
+        exact = json.loads(line)
+        return json.dumps({key: exact[key] for key in extras}, ensure_ascii=False, separators=(",", ":"))
+    return meta.decode()
 
 
 def _decode_reason(line: bytes, exc: orjson.JSONDecodeError) -> str:
@@ -404,17 +507,16 @@ def _value_problem(name: str, value: object, kind: str) -> str | None:
 
 
 def _with_ids(table: str, accepted: pl.DataFrame, source: str) -> pl.DataFrame:
-    """Add the content-hash id (hashlib over the joined fields, ~1-2 s per million rows here) and source."""
+    """Add the content-hash id (content_id of the row's id fields, a list field's items in order) and source."""
     id_column, parts = _ID_FIELDS[table]
-    exprs = [pl.col(p).list.join("\x1f") if accepted.schema[p] == pl.List(pl.String) else pl.col(p) for p in parts]
-    joined = accepted.select(pl.concat_str(exprs, separator="\x1f")).to_series().to_list()
-    sha256 = hashlib.sha256
-    ids = pl.Series(id_column, [sha256(text.encode()).hexdigest() for text in joined], dtype=pl.String)
+    rows = ([item for value in row for item in (value if isinstance(value, list) else [value])]
+            for row in accepted.select(parts).iter_rows())
+    ids = pl.Series(id_column, [content_id(*row) for row in rows], dtype=pl.String)
     return accepted.with_columns(ids, pl.lit(source, dtype=pl.String).alias("source"))
 
 
 def _quarantine_frame(
-    lines: list[bytes], line_base: int, bad: list[tuple[int, str]], source: str, file: str
+    lines: list[bytes], line_nos: Sequence[int], bad: list[tuple[int, str]], source: str, file: str
 ) -> pl.DataFrame:
     raws, reasons = [], []
     for i, reason in bad:
@@ -428,7 +530,7 @@ def _quarantine_frame(
         {
             "source": pl.Series([source] * len(bad), dtype=pl.String),
             "file": pl.Series([file] * len(bad), dtype=pl.String),
-            "line_no": pl.Series([i + line_base for i, _ in bad], dtype=pl.Int64),
+            "line_no": pl.Series([line_nos[i] for i, _ in bad], dtype=pl.Int64),
             "raw": pl.Series(raws, dtype=pl.String),
             "reason": pl.Series(reasons, dtype=pl.String),
         }

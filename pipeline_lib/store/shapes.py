@@ -3,6 +3,7 @@ into table rows (pairs, hh, chat -> preference_pairs; ranking -> rankings; probl
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import orjson
@@ -27,6 +28,8 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
 TABLE_OF = {"pairs": "preference_pairs", "hh": "preference_pairs", "chat": "preference_pairs",
             "ranking": "rankings", "problem": "problems"}
 HH_TURN = "\n\nAssistant:"
+MAX_DEPTH = 254  # levels of nesting orjson writes (it reads 1024): a deeper record cannot be stored
+TOO_DEEP = f"nested deeper than {MAX_DEPTH} levels"
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,10 @@ def split_chat(record: dict) -> str | tuple[str, str, str, str]:
     rejected_text = completions["rejected"][-1]["content"]
     if chosen_text == rejected_text:
         return "chosen identical to rejected"
-    messages = orjson.dumps({"prompt": prompt, **completions}).decode()
+    try:
+        messages = orjson.dumps({"prompt": prompt, **completions}).decode()
+    except orjson.JSONEncodeError:  # a message holds more than the role and content it needs
+        return TOO_DEEP
     return _render(prompt), chosen_text, rejected_text, messages
 
 
@@ -243,8 +249,8 @@ def _problem(frame: pl.DataFrame, split: str) -> tuple[pl.DataFrame, list[tuple[
         if "####" not in answer:
             metas.append(meta)
             continue
-        extra = orjson.loads(meta) if meta else {}
-        metas.append(orjson.dumps({**extra, "solution": answer}).decode())
+        extra = json.loads(meta) if meta else {}  # the stdlib parser keeps integers past 64 bits exact
+        metas.append(json.dumps({**extra, "solution": answer}, ensure_ascii=False, separators=(",", ":")))
     return ok.select(
         pl.when(pl.col("split").is_null() | _blank("split"))
         .then(pl.lit(split))

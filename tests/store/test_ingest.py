@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import hashlib
 from pathlib import Path
 
 import orjson
@@ -50,13 +51,27 @@ PAIRS = [
 # ---- ids and the report
 
 
-def test_content_id_is_sha256_of_unit_separated_parts():
-    # printf 'a\x1fb\x1fc' | sha256sum
-    assert content_id("a", "b", "c") == "e0dee694aed26d323b0d8b861c343f2554c1aefceef539ae3dae5159f0b5bb28"
-    # UTF-8 bytes are hashed: printf 'é\x1f中' | sha256sum
-    assert content_id("é", "中") == "3481986ad57e78fa778652d3f047d2731452848f501baaaf34f2c26950247690"
-    # fields are joined, not length-prefixed: a field holding "\x1f" itself would collide
-    assert content_id("a\x1fb", "c") == content_id("a", "b", "c")
+def test_content_id_is_sha256_of_the_joined_parts_unless_a_part_holds_the_separator():
+    # printf 'a\x1fb\x1fc' | sha256sum: the ids stores already hold stay the same
+    assert content_id("a", "b", "c") == hashlib.sha256(b"a\x1fb\x1fc").hexdigest()
+    assert content_id("é", "中") == hashlib.sha256("é\x1f中".encode()).hexdigest()
+    # a part holding "\x1f" would move a boundary: those parts are hashed as 0xFF + their JSON array
+    assert content_id("a\x1fb", "c") == hashlib.sha256(b'\xff["a\\u001fb","c"]').hexdigest()
+    ids = {content_id("a\x1fb", "c"), content_id("a", "b\x1fc"), content_id("a", "b", "c"), content_id("a\x1fb\x1fc")}
+    assert len(ids) == 4
+
+
+def test_ids_of_records_with_separator_text_do_not_collide(tmp_path, store):
+    """Each pair of records joins to the same text with "\x1f" between fields: all are distinct rows."""
+    pairs = [{"prompt": "a\x1fb", "chosen": "c", "rejected": "d"}, {"prompt": "a", "chosen": "b\x1fc", "rejected": "d"}]
+    rankings = [{"prompt": "p", "responses": ["a\x1fb", "c"]}, {"prompt": "p", "responses": ["a", "b\x1fc"]},
+                {"prompt": "p\x1fa", "responses": ["b", "c"]}]
+    problems = [{"question": "q\x1f1", "answer": "2"}, {"question": "q", "answer": "1\x1f2"}]
+    for name, records, table in (("p", pairs, "preference_pairs"), ("r", rankings, "rankings"),
+                                 ("m", problems, "problems")):
+        report = ingest_file(write_jsonl(tmp_path / f"{name}.jsonl", records), store)
+        assert (report.accepted, report.duplicates) == (len(records), 0), name
+        assert store.count(table) == len(records)
 
 
 def test_summary_line(tmp_path, store):
@@ -187,6 +202,17 @@ def test_problems_gsm8k_plain_numeric_and_split(tmp_path, store):
     assert rows["Q1"]["problem_id"] == content_id("Q1", "4")
 
 
+def test_problem_keeps_the_unused_prompt_in_meta(tmp_path, store):
+    """`question` wins over `prompt`; the other text is not dropped but kept in meta, like any extra field."""
+    records = [{"question": "q", "prompt": "other text", "answer": "1", "id": 3},
+               {"question": "q2", "prompt": {"not": "text"}, "answer": "x #### 2"}]
+    report = ingest_file(write_jsonl(tmp_path / "math.jsonl", records), store)
+    assert (report.format, report.accepted) == ("problem", 2)
+    rows = {r["prompt"]: r for r in store.read("problems").to_dicts()}
+    assert json.loads(rows["q"]["meta"]) == {"id": 3, "prompt": "other text"}
+    assert json.loads(rows["q2"]["meta"]) == {"prompt": {"not": "text"}, "solution": "x #### 2"}
+
+
 def test_real_gsm8k_files(store):
     test = ingest_file(DATA / "gsm8k" / "test-first100.jsonl", store, split="test")
     train = ingest_file(DATA / "gsm8k" / "train-first500.jsonl", store)
@@ -237,6 +263,57 @@ def test_bad_jsonl_lines_are_quarantined_with_reasons(tmp_path, store):
     assert sorted(reasons) == [2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13]
     raw = dict(store.read("quarantine").select("line_no", "raw").iter_rows())
     assert raw[4] == '{"prompt":"p","chosen":"a"}' and raw[3] == '{"prompt": "p\ufffd", "chosen": "a", "rejected": "b"}'
+
+
+def test_repeated_key_is_quarantined(tmp_path, store):
+    """orjson keeps a repeated key's last value, polars its first: checked and stored values would differ."""
+    lines = [
+        b'{"prompt":"p","chosen":5,"rejected":"b","chosen":"a"}',                  # 1 the number was stored
+        b'{"prompt":"p","chosen":"a","rejected":"b","meta":{"k":1,"k" : 2}}',      # 2 in an extra field
+        b'{"prompt":"p","chosen":"a","rejected":"b","note":"\\"x\\": \\"y\\""}',  # 3 key-like text: kept
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "dup.jsonl", lines), store)
+    check_invariant(report)
+    assert quarantine(store) == {1: "duplicate key 'chosen'", 2: "duplicate key 'k'"}
+    assert json.loads(store.read("preference_pairs")["meta"][0]) == {"note": '"x": "y"'}
+
+
+def lists(n: int) -> bytes:
+    """JSON text of n nested lists (n levels)."""
+    return b"[" * n + b"]" * n
+
+
+def test_record_nested_too_deep_to_store_is_quarantined(tmp_path, store):
+    """orjson reads 1024 levels but writes only 254: a deeper record fails alone, not its whole file."""
+    pair = b'{"prompt":"p","chosen":"a","rejected":"b","x":%s}'  # the record is level 1
+    lines = [pair % lists(253), pair % lists(254), pair % lists(1000), orjson.dumps(PAIRS[0])]
+    report = ingest_file(write_jsonl(tmp_path / "deep.jsonl", lines), store)
+    check_invariant(report)
+    assert (report.accepted, report.quarantined) == (2, 2)
+    assert quarantine(store) == dict.fromkeys([2, 3], "nested deeper than 254 levels")
+    # a message may hold more than role and content: record, list, message = 3 levels
+    chat = (b'{"prompt":"hi","rejected":[{"role":"assistant","content":"no"}],'
+            b'"chosen":[{"role":"assistant","content":"a","x":%s}]}' % lists(252))
+    report = ingest_file(write_jsonl(tmp_path / "chat.jsonl", [chat]), store)
+    assert report.format == "chat" and report.quarantined == 1
+    assert store.read("quarantine", source="chat")["reason"].to_list() == ["nested deeper than 254 levels"]
+    (tmp_path / "array.json").write_bytes(b"[" + orjson.dumps(PAIRS[1]) + b"," + pair % lists(254) + b"]")
+    report = ingest_file(tmp_path / "array.json", store)
+    assert (report.rows_read, report.quarantined) == (2, 1)
+    assert store.read("quarantine", source="array")[["line_no", "reason"]].rows() == [(1, "nested deeper than 254 levels")]
+
+
+def test_integers_past_64_bits_stay_exact_in_meta(tmp_path, store):
+    """orjson reads them as floats (1.2345678901234568e+29); meta keeps the number as written."""
+    big = 123456789012345678901234567890
+    extra = {"big": big, "n": [2**64, -(2**63) - 1, 2**64 - 1, 1.5e300, "e+19"]}
+    report = ingest_file(write_jsonl(tmp_path / "p.jsonl", [json.dumps(PAIRS[0] | extra).encode()]), store)
+    assert report.accepted == 1
+    meta = store.read("preference_pairs")["meta"][0]
+    assert json.loads(meta) == extra, meta
+    problem = json.dumps({"question": "q", "answer": "x #### 7", "id": big}).encode()
+    ingest_file(write_jsonl(tmp_path / "m.jsonl", [problem]), store)
+    assert json.loads(store.read("problems")["meta"][0]) == {"id": big, "solution": "x #### 7"}
 
 
 def test_default_size_limit_is_one_megabyte_and_raw_is_truncated(tmp_path, store):
@@ -352,6 +429,45 @@ def test_csv_ragged_row_invalid_utf8_and_empty_cell(tmp_path, store):
     }
 
 
+def test_csv_line_numbers_are_where_each_record_starts(tmp_path, store):
+    """A quoted cell may span lines, and blank lines hold no record: line_no is the physical line."""
+    path = tmp_path / "m.csv"
+    path.write_bytes(b'prompt,chosen,rejected\r\n"a\r\nb\nc",x,y\n\n\np2,x,y,z\n   \np3,,y\n"4\n",\xff,y\n')
+    report = ingest_file(path, store)
+    check_invariant(report)
+    assert (report.rows_read, report.accepted) == (4, 1)
+    assert quarantine(store) == {
+        7: "row has 4 fields, the header has 3",
+        9: "empty field 'chosen'",
+        10: "invalid UTF-8",
+    }
+    raw = dict(store.read("quarantine").select("line_no", "raw").iter_rows())
+    assert (raw[7], raw[10]) == ("p2,x,y,z", '"4\n",\ufffd,y')  # the row as written
+    assert store.read("preference_pairs")["prompt"].to_list() == ["a\r\nb\nc"]
+
+
+@pytest.mark.parametrize("long_row", [False, True], ids=["short-only", "short-and-long"])
+def test_csv_short_row_is_reported_as_it_is(tmp_path, store, long_row):
+    """polars pads a short row with empty cells (when it reads the file at all): the row is reported as given."""
+    path = tmp_path / "s.csv"
+    path.write_bytes(b"prompt,chosen,rejected\np1,a,b\np2,a\n" + (b"p3,a,b,c\n" if long_row else b""))
+    report = ingest_file(path, store)
+    check_invariant(report)
+    assert quarantine(store)[3] == "row has 2 fields, the header has 3"
+    assert store.read("quarantine").filter(pl.col("line_no") == 3)["raw"].to_list() == ["p2,a"]
+
+
+def test_csv_cell_over_128_kb_is_read_and_the_record_limit_applies(tmp_path, store):
+    """Python's csv module refuses cells over 128 KB by default; here only max_record_bytes limits a record."""
+    path = tmp_path / "big.csv"
+    path.write_bytes(b"prompt,chosen,rejected\np1," + b"a" * 200_000 + b",b\np2,a,b,c\np3," + b"a" * 300_000 + b",b\n")
+    report = ingest_file(path, store, max_record_bytes=250_000)
+    check_invariant(report)
+    assert report.accepted == 1 and len(store.read("preference_pairs")["chosen"][0]) == 200_000
+    assert quarantine(store) == {3: "row has 4 fields, the header has 3",
+                                 4: "record is 300.0 KB > limit 250.0 KB (raw truncated to 10 KB)"}
+
+
 def test_json_array_and_parquet_keep_exact_types(tmp_path, store):
     """A non-object array element and a numeric parquet column are quarantined, not cast to text."""
     (tmp_path / "a.json").write_bytes(orjson.dumps([PAIRS[0], None, "text"]))
@@ -396,7 +512,7 @@ def test_missing_file_and_bad_arguments(tmp_path, store):
     with pytest.raises(IngestError, match=r"nope\.jsonl: cannot read the file"):
         ingest_file(tmp_path / "nope.jsonl", store)
     (tmp_path / "folder.jsonl").mkdir()
-    with pytest.raises(IngestError, match=r"folder\.jsonl: cannot read the file"):
+    with pytest.raises(IngestError, match=r"folder\.jsonl: is a directory, expected a data file"):
         ingest_file(tmp_path / "folder.jsonl", store)
     path = write_jsonl(tmp_path / "p.jsonl", PAIRS)
     with pytest.raises(IngestError, match="unknown format 'pair'"):

@@ -145,6 +145,23 @@ def test_latin1_lines_are_quarantined_and_the_utf8_ones_kept(tmp_path, store):
     assert raw[2] == '{"prompt": "caf\ufffd?", "chosen": "oui", "rejected": "non"}'  # kept, readable
 
 
+def test_parquet_binary_columns_are_read_as_text(tmp_path, store):
+    """Parquet writers often store strings as binary; polars cannot write binary as JSON (it panicked)."""
+    frame = pl.DataFrame({"prompt": [b"p1", b"p2", b"p3"], "chosen": ["a", "a", "a"], "rejected": ["b", "b", "b"],
+                          "x": [b"\x00", b"\xff\xfe", None], "tags": [[b"t"], [b"u"], []]})
+    frame.write_parquet(tmp_path / "bin.parquet")
+    report = ingest_file(tmp_path / "bin.parquet", store)
+    assert (report.rows_read, report.accepted, report.quarantined) == (3, 2, 1)
+    rows = store.read("preference_pairs").sort("prompt").to_dicts()
+    assert [(r["prompt"], orjson.loads(r["meta"])) for r in rows] == [
+        ("p1", {"x": "\x00", "tags": ["t"]}), ("p3", {"x": None, "tags": []})]
+    assert store.read("quarantine")[["line_no", "reason", "raw"]].rows() == [
+        (1, "invalid UTF-8 in field 'x'", '{"prompt":"p2","chosen":"a","rejected":"b","x":"\ufffd\ufffd","tags":["u"]}')]
+    frame.with_columns(x=pl.lit(b"ok"), tags=pl.Series([[b"t"], [b"\xff"], []])).write_parquet(tmp_path / "binlist.parquet")
+    refused(tmp_path / "binlist.parquet", store, "column 'tags' holds binary values that are not UTF-8 text inside a "
+                                                 "List(Binary)")
+
+
 def test_utf16_file_is_refused_or_fully_quarantined(tmp_path, store):
     path = tmp_path / "utf16.jsonl"
     path.write_bytes(JSONL.decode().encode("utf-16"))
