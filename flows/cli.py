@@ -138,16 +138,25 @@ def load_flow(stage: str):
 def run(
     stage: str = typer.Argument(..., help=f"One of: {', '.join(STAGES)}."),
     config: Path = typer.Option(..., "--config", "-c", help="YAML/JSON config of the stage (or pipeline preset)."),
-    force: list[str] = typer.Option([], "--force", help="Pipeline only: recompute this stage even if cached."),
+    force: list[str] = typer.Option([], "--force", help="Recompute this stage even if cached (repeatable): for the "
+                                                       "pipeline any of its stages or eval; else the stage itself."),
 ) -> None:
     """Run one stage, or the whole pipeline, from a config file."""
+    from pipeline_lib.config import FORCEABLE
+
+    allowed = FORCEABLE if stage == "pipeline" else () if stage == "ingest" else (stage,)  # ingest is idempotent
+    unknown = [name for name in force if name not in allowed]
+    if unknown and stage in STAGES:
+        fail(f"--force {unknown[0]!r}: expected one of {', '.join(allowed) or 'nothing (ingest never recomputes)'}")
     cfg, stage_flow = load_stage(stage, config)
     with run_lock():
         if stage == "pipeline":
             outputs = stage_flow(cfg, force=tuple(force))
             typer.echo("outputs: " + ", ".join(f"{k}={v}" for k, v in outputs.items()))
-        else:
+        elif stage == "ingest":
             stage_flow(cfg)
+        else:
+            stage_flow(cfg, force=bool(force))
 
 
 @app.command()

@@ -7,8 +7,9 @@ import functools
 import inspect
 import typing
 from collections.abc import Callable
+from pathlib import Path
 
-from prefect import Flow, flow
+from prefect import Flow, Task, flow
 
 from pipeline_lib.workspace import workspace_lock
 from tasks.common import current_workspace
@@ -33,3 +34,13 @@ def stage_flow(name: str) -> Callable[[Callable[..., R]], Flow]:
         return flow(name=name, log_prints=True)(locked)
 
     return decorate
+
+
+def run_model_task(task: Task, *args, refresh: bool, **kwargs) -> str:
+    """Run a cached task that returns a model dir (refresh: recompute even on a cache hit). A cache hit whose
+    dir has been deleted since (by hand, or a cleaned models/) recomputes it instead of handing the next stage
+    a path that is gone."""
+    path = task.with_options(refresh_cache=refresh)(*args, **kwargs)
+    if not Path(path).is_dir():
+        path = task.with_options(refresh_cache=True)(*args, **kwargs)
+    return path

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flows.common import stage_flow
+from flows.common import run_model_task, stage_flow
 from pipeline_lib.config import DAPOConfig
 from tasks.rl import dapo_task
 from tasks.store import inputs_fingerprint_task
@@ -11,5 +11,4 @@ from tasks.store import inputs_fingerprint_task
 @stage_flow("dapo")
 def dapo_flow(cfg: DAPOConfig, force: bool = False) -> str:
     """Train into the stage dir of this config and data; returns the final policy dir. force: retrain from scratch."""
-    run = dapo_task.with_options(refresh_cache=force)
-    return run(cfg, inputs_fingerprint_task(cfg), force=force)
+    return run_model_task(dapo_task, cfg, inputs_fingerprint_task(cfg), force=force, refresh=force)

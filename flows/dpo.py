@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flows.common import stage_flow
+from flows.common import run_model_task, stage_flow
 from pipeline_lib.config import DPOConfig
 from tasks.training import dpo_task
 from tasks.store import inputs_fingerprint_task
@@ -11,5 +11,4 @@ from tasks.store import inputs_fingerprint_task
 @stage_flow("dpo")
 def dpo_flow(cfg: DPOConfig, force: bool = False) -> str:
     """force: retrain from scratch, even if a cached result exists."""
-    run = dpo_task.with_options(refresh_cache=force)
-    return run(cfg, inputs_fingerprint_task(cfg), force=force)
+    return run_model_task(dpo_task, cfg, inputs_fingerprint_task(cfg), force=force, refresh=force)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flows.common import stage_flow
+from flows.common import run_model_task, stage_flow
 from pipeline_lib.config import TinyModelConfig
 from tasks.models import build_tiny_model_task
 from tasks.store import corpus_fingerprint_task
@@ -10,5 +10,4 @@ from tasks.store import corpus_fingerprint_task
 
 @stage_flow("prepare-model")
 def prepare_model_flow(cfg: TinyModelConfig, force: bool = False) -> str:
-    build = build_tiny_model_task.with_options(refresh_cache=force)
-    return build(cfg, corpus_fingerprint_task(cfg.corpus_sources))
+    return run_model_task(build_tiny_model_task, cfg, corpus_fingerprint_task(cfg.corpus_sources), refresh=force)

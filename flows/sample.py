@@ -5,9 +5,9 @@ from __future__ import annotations
 from flows.common import stage_flow
 from pipeline_lib.config import SampleConfig
 from tasks.sampling import sample_task
-from tasks.store import model_fingerprint_task
+from tasks.store import inputs_fingerprint_task
 
 
 @stage_flow("sample")
 def sample_flow(cfg: SampleConfig, force: bool = False) -> dict:
-    return sample_task.with_options(refresh_cache=force)(cfg, model_fingerprint_task(cfg.model_path))
+    return sample_task.with_options(refresh_cache=force)(cfg, inputs_fingerprint_task(cfg))

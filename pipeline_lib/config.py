@@ -653,6 +653,8 @@ POLICY_STAGES = ("base", "sft", "rs_sft", "dpo", "grpo", "dapo", "ppo")  # their
 REF_TARGETS = {"model_path": POLICY_STAGES, "policy_path": POLICY_STAGES, "reward_model_path": ("rm",),
                "samples_run_id": ("sample",)}
 REF_FIELDS = tuple(REF_TARGETS)
+MODEL_FIELDS = ("model_path", "policy_path", "reward_model_path")  # the references that are model dirs
+FORCEABLE = (*STAGE_ORDER, "eval")  # what a pipeline run's `force` may name
 
 
 class PipelineConfig(Config):

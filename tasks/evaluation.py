@@ -13,9 +13,10 @@ from pipeline_lib.store.db import open_store
 from tasks.common import CACHED, current_workspace, run_tags
 
 
-# cached on the config and the model's content; retries: sampling resumes where a failed try stopped
+# cached on the config and the inputs (the problems, the model's content); retries: sampling resumes where a
+# failed try stopped
 @task(name="evaluate", retries=1, retry_delay_seconds=5, **CACHED)
-def eval_task(cfg: EvalConfig, model_fingerprint: str) -> list[dict]:
+def eval_task(cfg: EvalConfig, inputs_fingerprint: str) -> list[dict]:
     workspace = current_workspace()
     with tracking.stage_run(workspace, f"eval-{cfg.label}", cfg, tags=run_tags(), echo=False) as log:
         with open_store(workspace.store_path) as store:

@@ -47,7 +47,7 @@ def run_rl_stage(stage: str, cfg: BaseModel, load: Callable, train: Callable, cu
     workspace = current_workspace()
     with open_store(workspace.store_path, read_only=True) as store:
         data = load(store, cfg)
-    out_dir = stage_dir(workspace.models_dir, stage, cfg, cfg.policy_path, data)
+    out_dir = stage_dir(workspace.models_dir, stage, cfg, data)
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
     history: list[tuple[int, dict[str, float]]] = []

@@ -13,10 +13,11 @@ from tasks.common import CACHED, current_workspace, run_tags
 
 
 # retries: a vLLM server or the store file can fail transiently; a retry resumes, skipping prompts already
-# written. Cached on the config and the model's content fingerprint (a model retrained into the same dir
-# is a new key); without the cache a rerun would still write nothing (the run id resumes).
+# written. Cached on the config and the inputs' fingerprint (the problems it samples, the content of the
+# policy and reward model dirs): a new problem or a model retrained into the same dir is a new key, and the
+# run id then resumes, sampling only what is missing.
 @task(name="sample", retries=1, retry_delay_seconds=5, **CACHED)
-def sample_task(cfg: SampleConfig, model_fingerprint: str) -> dict:
+def sample_task(cfg: SampleConfig, inputs_fingerprint: str) -> dict:
     workspace = current_workspace()
     with tracking.stage_run(workspace, "sample", cfg, tags=run_tags(), echo=False) as log:
         with open_store(workspace.store_path) as store:

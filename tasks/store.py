@@ -8,8 +8,19 @@ import polars as pl
 from prefect import task
 from pydantic import BaseModel
 
-from pipeline_lib.config import REF_FIELDS, DAPOConfig, DPOConfig, GRPOConfig, PPOConfig, RMConfig, SFTConfig
+from pipeline_lib.config import (
+    MODEL_FIELDS,
+    DAPOConfig,
+    DPOConfig,
+    EvalConfig,
+    GRPOConfig,
+    PPOConfig,
+    RMConfig,
+    SampleConfig,
+    SFTConfig,
+)
 from pipeline_lib.fingerprint import content_id, fingerprint_path, frame_fingerprint
+from pipeline_lib.sampling.stage import select_problems
 from pipeline_lib.store.db import open_store
 from pipeline_lib.train.dpo import load_dpo_data
 from pipeline_lib.train.grpo import load_grpo_data
@@ -19,25 +30,20 @@ from pipeline_lib.train.sft import load_sft_data
 from tasks.common import current_workspace
 
 LOADERS = {SFTConfig: load_sft_data, RMConfig: load_rm_data, DPOConfig: load_dpo_data,
-           GRPOConfig: load_grpo_data, DAPOConfig: load_grpo_data, PPOConfig: load_ppo_data}
+           GRPOConfig: load_grpo_data, DAPOConfig: load_grpo_data, PPOConfig: load_ppo_data,
+           SampleConfig: select_problems, EvalConfig: lambda store, cfg: select_problems(store, cfg.sample_config)}
 
 
 @task(name="inputs-fingerprint")
 def inputs_fingerprint_task(cfg: BaseModel) -> str:
-    """Fingerprint of the store rows a training stage reads (its own loader, so exactly what it trains on)
+    """Fingerprint of the store rows a stage reads (its own loader, so exactly what it trains on or samples)
     and of the model dirs its config names: the cache key changes iff its inputs do."""
     with open_store(current_workspace().store_path) as store:
         data = LOADERS[type(cfg)](store, cfg)
     frames = [f for f in (data if isinstance(data, tuple) else (data,)) if isinstance(f, pl.DataFrame)]
-    paths = [getattr(cfg, field, None) for field in REF_FIELDS]
+    paths = [getattr(cfg, field, None) for field in MODEL_FIELDS]
     models = [fingerprint_path(p) for p in paths if isinstance(p, str) and Path(p).exists()]
     return content_id(*(frame_fingerprint(f) for f in frames), *models)
-
-
-@task(name="model-fingerprint")
-def model_fingerprint_task(model_path: str) -> str:
-    """Content fingerprint of a model dir (a hub id stands for itself)."""
-    return fingerprint_path(model_path) if Path(model_path).exists() else model_path
 
 
 @task(name="corpus-fingerprint")

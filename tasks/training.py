@@ -44,7 +44,7 @@ def sft_task(cfg: SFTConfig, inputs_fingerprint: str = "", force: bool = False) 
     workspace = current_workspace()
     with open_store(workspace.store_path, read_only=True) as store:
         rows, eval_rows = load_sft_data(store, cfg)
-    out_dir = stage_dir(workspace.models_dir, "sft", cfg, cfg.model_path, rows)
+    out_dir = stage_dir(workspace.models_dir, "sft", cfg, rows)
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
     stage = "rs_sft" if cfg.data == "best_of_n" else "sft"  # rejection-sampling SFT gets its own name in MLflow
@@ -62,7 +62,7 @@ def rm_task(cfg: RMConfig, inputs_fingerprint: str = "", force: bool = False) ->
     workspace = current_workspace()
     with open_store(workspace.store_path, read_only=True) as store:
         data = load_rm_data(store, cfg)
-    out_dir = stage_dir(workspace.models_dir, "rm", cfg, cfg.model_path, data)
+    out_dir = stage_dir(workspace.models_dir, "rm", cfg, data)
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
     with tracking.stage_run(workspace, "rm", cfg, tags=run_tags() | {"data.fingerprint": inputs_fingerprint}) as log:
@@ -79,7 +79,7 @@ def dpo_task(cfg: DPOConfig, inputs_fingerprint: str = "", force: bool = False) 
     workspace = current_workspace()
     with open_store(workspace.store_path, read_only=True) as store:
         pairs = load_dpo_data(store, cfg)
-    out_dir = stage_dir(workspace.models_dir, "dpo", cfg, cfg.policy_path, pairs)
+    out_dir = stage_dir(workspace.models_dir, "dpo", cfg, pairs)
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
     keys = ["eval/pref_accuracy", "eval/logp_margin"]

@@ -33,6 +33,9 @@ def test_help_everywhere(tmp_path, command):
     (["eval", "--model", "/no/model"], "error: /no/model: no such model dir"),
     (["ingest", str(DATA / "demo" / "pairs.jsonl"), "--format", "xml"], "error: alignflow ingest: field 'format'"),
     (["eval", "--model", str(DATA), "--ks", "1,a"], "error: alignflow eval: field 'ks.1': Input should be a valid integer"),
+    (["run", "pipeline", "--config", "x.yaml", "--force", "sfft"],
+     "error: --force 'sfft': expected one of base, sft, rm, sample, rs_sft, dpo, grpo, dapo, ppo, eval"),
+    (["run", "sft", "--config", "x.yaml", "--force", "dpo"], "error: --force 'dpo': expected one of sft"),
 ])
 def test_user_errors_are_one_line(tmp_path, args, expected):
     result = alignflow(*args, workspace=tmp_path)

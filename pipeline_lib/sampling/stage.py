@@ -190,11 +190,15 @@ def model_fingerprint(model_path: str) -> str:
 
 
 def sample_run_id(cfg: SampleConfig) -> str:
-    """cfg.run_id, else `sample-<hash>` of the sampling-relevant config fields and the model fingerprint."""
+    """cfg.run_id, else `sample-<hash>` of the sampling-relevant config fields and the fingerprints of the
+    policy and (when set) the reward model that scores the samples."""
     if cfg.run_id:
         return cfg.run_id
     fields = cfg.model_dump(mode="json", exclude=_RUN_ID_EXCLUDE)
-    text = json.dumps({"config": fields, "model": model_fingerprint(cfg.model_path)}, sort_keys=True)
+    key = {"config": fields, "model": model_fingerprint(cfg.model_path)}
+    if cfg.reward_model_path:
+        key["reward_model"] = model_fingerprint(cfg.reward_model_path)
+    text = json.dumps(key, sort_keys=True)
     return "sample-" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

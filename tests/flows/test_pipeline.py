@@ -12,7 +12,7 @@ import pytest
 from flows.pipeline import pipeline_flow
 from flows.sft import sft_flow
 from pipeline_lib import tracking
-from pipeline_lib.config import PipelineConfig, load_config, load_yaml, validate_config
+from pipeline_lib.config import ConfigError, PipelineConfig, load_config, load_yaml, validate_config
 from pipeline_lib.store.db import open_store
 
 PRESET = Path(__file__).resolve().parents[2] / "flows" / "configs" / "demo.yaml"
@@ -90,3 +90,10 @@ def test_demo_preset_end_to_end(flow_workspace):
     assert max(pass1["grpo"], pass1["dapo"]) > pass1["sft"]
     assert pass1["dpo"] > pass1["sft"]  # RPO's NLL term; plain DPO fell to 0.10 here (measured: 0.37 -> 0.49)
     assert pass1["ppo"] > pass1["sft"]  # RM + verifier; the RM alone was hacked to 0.21 (measured: 0.37 -> 0.47)
+
+
+def test_a_force_naming_no_stage_is_refused_before_anything_runs(flow_workspace):
+    cfg = validate_config(PipelineConfig, {"base": {}, "sft": {"model_path": "from:base"}})
+    with pytest.raises(ConfigError, match=r"force: unknown stage\(s\) \['sfft'\]"):
+        pipeline_flow(cfg, force=("sfft",))
+    assert tracking.find_runs(flow_workspace, "") == []

@@ -41,6 +41,17 @@ def test_sample_flow_writes_samples_and_logs_to_mlflow(flow_workspace, tmp_path)
     assert run.data.tags["prefect.flow_run_id"]
 
 
+def test_a_new_problem_is_a_cache_miss_that_samples_only_it(flow_workspace, tmp_path):
+    cfg = SampleConfig(model_path=_setup(flow_workspace, tmp_path), n=2, max_new_tokens=4, device="cpu")
+    first = sample_flow(cfg)
+    with open_store(flow_workspace.store_path) as store:
+        store.insert_new("problems", pl.DataFrame({"problem_id": ["p4"], "source": "demo", "split": "test",
+                                                   "prompt": ["1+1="], "answer": ["2"]}))
+    second = sample_flow(cfg)
+    assert second["run_id"] == first["run_id"]
+    assert (second["prompts_skipped"], second["rows_written_now"], second["n_rows"]) == (3, 2, 8)
+
+
 def test_sample_task_rerun_resumes_and_writes_nothing(flow_workspace, tmp_path):
     cfg = SampleConfig(model_path=_setup(flow_workspace, tmp_path), n=2, max_new_tokens=4, device="cpu")
     first = sample_task.fn(cfg, "fingerprint")

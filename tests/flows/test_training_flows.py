@@ -4,6 +4,7 @@ train a tiny model for a few steps, and leave an MLflow run with metrics, the mo
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import polars as pl
@@ -12,10 +13,11 @@ import pytest
 from flows.dpo import dpo_flow
 from flows.rm import rm_flow
 from flows.sft import sft_flow
-from pipeline_lib.config import DPOConfig, RMConfig, SFTConfig
+from pipeline_lib.config import DPOConfig, PPOConfig, RMConfig, SFTConfig
 from pipeline_lib.models import RewardModel, build_tiny_model, load_policy
 from pipeline_lib.store.db import open_store
 from pipeline_lib.train.common import final_metrics
+from pipeline_lib.train.data import stage_dir
 from tasks.training import sft_task
 
 FAST = dict(max_steps=2, batch_size=4, log_every=1, device="cpu")
@@ -69,6 +71,24 @@ def test_sft_task_rerun_returns_the_finished_model(flow_workspace, tiny):
     assert (Path(first) / "model.safetensors").stat().st_mtime_ns == stamp
     other = sft_task.fn(cfg.model_copy(update={"seed": 1}))
     assert other != first
+
+
+def test_a_cached_stage_whose_model_dir_was_deleted_trains_again(flow_workspace, tiny):
+    cfg = SFTConfig(model_path=tiny, **FAST)
+    first = sft_flow(cfg)
+    shutil.rmtree(Path(first).parent)  # a cleaned models/: the cache entry still names the dir
+    again = sft_flow(cfg)
+    assert again == first and (Path(again) / "model.safetensors").is_file()
+
+
+def test_the_stage_dir_follows_every_model_the_config_names(flow_workspace, tiny, tmp_path):
+    """A reward model retrained into the same path gives the RL stage a new dir (not the old final model)."""
+    reward_model = shutil.copytree(tiny, tmp_path / "rm")
+    cfg = PPOConfig(policy_path=tiny, reward_model_path=str(reward_model))
+    before = stage_dir(flow_workspace.models_dir, "ppo", cfg)
+    weights = reward_model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\x00")
+    assert stage_dir(flow_workspace.models_dir, "ppo", cfg) != before
 
 
 def test_rm_flow_reports_held_out_accuracy(flow_workspace, tiny, the_run):

@@ -126,6 +126,11 @@ def test_run_id_follows_sampling_config_and_model_weights(tiny_model_dir, tmp_pa
     data[-1] ^= 0xFF  # "retrained" in place: one weight byte differs
     weights.write_bytes(bytes(data))
     assert sample_run_id(cfg) != before
+    # the reward model scoring the samples is part of the run too: replaced in place, a new run
+    scored = cfg.model_copy(update={"rewards": ({"name": "reward_model"},), "reward_model_path": str(tiny_model_dir)})
+    rm_before = sample_run_id(scored)
+    assert rm_before != sample_run_id(cfg)
+    assert sample_run_id(scored.model_copy(update={"reward_model_path": str(model_dir)})) != rm_before
 
 
 def test_chat_template_renders_prompts_and_keeps_the_raw_prompt(store, tiny_model_dir):
