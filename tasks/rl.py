@@ -55,7 +55,7 @@ def run_rl_stage(stage: str, cfg: BaseModel, load: Callable, train: Callable, cu
         final = train(cfg, data, out_dir, log=lambda metrics, step: (history.append((step, dict(metrics))),
                                                                      log(metrics, step)))
         tracking.log_artifact(final, "model")
-        if history:  # empty when the stage had finished before: nothing was trained now
+        if len(history) > 1:  # a stage that had finished before logs only its stored final metrics
             tracking.log_figure(curves_figure(history, curves), f"{stage}_curves.png")
     shown = [key for key in curves + ["train/seconds"] if key in final_metrics(final)]
     create_markdown_artifact(result_table(f"{stage.upper()} -> {final}", final_metrics(final), shown),

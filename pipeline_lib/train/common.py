@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from torch import Tensor, nn
 
 from pipeline_lib.errors import AlignflowError, first_line
+from pipeline_lib.logfns import LogFn
 
 CHECKPOINT_DIR = "checkpoint"
 FINAL_MARKER = "alignflow_final.json"
@@ -346,3 +347,13 @@ def final_metrics(final: Path) -> dict[str, float]:
     """The metrics a finished stage stored beside its final model (empty if the dir is not a final model)."""
     marker = Path(final) / FINAL_MARKER
     return json.loads(marker.read_text())["metrics"] if marker.is_file() else {}
+
+
+def finished_final(out_dir: Path, log: LogFn, step: int) -> Path | None:
+    """The final model of a stage dir that finished earlier, else None. Its stored metrics are logged again at
+    `step`: the tracking run of a rerun that finds the work done (its cache entry lost) still shows the result."""
+    final = Path(out_dir) / "final"
+    if not (final / FINAL_MARKER).is_file():
+        return None
+    log(final_metrics(final), step)
+    return final

@@ -22,13 +22,13 @@ from pipeline_lib.models import completion_logprob_sums, load_policy, load_token
 from pipeline_lib.models.loading import resolve_model_dir
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
-    FINAL_MARKER,
     Dist,
     autocast,
     batches,
     check_finite,
     check_in_sync,
     clip_gradients,
+    finished_final,
     init_distributed,
     load_checkpoint,
     make_optimizer,
@@ -152,8 +152,8 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     of the pairs is held out. Returns `out_dir/final` (merged weights with LoRA); resumes from a checkpoint."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    if (out_dir / "final" / FINAL_MARKER).is_file():
-        return out_dir / "final"  # finished earlier: a rerun has nothing to resume
+    if (final := finished_final(out_dir, log, cfg.max_steps)) is not None:
+        return final  # finished earlier: a rerun has nothing to resume
     ctx = init_distributed()
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)

@@ -24,11 +24,11 @@ from pipeline_lib.rewards.registry import CombinedReward, build_reward
 from pipeline_lib.sampling import Completion, Sampler
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
-    FINAL_MARKER,
     autocast,
     batches,
     check_finite,
     clip_gradients,
+    finished_final,
     load_checkpoint,
     make_optimizer,
     make_scheduler,
@@ -154,8 +154,8 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
     prompt stream's position is checkpointed, so a resumed run ends with the weights of an uninterrupted one."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    if (out_dir / "final" / FINAL_MARKER).is_file():
-        return out_dir / "final"  # finished earlier: a rerun has nothing to resume
+    if (final := finished_final(out_dir, log, cfg.max_steps)) is not None:
+        return final  # finished earlier: a rerun has nothing to resume
     check_single_process("grpo")
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)

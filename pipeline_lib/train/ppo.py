@@ -28,11 +28,11 @@ from pipeline_lib.rewards.math import is_correct
 from pipeline_lib.rewards.registry import build_reward
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
-    FINAL_MARKER,
     autocast,
     batches,
     check_finite,
     clip_gradients,
+    finished_final,
     load_checkpoint,
     make_optimizer,
     make_scheduler,
@@ -96,8 +96,8 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
     `out_dir/checkpoint` (actor, critic, optimizer, scheduler, RNG, KL coefficient) when one exists."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    if (out_dir / "final" / FINAL_MARKER).is_file():
-        return out_dir / "final"  # finished earlier: a rerun has nothing to resume
+    if (final := finished_final(out_dir, log, cfg.max_steps)) is not None:
+        return final  # finished earlier: a rerun has nothing to resume
     check_single_process("ppo")
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)

@@ -18,12 +18,12 @@ from pipeline_lib.losses import bradley_terry_loss, plackett_luce_loss
 from pipeline_lib.models import RewardModel, load_tokenizer
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
-    FINAL_MARKER,
     autocast,
     batches,
     check_finite,
     check_in_sync,
     clip_gradients,
+    finished_final,
     init_distributed,
     load_checkpoint,
     make_optimizer,
@@ -134,8 +134,8 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
     (RewardModel.save_pretrained layout); resumes from `out_dir/checkpoint`."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    if (out_dir / "final" / FINAL_MARKER).is_file():
-        return out_dir / "final"  # finished earlier: a rerun has nothing to resume
+    if (final := finished_final(out_dir, log, cfg.max_steps)) is not None:
+        return final  # finished earlier: a rerun has nothing to resume
     ctx = init_distributed()
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)

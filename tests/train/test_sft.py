@@ -85,6 +85,11 @@ def test_two_steps_change_the_weights_and_log_the_completion_nll(tiny, tmp_path,
     assert train[0]["train/loss"] == pytest.approx(float(nll[mask].mean()), rel=1e-5)
     assert json.loads((final / FINAL_MARKER).read_text())["metrics"]["eval/loss"] == logged[-1][1]["eval/loss"]
 
+    # a rerun on the finished dir trains nothing and logs the stored final metrics once, at the last step
+    rerun_logged, rerun_log = collect()
+    assert train_sft(cfg, rows, tmp_path / "out", log=rerun_log) == final
+    assert rerun_logged == [(2, json.loads((final / FINAL_MARKER).read_text())["metrics"])]
+
 
 def test_gradient_accumulation_gives_the_same_update(tiny, tmp_path, collect):
     """Same global batch of 8 as one micro-batch or as 4 of 2: the same loss and gradient norm (Adam would
