@@ -367,15 +367,17 @@ class GRPOConfig(Config):
     num_iterations: int = Field(1, ge=1)
     """μ: passes over each rollout batch with θ_old fixed (DeepSeekMath: 1, a single update per rollout)."""
     mini_batch_size: int | None = Field(None, ge=1)
-    """Completions per optimizer update; None updates once on the whole rollout batch per iteration."""
+    """Completions per optimizer update; None updates once on the whole rollout batch per iteration. Each update's
+    loss is reduced over its own mini-batch (DAPO's token mean: over the mini-batch's tokens, as verl does)."""
     lr: float = Field(1e-6, gt=0)
     """Peak AdamW learning rate (DeepSeekMath and DAPO: 1e-6; the tiny demo model: 2e-4; >= 3e-4 collapses it)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW decoupled weight decay (DAPO: 0.1)."""
     warmup_steps: int = Field(0, ge=0)
-    """Linear warm-up, in optimizer updates."""
+    """Linear warm-up, in training steps (rollouts): every update of a step uses the same rate, and a step whose
+    groups dynamic sampling all dropped still advances the schedule."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """After warm-up: constant, linear decay to 0, or cosine decay to 10% of the peak."""
+    """After warm-up, over max_steps: constant, linear decay to 0, or cosine decay to 10% of the peak."""
     max_grad_norm: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm to this value; None disables clipping."""
     max_new_tokens: int = Field(1024, ge=1)
@@ -448,7 +450,7 @@ class DAPOConfig(GRPOConfig):
     weight_decay: float = Field(0.1, ge=0)
     """AdamW weight decay 0.1 (DAPO §4.1)."""
     warmup_steps: int = Field(10, ge=0)
-    """10 linear warm-up updates (DAPO §4.1)."""
+    """10 linear warm-up steps (rollouts)."""
     max_new_tokens: int = Field(20480, ge=1)
     """L_max: 16384 expected + 4096 soft-punishment cache (DAPO §4.1)."""
     beta: float = Field(0.0, ge=0)

@@ -3,7 +3,6 @@ G samples per prompt from θ_old, group-normalized advantages, μ passes of clip
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -171,19 +170,22 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
     policy = load_policy(cfg.policy_path, dtype="float32", device=device, trust_remote_code=cfg.trust_remote_code)
     # dropout off while sampling and updating alike: θ_old's log-probs must be those of the sampling policy
     policy.eval()
-    # β = 0 (DAPO): no reference model at all, not a loaded-and-unused one
+    # β = 0 (DAPO): no reference model at all, not a loaded-and-unused one. The reference is loaded like the
+    # policy (float32, bf16 only inside autocast on CUDA), so the KL to it is exactly 0 before the first update
     ref = None
     if cfg.beta > 0:
-        ref = load_policy(cfg.policy_path, device=device, trust_remote_code=cfg.trust_remote_code).eval()
+        ref = load_policy(cfg.policy_path, dtype="float32", device=device,
+                          trust_remote_code=cfg.trust_remote_code).eval()
         ref.requires_grad_(False)
     reward_fn = build_reward(cfg.rewards, reward_model_path=cfg.reward_model_path, device=device)
     policy_loss = LOSSES[cfg.loss]
     rows_per_step = cfg.prompts_per_step * cfg.group_size
     mini_batch = min(cfg.mini_batch_size or rows_per_step, rows_per_step)
-    updates_per_step = cfg.num_iterations * math.ceil(rows_per_step / mini_batch)
     optimizer = make_optimizer(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps,
-                               total_steps=cfg.max_steps * updates_per_step, kind=cfg.lr_schedule)
+    # the schedule counts training steps (rollouts), as verl does: dynamic sampling makes the number of
+    # updates per step vary, and a step whose groups were all filtered out makes none
+    scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
+                               kind=cfg.lr_schedule)
     resumed = load_checkpoint(out_dir, model=policy, optimizer=optimizer, scheduler=scheduler)
     start_step, extra = resumed if resumed else (0, {})
     # refills draw extra prompt batches, so the stream's position is its own counter
@@ -235,12 +237,14 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                         loss.backward()
                         grad_norm = clip_gradients(policy, cfg.max_grad_norm)
                         optimizer.step()
-                        scheduler.step()
                         optimizer.zero_grad(set_to_none=True)
                         stats |= {"train/loss": loss.detach(), "train/grad_norm": grad_norm,
                                   "policy/entropy": (entropy.detach() * mask).sum() / mask.sum()}
                         for key, value in stats.items():
                             update_stats.setdefault(key, []).append(float(value))
+
+            lr = scheduler.get_last_lr()[0]  # every update of this step used it
+            scheduler.step()
 
             # ---- log (and checkpoint)
             done = step + 1
@@ -248,7 +252,7 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
             metrics = {
                 **rollout.metrics,
                 **{key: sum(values) / len(values) for key, values in update_stats.items()},
-                "train/lr": scheduler.get_last_lr()[0],
+                "train/lr": lr,
                 "perf/rollout_seconds": rollout_seconds,
                 "perf/weight_sync_seconds": sync_seconds,
                 "perf/step_seconds": step_seconds,

@@ -114,7 +114,9 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
     # dropout off while sampling and updating alike: θ_old's log-probs must be those of the sampling policy
     policy = load_policy(cfg.policy_path, dtype="float32", device=device,
                          trust_remote_code=cfg.trust_remote_code).eval()
-    ref = load_policy(cfg.policy_path, device=device, trust_remote_code=cfg.trust_remote_code).eval()
+    # loaded like the policy (float32, bf16 only inside autocast on CUDA): the KL penalty is exactly 0 at the start
+    ref = load_policy(cfg.policy_path, dtype="float32", device=device,
+                      trust_remote_code=cfg.trust_remote_code).eval()
     ref.requires_grad_(False)
     if answers is None and any(spec["name"] == "verifier" for spec in cfg.rewards):
         raise AlignflowError("ppo: rewards name 'verifier' but the prompts have no answers (use prompts_table "

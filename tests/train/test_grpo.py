@@ -259,6 +259,14 @@ def test_dapo_step_without_an_informative_group_updates_nothing(tiny, problems, 
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_the_learning_rate_schedule_follows_training_steps_not_updates(tiny, problems, tmp_path, collect):
+    """Steps whose groups are all filtered make no update; the linear schedule still ends on time."""
+    logged, log = collect()
+    cfg = dapo_config(tiny, max_steps=3, max_refill_rounds=0, lr=1e-3, lr_schedule="linear", warmup_steps=0)
+    train_grpo(cfg, problems, tmp_path / "dapo", log=log)
+    assert [metrics["train/lr"] for _, metrics in logged] == pytest.approx([1e-3, 2e-3 / 3, 1e-3 / 3])
+
+
 def test_dapo_preset_has_the_papers_settings_and_configs_reject_mixed_ones():
     dapo = DAPOConfig(policy_path="m")
     assert (dapo.loss, dapo.beta, dapo.clip_eps_low, dapo.clip_eps_high, dapo.dynamic_sampling) == \
