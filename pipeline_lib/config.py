@@ -311,8 +311,11 @@ class SampleConfig(Config):
     reward_model_path: str | None = None
     """Reward model dir scoring prompt + completion, needed when `rewards` names `reward_model`."""
     run_id: str | None = None
-    """samples.run_id; None derives it from this config and the model dir's content fingerprint, so a
-    rerun of the same config resumes (skips prompts already sampled) and a retrained model starts a new run."""
+    """samples.run_id; None derives it from this config and the fingerprints of the model dirs, so a rerun of the
+    same config resumes (skips prompts already sampled) and a retrained model starts a new run. A crash-resumed
+    run holds exactly the rows of an uninterrupted one; problems ingested after a run started are sampled in
+    batches of their own (with the hf backend, other random draws than a fresh run's, from the same policy);
+    `device` is not part of the id, and CPU and CUDA draw different random streams."""
     policy_name: str | None = None
     """samples.policy label; None uses model_path."""
 

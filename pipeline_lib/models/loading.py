@@ -4,6 +4,7 @@ no remote code unless asked, offline failures in well under a second, atomic che
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import uuid
@@ -89,7 +90,19 @@ def check_weights(model_dir: Path, *, allow_pickle: bool = False) -> bool:
     """Validate `model_dir` holds a config and loadable weights; return whether they are safetensors."""
     if not (model_dir / "config.json").is_file():
         raise ModelLoadError(f"model dir {model_dir}: no config.json; expected a Hugging Face model directory")
-    if any(model_dir.glob("*.safetensors")) or (model_dir / "model.safetensors.index.json").is_file():
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"model dir {model_dir}: unreadable {index.name} ({first_line(exc)})") from None
+        # the index names the files transformers loads: a pickle shard behind it is still a pickle
+        other = sorted(shard for shard in shards if not str(shard).endswith(".safetensors"))
+        if other:
+            raise ModelLoadError(f"model dir {model_dir}: {index.name} maps weights to non-safetensors files "
+                                 f"({', '.join(map(str, other))}); convert them to safetensors")
+        return True
+    if any(model_dir.glob("*.safetensors")):
         return True
     pickled = sorted(p.name for pattern in PICKLE_PATTERNS for p in model_dir.glob(pattern))
     if not pickled:

@@ -29,7 +29,9 @@ SAMPLE_SCHEMA = {
     "is_correct": pl.Boolean, "policy": pl.String,
 }
 # Fields that change where or how fast samples are made, not which samples: left out of the run id.
-_RUN_ID_EXCLUDE = {"run_id", "vllm_url", "vllm_max_model_len", "device", "policy_name", "max_problems"}
+# settings that do not change what is sampled; max_problems does (the hf backend's random stream follows the
+# batches, so the first 4 of 9 problems are batched differently from a run over all 9)
+_RUN_ID_EXCLUDE = {"run_id", "vllm_url", "vllm_max_model_len", "device", "policy_name"}
 
 
 @dataclass(frozen=True)

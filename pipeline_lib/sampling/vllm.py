@@ -231,9 +231,10 @@ class VLLMServer:
         stop_timeout: float = 30.0,
         log_path: str | Path | None = None,
     ):
+        from pipeline_lib.models.loading import check_weights  # torch: only when a server is set up
+
         self.model_dir = Path(model_dir).resolve()
-        if not (self.model_dir / "config.json").is_file():
-            raise VLLMServerError(f"model dir {self.model_dir}: no config.json; expected a Hugging Face model dir")
+        check_weights(self.model_dir)  # a config and safetensors weights only, as for the in-process models
         found = Path(python) if python else find_vllm_python()
         if found is None or not found.is_file():
             looked = python or os.environ.get(PYTHON_ENV) or venv_python(DEFAULT_VENV)
@@ -265,6 +266,8 @@ class VLLMServer:
         cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
                "--served-model-name", self.served_model_name, "--enable-prefix-caching",
+               # vLLM's default `auto` would also read *.bin / *.pt pickles: safetensors only, as load_policy
+               "--load-format", "safetensors",
                # sampling settings come from each request only, as in HFSampler, not the model's file
                "--generation-config", "vllm",
                # without a drain timeout a shutdown can hang (ENVIRONMENT.md); the server waits it out in

@@ -40,6 +40,17 @@ def test_pickle_only_dir_is_refused_with_one_line(tiny_dir, tmp_path):
     assert "pytorch_model.bin" in message and "allow_pickle=True" in message and str(model_dir) in message
 
 
+def test_an_index_pointing_at_pickle_shards_is_refused(tiny_dir, tmp_path):
+    """model.safetensors.index.json naming pytorch_model.bin made transformers load the pickle."""
+    model_dir = _pickle_only_dir(tiny_dir, tmp_path / "pickled")
+    weight_map = {name: "pytorch_model.bin" for name in load_policy(tiny_dir).state_dict()}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(ModelLoadError, match=r"maps weights to non-safetensors files \(pytorch_model.bin\)"):
+        load_policy(model_dir)
+    with pytest.raises(ModelLoadError, match=r"maps weights to non-safetensors files"):
+        load_policy(model_dir, allow_pickle=True)  # an index promises safetensors: a pickle behind it is refused
+
+
 def test_pickle_only_dir_loads_when_allowed(tiny_dir, tmp_path):
     model_dir = _pickle_only_dir(tiny_dir, tmp_path / "pickled")
     model = load_policy(model_dir, allow_pickle=True)

@@ -119,6 +119,7 @@ def test_run_id_follows_sampling_config_and_model_weights(tiny_model_dir, tmp_pa
     assert sample_run_id(cfg) == sample_run_id(SampleConfig(model_path=str(model_dir), n=4, device="cpu"))
     assert sample_run_id(cfg) != sample_run_id(cfg.model_copy(update={"seed": 1}))
     assert sample_run_id(cfg) != sample_run_id(cfg.model_copy(update={"n": 8}))
+    assert sample_run_id(cfg) != sample_run_id(cfg.model_copy(update={"max_problems": 2}))  # other batches
     assert sample_run_id(cfg.model_copy(update={"run_id": "mine"})) == "mine"
     before = sample_run_id(cfg)
     weights = model_dir / "model.safetensors"

@@ -15,6 +15,7 @@ import torch
 
 from pipeline_lib.config import SampleConfig
 from pipeline_lib.models import load_policy, load_tokenizer, save_model
+from pipeline_lib.models.loading import ModelLoadError
 from pipeline_lib.sampling.base import Completion
 from pipeline_lib.sampling.hf import HFSampler
 from pipeline_lib.sampling.stage import run_sample_stage
@@ -175,5 +176,16 @@ def test_missing_env_and_bad_model_dir_are_one_line_errors(tiny_model_dir, tmp_p
     monkeypatch.setenv(PYTHON_ENV, str(tmp_path / "nope" / "python"))
     with pytest.raises(VLLMServerError, match=r"no vLLM environment: .*/nope/python is not a file; .*make vllm-env"):
         VLLMServer(tiny_model_dir)
-    with pytest.raises(VLLMServerError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match="no config.json"):
         VLLMServer(tmp_path, python=sys.executable)
+
+
+def test_the_server_reads_safetensors_only(tiny_model_dir, tmp_path):
+    """vLLM's default load format would read *.bin pickles: the dir is checked and the format pinned."""
+    assert "--load-format safetensors" in " ".join(VLLMServer(tiny_model_dir, python=sys.executable).command())
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_bytes((tiny_model_dir / "config.json").read_bytes())
+    (pickled / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(ModelLoadError, match="only pickle weights"):
+        VLLMServer(pickled, python=sys.executable)
