@@ -53,7 +53,8 @@ def pass_at_k(n: np.ndarray | int, c: np.ndarray | int, k: int) -> np.ndarray:
     certain = valid & (n - c < k)  # fewer than k wrong samples: every k-subset holds a correct one
     uncertain = valid & ~certain
     out[certain] = 1.0
-    out[uncertain] = -np.expm1(prefix[n[uncertain]] - prefix[n[uncertain] - c[uncertain]])
+    # + 0.0: no correct sample gives -expm1(0) = -0.0, which tables would print as "-0.000"
+    out[uncertain] = -np.expm1(prefix[n[uncertain]] - prefix[n[uncertain] - c[uncertain]]) + 0.0
     return out
 
 

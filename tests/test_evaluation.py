@@ -62,6 +62,7 @@ def test_pass_at_k_hand_computed():
     assert pass_at_k(4, 1, 2) == pytest.approx(0.5)
     assert pass_at_k(4, 3, 2) == 1.0
     assert pass_at_k(4, 0, 3) == 0.0
+    assert f"{pass_at_k(64, 0, 64):.3f}" == "0.000"  # not -0.000
 
 
 @pytest.mark.parametrize("seed", range(5))
