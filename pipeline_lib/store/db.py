@@ -114,11 +114,16 @@ class Store:
         # unread, so every statement's result is drained here.
         return self.con.execute(sql, params or []).fetchall()
 
-    def ensure_schema(self) -> None:
-        self._run("CREATE TABLE IF NOT EXISTS schema_info (version INTEGER NOT NULL)")
+    def check_version(self) -> int | None:
+        """The store's schema version (None for a new file); a newer one than this code's is a one-line error."""
         version = self._run("SELECT max(version) FROM schema_info")[0][0]
         if version is not None and version > SCHEMA_VERSION:
             raise StoreError(f"store schema v{version} is newer than this alignflow (v{SCHEMA_VERSION})")
+        return version
+
+    def ensure_schema(self) -> None:
+        self._run("CREATE TABLE IF NOT EXISTS schema_info (version INTEGER NOT NULL)")
+        version = self.check_version()
         for table, columns in TABLES.items():
             cols = ", ".join(f"{name} {kind}" for name, kind in columns.items())
             self._run(f"CREATE TABLE IF NOT EXISTS {table} ({cols})")
@@ -265,7 +270,9 @@ def open_store(path: str | Path, *, read_only: bool = False) -> Iterator[Store]:
         raise StoreError(f"store {path} is in use by another alignflow process ({first})") from None
     try:
         store = Store(con)
-        if not read_only:
+        if read_only:
+            store.check_version()  # readers refuse a newer store too, not only writers
+        else:
             store.ensure_schema()
         yield store
     finally:

@@ -259,8 +259,8 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
         (tmp / "python_rng.json").write_text(json.dumps([python_state[0], list(python_state[1]), python_state[2]]))
         _fsync_tree(tmp)
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
+        if final.exists():  # else `old` may be the only good checkpoint (a crash between the renames): keep it
+            shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
         tmp.rename(final)
         _fsync_dir(out_dir)

@@ -33,9 +33,10 @@ def test_newer_schema_is_refused(tmp_path):
     path = tmp_path / "store.duckdb"
     with open_store(path) as store:
         store._run("INSERT INTO schema_info VALUES (?)", [SCHEMA_VERSION + 1])
-    with pytest.raises(StoreError, match=f"schema v{SCHEMA_VERSION + 1} is newer"):
-        with open_store(path):
-            pass
+    for read_only in (False, True):  # a reader must not misread a newer layout either
+        with pytest.raises(StoreError, match=f"schema v{SCHEMA_VERSION + 1} is newer"):
+            with open_store(path, read_only=read_only):
+                pass
 
 
 def test_insert_new_skips_known_keys(tmp_path):

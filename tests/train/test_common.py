@@ -183,7 +183,7 @@ def test_checkpoint_round_trip_restores_everything(tmp_path):
     assert torch.equal(restored_next[0], expected_next[0]) and restored_next[1] == expected_next[1]
 
 
-def test_checkpoint_survives_a_crash_between_renames(tmp_path):
+def test_checkpoint_survives_a_crash_between_renames(tmp_path, monkeypatch):
     model, optimizer, scheduler = _trained_state()
     save_checkpoint(tmp_path, step=4, model=model, optimizer=optimizer)
     (tmp_path / CHECKPOINT_DIR).rename(tmp_path / f".{CHECKPOINT_DIR}.old")  # old moved aside, new not yet in place
@@ -192,6 +192,19 @@ def test_checkpoint_survives_a_crash_between_renames(tmp_path):
     assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt)[0] == 4
     assert torch.equal(fresh.weight, model.weight)
     assert load_checkpoint(tmp_path / "empty", model=fresh, optimizer=fresh_opt) is None
+
+    # the next save must not drop that only good checkpoint before its own is in place
+    real_rename = Path.rename
+
+    def crash_on_the_second_rename(self, target):
+        if self.name == f".{CHECKPOINT_DIR}.tmp":
+            raise OSError("killed")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", crash_on_the_second_rename)
+    with pytest.raises(CheckpointWriteError):
+        save_checkpoint(tmp_path, step=5, model=model, optimizer=optimizer)
+    assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt)[0] == 4
 
 
 @pytest.fixture(scope="module")
