@@ -116,7 +116,10 @@ class Store:
 
     def check_version(self) -> int | None:
         """The store's schema version (None for a new file); a newer one than this code's is a one-line error."""
-        version = self._run("SELECT max(version) FROM schema_info")[0][0]
+        try:
+            version = self._run("SELECT max(version) FROM schema_info")[0][0]
+        except duckdb.CatalogException:
+            raise StoreError("not an alignflow store: it has no schema_info table") from None
         if version is not None and version > SCHEMA_VERSION:
             raise StoreError(f"store schema v{version} is newer than this alignflow (v{SCHEMA_VERSION})")
         return version

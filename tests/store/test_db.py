@@ -127,6 +127,11 @@ def test_read_only_and_one_line_open_errors(tmp_path):
     with pytest.raises(StoreError, match="text.duckdb cannot be opened .*not a valid DuckDB database file"):
         with open_store(tmp_path / "text.duckdb"):
             pass
+    foreign = tmp_path / "foreign.duckdb"
+    duckdb.connect(str(foreign)).execute("CREATE TABLE t (a INTEGER)").close()
+    with pytest.raises(StoreError, match="not an alignflow store: it has no schema_info table"):
+        with open_store(foreign, read_only=True):
+            pass
 
 
 def test_store_held_by_another_process(tmp_path):
