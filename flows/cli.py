@@ -30,12 +30,35 @@ def main(
         None, "--workspace", "-w", help="Workspace dir (default $ALIGNFLOW_HOME or ./.alignflow)."
     ),
 ) -> None:
-    apply_environment(resolve_workspace(workspace))
+    chosen = resolve_workspace(workspace)
+    if "--help" not in sys.argv[1:]:  # a command's --help creates no workspace
+        apply_environment(chosen)
 
 
 def fail(message: str) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
+
+
+def echo_result(stage: str, result) -> None:
+    """What a stage produced, on stdout (Prefect's log lines go to stderr): ingest counts, the sampling
+    summary, the Pass@K / Maj@K table, or the output path."""
+    if stage == "ingest":
+        from pipeline_lib.store.ingest import IngestReport
+
+        typer.echo(IngestReport(**result).summary())
+    elif stage == "sample":
+        from pipeline_lib.sampling.stage import SampleReport
+
+        typer.echo(SampleReport(**{k: v for k, v in result.items() if k != "tokens_per_s"}).summary())
+    elif stage == "eval":
+        import polars as pl
+
+        from tasks.evaluation import results_markdown
+
+        typer.echo(results_markdown(pl.DataFrame(result)))
+    else:
+        typer.echo(f"output: {result}")
 
 
 def run_lock() -> AbstractContextManager[None]:
@@ -78,14 +101,14 @@ def ingest(
 
     cfg = validate_config(IngestConfig, {"path": str(path), "format": format, "source": source, "split": split},
                           origin="alignflow ingest")
-    if path.is_dir():
+    if cfg.resolved_path.is_dir():
         fail(f"{path}: is a directory, expected a data file")
-    if not path.is_file():
+    if not cfg.resolved_path.is_file():
         fail(f"{path}: no such file")
     from flows.ingest import ingest_flow
 
     with run_lock():
-        ingest_flow(cfg)
+        echo_result("ingest", ingest_flow(cfg))
 
 
 @data_app.command("stats")
@@ -97,7 +120,15 @@ def data_stats() -> None:
     with open_store(workspace.store_path, read_only=True) as store:
         frame = store.stats()
     typer.echo(f"store: {workspace.store_path}")
-    typer.echo(frame if frame.height else "(empty)")
+    echo_frame(frame)
+
+
+def echo_frame(frame) -> None:
+    """A polars frame with every row shown (its default repr hides the middle rows behind `…`)."""
+    import polars as pl
+
+    with pl.Config(tbl_rows=-1):
+        typer.echo(frame if frame.height else "(empty)")
 
 
 # stage name -> (config class name in pipeline_lib.config, "module:flow")
@@ -123,6 +154,11 @@ def load_stage(stage: str, config: Path):
     if stage not in STAGES:
         fail(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
     cfg = config_module.load_config(getattr(config_module, STAGES[stage][0]), config)
+    for field in config_module.REF_FIELDS if stage != "pipeline" else ():
+        value = getattr(cfg, field, None)
+        if isinstance(value, str) and value.startswith(config_module.FROM):
+            fail(f"{config}: {field}: {value!r} names a pipeline stage, which only a pipeline preset can; "
+                 "give a path (a stage's output is under the workspace's models/, and `alignflow run` prints it)")
     return cfg, load_flow(stage)
 
 
@@ -154,9 +190,9 @@ def run(
             outputs = stage_flow(cfg, force=tuple(force))
             typer.echo("outputs: " + ", ".join(f"{k}={v}" for k, v in outputs.items()))
         elif stage == "ingest":
-            stage_flow(cfg)
+            echo_result(stage, stage_flow(cfg))
         else:
-            stage_flow(cfg, force=bool(force))
+            echo_result(stage, stage_flow(cfg, force=bool(force)))
 
 
 @app.command()
@@ -182,7 +218,7 @@ def sample(
     from flows.sample import sample_flow
 
     with run_lock():
-        sample_flow(cfg)
+        echo_result("sample", sample_flow(cfg))
 
 
 @app.command("eval")
@@ -207,7 +243,7 @@ def evaluate(
     from flows.evaluate import eval_flow
 
     with run_lock():
-        eval_flow(cfg)
+        echo_result("eval", eval_flow(cfg))
 
 
 @app.command("vllm-env")
@@ -303,7 +339,7 @@ def print_results(workspace, seconds: float) -> None:
     from pipeline_lib.store.db import open_store
 
     with open_store(workspace.store_path, read_only=True) as store:
-        typer.echo(store.stats())
+        echo_frame(store.stats())
         results = store.latest_eval_results()
     typer.echo(f"\nevaluation (held-out problems), pipeline took {seconds:.0f} s:")
     typer.echo(eval_summary(results))

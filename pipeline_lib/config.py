@@ -21,6 +21,14 @@ class ConfigError(AlignflowError, ValueError):
     """A one-line config error naming the file, the field and what was expected."""
 
 
+def shipped_path(path: str | Path) -> Path:
+    """`path` as given if it exists, else relative to the alignflow checkout (its data/ and flows/configs/),
+    so the README's `data/...` and `flows/configs/...` work from any directory."""
+    path = Path(path).expanduser()
+    shipped = REPO_ROOT / path
+    return path if path.exists() or path.is_absolute() or not shipped.exists() else shipped
+
+
 def _numeric(annotation: object) -> bool:
     """Whether a field holds numbers: int / float, optionally in `X | None` or `tuple[X, ...]`."""
     if annotation in (int, float):
@@ -61,9 +69,7 @@ class IngestConfig(Config):
     @property
     def resolved_path(self) -> Path:
         """`path` as given if it exists, else relative to the alignflow checkout (its shipped data/)."""
-        path = Path(self.path).expanduser()
-        shipped = REPO_ROOT / path
-        return path if path.exists() or path.is_absolute() or not shipped.exists() else shipped
+        return shipped_path(self.path)
 
 
 def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -109,8 +115,9 @@ def validate_config(model: type[M], data: object, origin: str = "config") -> M:
 
 
 def load_yaml(path: str | Path) -> dict:
-    """Read a YAML preset into a dict; one-line errors for a missing file or bad YAML."""
-    path = Path(path)
+    """Read a YAML preset (as given, else in the checkout) into a dict; one-line errors for a missing file or
+    bad YAML."""
+    path = shipped_path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:

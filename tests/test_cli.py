@@ -12,18 +12,19 @@ import pytest
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 
-def alignflow(*args: str, workspace: Path) -> subprocess.CompletedProcess:
+def alignflow(*args: str, workspace: Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"ALIGNFLOW_HOME": str(workspace)}
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+                          timeout=300, cwd=cwd)
 
 
 @pytest.mark.parametrize("command", [[], ["ingest"], ["run"], ["sample"], ["eval"], ["demo"], ["serve"],
                                      ["ui"], ["data", "stats"], ["vllm-env"]])
 def test_help_everywhere(tmp_path, command):
-    result = alignflow(*command, "--help", workspace=tmp_path)
+    result = alignflow(*command, "--help", workspace=tmp_path / "ws")
     assert result.returncode == 0, result.stderr
     assert "Usage" in result.stdout
+    assert not (tmp_path / "ws").exists()  # asking for help creates no workspace
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -57,6 +58,14 @@ def test_usage_errors_print_usage_not_a_traceback(tmp_path, args, expected):
     assert "Traceback" not in result.stderr
 
 
+def test_a_single_stage_config_with_a_pipeline_reference_is_one_line(tmp_path):
+    config = tmp_path / "sft.yaml"
+    config.write_text("model_path: from:base\nmax_steps: 5\n")
+    result = alignflow("run", "sft", "--config", str(config), workspace=tmp_path / "ws")
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith(f"error: {config}: model_path: 'from:base' names a pipeline stage")
+
+
 def test_misspelled_config_field_is_one_line(tmp_path):
     config = tmp_path / "dpo.yaml"
     config.write_text("policy_path: /m\nbetta: 0.2\n")
@@ -66,9 +75,11 @@ def test_misspelled_config_field_is_one_line(tmp_path):
 
 
 def test_ingest_then_stats(tmp_path):
-    ingest = alignflow("ingest", str(DATA / "demo" / "rankings.jsonl"), "--source", "demo", workspace=tmp_path)
+    """From a directory of the user's own, the README's `data/...` path still names the shipped file; the counts
+    come on stdout (Prefect's log lines go to stderr)."""
+    ingest = alignflow("ingest", "data/demo/rankings.jsonl", "--source", "demo", workspace=tmp_path, cwd=tmp_path)
     assert ingest.returncode == 0, ingest.stderr
-    assert "read 600 = accepted 600 + duplicates 0 + quarantined 0" in ingest.stdout + ingest.stderr
+    assert "rankings.jsonl (ranking -> rankings): read 600 = accepted 600 + duplicates 0 + quarantined 0" in ingest.stdout
     stats = alignflow("data", "stats", workspace=tmp_path)
     assert stats.returncode == 0
     assert "rankings" in stats.stdout and "600" in stats.stdout
