@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import types
 import typing
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -33,7 +34,7 @@ def _numeric(annotation: object) -> bool:
     """Whether a field holds numbers: int / float, optionally in `X | None` or `tuple[X, ...]`."""
     if annotation in (int, float):
         return True
-    return typing.get_origin(annotation) in (typing.Union, tuple, type(int | None)) and any(
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType, tuple) and any(
         arg in (int, float) for arg in typing.get_args(annotation))
 
 
@@ -666,6 +667,11 @@ REF_TARGETS = {"model_path": POLICY_STAGES, "policy_path": POLICY_STAGES, "rewar
                "samples_run_id": ("sample",)}
 REF_FIELDS = tuple(REF_TARGETS)
 MODEL_FIELDS = ("model_path", "policy_path", "reward_model_path")  # the references that are model dirs
+
+
+def model_paths(cfg: BaseModel) -> list[str]:
+    """The model dirs (or hub ids) a stage config names: starting policy, reward model."""
+    return [path for path in (getattr(cfg, field, None) for field in MODEL_FIELDS) if path]
 FORCEABLE = (*STAGE_ORDER, "eval")  # what a pipeline run's `force` may name
 
 

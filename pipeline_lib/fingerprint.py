@@ -32,6 +32,13 @@ def fingerprint_path(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def model_fingerprint(model_path: str) -> str:
+    """A model dir's content fingerprint (a hub id stands for itself): a model retrained into the same dir is a
+    new input, an identical copy the same one."""
+    path = Path(model_path).expanduser()
+    return fingerprint_path(path) if path.is_dir() else model_path
+
+
 def content_id(*parts: str) -> str:
     """sha256 hex of the parts joined with the unit separator "\\x1f": the row id of every store table
     (re-ingesting is idempotent) and the key of content-addressed stage dirs.

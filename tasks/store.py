@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import polars as pl
 from prefect import task
 from pydantic import BaseModel
 
 from pipeline_lib.config import (
-    MODEL_FIELDS,
     DAPOConfig,
     DPOConfig,
     EvalConfig,
@@ -18,8 +16,9 @@ from pipeline_lib.config import (
     RMConfig,
     SampleConfig,
     SFTConfig,
+    model_paths,
 )
-from pipeline_lib.fingerprint import content_id, fingerprint_path, frame_fingerprint
+from pipeline_lib.fingerprint import content_id, frame_fingerprint, model_fingerprint
 from pipeline_lib.sampling.stage import select_problems
 from pipeline_lib.store.db import open_store
 from pipeline_lib.train.dpo import load_dpo_data
@@ -41,8 +40,7 @@ def inputs_fingerprint_task(cfg: BaseModel) -> str:
     with open_store(current_workspace().store_path) as store:
         data = LOADERS[type(cfg)](store, cfg)
     frames = [f for f in (data if isinstance(data, tuple) else (data,)) if isinstance(f, pl.DataFrame)]
-    paths = [getattr(cfg, field, None) for field in MODEL_FIELDS]
-    models = [fingerprint_path(p) for p in paths if isinstance(p, str) and Path(p).exists()]
+    models = [model_fingerprint(path) for path in model_paths(cfg)]
     return content_id(*(frame_fingerprint(f) for f in frames), *models)
 
 

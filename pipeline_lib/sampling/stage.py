@@ -9,13 +9,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import polars as pl
 from tqdm.auto import tqdm
 
 from pipeline_lib.config import SampleConfig
-from pipeline_lib.fingerprint import fingerprint_path
+from pipeline_lib.fingerprint import model_fingerprint
 from pipeline_lib.rewards.math import is_correct
 from pipeline_lib.rewards.registry import build_reward
 from pipeline_lib.sampling.base import Sampler, SamplingError
@@ -182,13 +181,6 @@ def _report(store: Store, run_id: str, policy: str, n_problems: int, skipped: in
 
 
 # ---- the stage from its config (what the Prefect task calls)
-
-
-def model_fingerprint(model_path: str) -> str:
-    """The model dir's content fingerprint (a hub id stands for itself): a model retrained into the same
-    dir starts a new run, an identical copy resumes the old one."""
-    path = Path(model_path).expanduser()
-    return fingerprint_path(path) if path.is_dir() else model_path
 
 
 def sample_run_id(cfg: SampleConfig) -> str:

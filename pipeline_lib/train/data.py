@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from pipeline_lib.config import MODEL_FIELDS, validate_config
+from pipeline_lib.config import model_paths, validate_config
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import fingerprint_path, frame_fingerprint, keyed_dir
 from pipeline_lib.logfns import print_log
@@ -247,8 +247,7 @@ def holdout_split(prompts: Sequence[str], fraction: float, *, seed: int) -> tupl
 def stage_dir(models_dir: Path, stage: str, cfg: BaseModel, *frames: pl.DataFrame) -> Path:
     """`keyed_dir` of config + the files of every model dir it names (starting policy, reward model) + data:
     a model retrained into the same path (new weights) gives a new dir."""
-    paths = [getattr(cfg, field, None) for field in MODEL_FIELDS]
-    models = [fingerprint_path(resolve_model_dir(path)) for path in paths if path]
+    models = [fingerprint_path(resolve_model_dir(path)) for path in model_paths(cfg)]
     return keyed_dir(models_dir, stage, cfg.model_dump_json(), *models, *(frame_fingerprint(frame) for frame in frames))
 
 
