@@ -33,6 +33,8 @@ _DETECT_SAMPLE = 1_000  # records whose keys vote for the detected format
 _KEY_END = re.compile(rb'"\s*:')
 # orjson reads an integer past 64 bits as a float, which it writes with an exponent of 18 or more
 _HUGE_NUMBER = re.compile(rb"e\+(?:1[89]|[2-9][0-9]|[0-9]{3})")
+# the tokens that delimit the records of a JSON array: strings (whose text may hold brackets), brackets, commas
+_ARRAY_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]')
 _ID_FIELDS = {
     "preference_pairs": ("pair_id", ["prompt", "chosen", "rejected"]),
     "rankings": ("ranking_id", ["prompt", "responses"]),
@@ -185,10 +187,34 @@ def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], Sequence[int], di
             except orjson.JSONEncodeError:  # orjson reads deeper than it writes; no text to keep in `raw`
                 pre_bad[i] = TOO_DEEP
                 lines.append(b"")
+        if len(_KEY_END.findall(data)) > sum(map(len, map(_KEY_END.findall, lines))) or any(
+                map(_HUGE_NUMBER.search, lines)):
+            # orjson dropped a repeated key or rounded a huge integer: screen the records as written
+            lines = _array_items(data)
         return lines, range(len(lines)), pre_bad
     if suffix == ".parquet":
         return _parquet_lines(path, data)
     return _csv_lines(path, data)
+
+
+def _array_items(data: bytes) -> list[bytes]:
+    """The text of each record of a valid JSON array as written, one line each: a newline outside a string
+    is whitespace, and a JSON string holds none. Scans strings, brackets and commas only: no depth limit."""
+    commas, depth, first, last = [], 0, 0, 0
+    for token in _ARRAY_TOKEN.finditer(data):
+        char = token[0]
+        if char in (b"[", b"{"):
+            depth += 1
+            if depth == 1:
+                first = token.end()
+        elif char in (b"]", b"}"):
+            depth -= 1
+            if depth == 0:
+                last = token.start()
+        elif char == b"," and depth == 1:
+            commas.append(token.start())
+    starts, ends = [first] + [comma + 1 for comma in commas], commas + [last]
+    return [data[start:end].strip().replace(b"\n", b" ").replace(b"\r", b" ") for start, end in zip(starts, ends)]
 
 
 def _parquet_lines(path: Path, data: bytes) -> tuple[list[bytes], Sequence[int], dict[int, str]]:

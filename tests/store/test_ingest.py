@@ -278,6 +278,23 @@ def test_repeated_key_is_quarantined(tmp_path, store):
     assert json.loads(store.read("preference_pairs")["meta"][0]) == {"note": '"x": "y"'}
 
 
+def test_json_array_screens_records_as_written(tmp_path, store):
+    """orjson parses the whole array first, dropping a repeated key and rounding a huge integer: such a file's
+    records are screened from their own text, pretty-printed or not, and `raw` shows them as written."""
+    big = 123456789012345678901234567890
+    text = ('[\n  {"prompt": "p,[}", "chosen": 5,\n   "rejected": "b", "chosen": "a"},\n'
+            '  {"prompt": "q", "chosen": "a", "rejected": "b", "id": %d},\n  7,\n'
+            '  {"prompt": "r", "chosen": "a", "rejected": "b", "m": {"k": [1, {"k": "]"}], "k": 2}}\n]\n' % big)
+    (tmp_path / "a.json").write_text(text)
+    report = ingest_file(tmp_path / "a.json", store)
+    check_invariant(report)
+    assert (report.rows_read, report.accepted) == (4, 1)
+    assert quarantine(store) == {0: "duplicate key 'chosen'", 2: "record is a number, expected a JSON object",
+                                 3: "duplicate key 'k'"}
+    assert store.read("quarantine")["raw"][0] == '{"prompt": "p,[}", "chosen": 5,    "rejected": "b", "chosen": "a"}'
+    assert json.loads(store.read("preference_pairs")["meta"][0]) == {"id": big}
+
+
 def lists(n: int) -> bytes:
     """JSON text of n nested lists (n levels)."""
     return b"[" * n + b"]" * n
