@@ -13,9 +13,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from pipeline_lib.errors import first_line
-from pipeline_lib.models.loading import ModelLoadError, atomic_output_dir, load_pretrained
+from pipeline_lib.models.loading import (
+    ModelLoadError, atomic_output_dir, load_policy, load_pretrained, resolve_model_dir,
+)
 from pipeline_lib.models.logprobs import position_ids_from_mask
 
 Pooling = Literal["last_token", "mean", "last_two_layers"]
@@ -28,7 +31,15 @@ POOLINGS: tuple[str, ...] = ("last_token", "mean", "last_two_layers")
 def _load_backbone(
     path: str | Path, *, dtype: str | torch.dtype, device: str | torch.device, trust_remote_code: bool
 ) -> PreTrainedModel:
-    """The base transformer (no LM head) of a policy or head checkpoint, safetensors only."""
+    """The base transformer (no LM head) of a policy or head checkpoint, safetensors only. A causal LM loads
+    whole and gives its LM head up: read as AutoModel, its lm_head.weight would be reported as unexpected."""
+    try:
+        config = json.loads((resolve_model_dir(path) / "config.json").read_text())
+        causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config["model_type"]) in config["architectures"]
+    except (OSError, ValueError, TypeError, KeyError):  # load_pretrained words the error
+        causal = False
+    if causal:
+        return load_policy(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code).base_model
     return load_pretrained(AutoModel, path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
 
 

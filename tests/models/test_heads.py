@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from pipeline_lib.models import POOLINGS, RewardModel, ValueModel, build_tiny_model, load_policy
@@ -89,6 +92,24 @@ def test_from_policy_uses_policy_weights_and_seeded_head(policy_dir):
     assert not torch.equal(model.head.weight, RewardModel.from_policy(policy_dir, seed=1).head.weight)
     assert float(model.head.bias.detach()) == 0.0
     assert 0.03 < float(model.head.weight.detach().std()) < 0.15  # N(0, 1/sqrt(129) = 0.088)
+
+
+@pytest.mark.parametrize("backbone", ["policy_dir", "gpt2_dir"])
+def test_heads_take_a_policy_backbone_without_a_load_report(request, backbone):
+    """The policy's LM head is dropped on purpose: transformers must not report it as an unexpected key."""
+    path = request.getfixturevalue(backbone)
+    policy = load_policy(path)
+    log = logging.StreamHandler(io.StringIO())
+    transformers.logging.add_handler(log)
+    try:
+        models = (RewardModel.from_policy(path), ValueModel.from_policy(path))
+    finally:
+        transformers.logging.remove_handler(log)
+    for model in models:
+        assert type(model.backbone) is type(policy.base_model)
+        for name, tensor in policy.base_model.state_dict().items():
+            assert torch.equal(model.backbone.state_dict()[name], tensor), name
+    assert "LOAD REPORT" not in log.stream.getvalue()
 
 
 @pytest.mark.parametrize("pooling", POOLINGS)
