@@ -254,13 +254,16 @@ class DPOConfig(TrainLoopConfig):
     """Seeded share of pairs held out for eval/pref_accuracy and eval/logp_margin."""
     ref_batch_size: int = Field(256, ge=1)
     """Rows per forward pass of the one-time reference log-prob computation."""
+    disable_dropout: bool = True
+    """Train with dropout off (TRL's default): the policy is then the same function as the cached reference
+    at step 0 (loss log 2). False trains with the model's dropout and lora_dropout on."""
     lora_r: int = Field(0, ge=0)
     """LoRA rank through peft (Hu et al. 2021), e.g. 8-64; 0 trains all weights. With LoRA the reference is
     the policy with adapters disabled (no second copy) and the final model has the adapters merged."""
     lora_alpha: float = Field(16.0, gt=0)
     """LoRA scaling numerator: the update is (alpha / r) · B A."""
     lora_dropout: float = Field(0.0, ge=0, lt=1)
-    """Dropout on the LoRA input, 0..0.1."""
+    """Dropout on the LoRA input, 0..0.1; needs disable_dropout false."""
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     """Module names that get adapters (Llama attention projections by default)."""
     lr: float = Field(5e-7, gt=0)
@@ -270,6 +273,9 @@ class DPOConfig(TrainLoopConfig):
     def _lora_has_targets(self):
         if self.lora_r > 0 and not self.lora_target_modules:
             raise ValueError(f"lora_r {self.lora_r} but lora_target_modules is empty: name the modules to adapt")
+        if self.lora_dropout > 0 and self.disable_dropout:
+            raise ValueError(f"lora_dropout {self.lora_dropout} has no effect while disable_dropout is true: set "
+                             "disable_dropout false to train with dropout")
         return self
 
 
@@ -394,7 +400,8 @@ class GRPOConfig(Config):
     max_new_tokens: int = Field(1024, ge=1)
     """Generation budget per completion (DeepSeekMath: 1024; the demo: 6)."""
     temperature: float = Field(1.0, gt=0)
-    """Sampling temperature of the rollouts; 1.0 keeps θ_old's log-probs those of the sampled distribution."""
+    """Sampling temperature of the rollouts. θ, θ_old and the reference log-probs divide the logits by it too
+    (as TRL and verl do), so the ratio and the KL are taken on the distribution the rollouts were drawn from."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass; 1.0 disables it (anything else biases the ratio π/π_old)."""
     beta: float = Field(0.04, ge=0)
@@ -435,6 +442,9 @@ class GRPOConfig(Config):
                              "(DAPO §3.1) widens the upper bound, expected clip_eps_high >= clip_eps_low")
         if self.loss == "dapo" and self.beta != 0:
             raise ValueError("loss 'dapo' has no KL term: beta must be 0 (use loss 'grpo' for a KL penalty)")
+        if self.dynamic_sampling and not any(spec["name"] == "verifier" for spec in self.rewards):
+            raise ValueError("dynamic_sampling keeps the groups with 0 < #correct < G, which only a reward with the "
+                             "verifier varies: add {name: verifier} to rewards or set dynamic_sampling false")
         for spec in self.rewards:
             if spec["name"] == "overlong" and int(spec.get("max_len", 0)) > self.max_new_tokens:
                 raise ValueError(f"rewards overlong max_len {spec['max_len']} exceeds max_new_tokens {self.max_new_tokens}")
@@ -519,7 +529,7 @@ class PPOConfig(Config):
     max_new_tokens: int = Field(256, ge=1)
     """Generation budget per completion."""
     temperature: float = Field(1.0, gt=0)
-    """Rollout sampling temperature."""
+    """Rollout sampling temperature; the actor, θ_old and reference log-probs divide the logits by it too."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass; 1.0 disables it."""
     kl_coef: float = Field(0.02, ge=0)

@@ -19,10 +19,13 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 
 
 def _chunk_logps(
-    lm_head: nn.Module, hidden: Tensor, targets: Tensor, with_entropy: bool
+    lm_head: nn.Module, hidden: Tensor, targets: Tensor, with_entropy: bool, temperature: float
 ) -> tuple[Tensor, Tensor]:
-    """Log-prob of `targets` and entropy for one chunk of positions; the chunk's logits die here."""
+    """Log-prob of `targets` and entropy for one chunk of positions under softmax(logits / temperature);
+    the chunk's logits die here."""
     logits = lm_head(hidden).float()  # (B, C, V)
+    if temperature != 1.0:
+        logits = logits / temperature
     normalizer = torch.logsumexp(logits, dim=-1)  # (B, C)
     logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer  # (B, C)
     if not with_entropy:
@@ -64,13 +67,14 @@ def _final_hidden(model: PreTrainedModel, input_ids: Tensor, attention_mask: Ten
     return outputs.hidden_states[-1]  # (B, T, H): transformers applies the final norm to the last entry
 
 
-def _chunked_logps(lm_head: nn.Module, hidden: Tensor, targets: Tensor, return_entropy: bool, chunk_size: int
-                   ) -> tuple[Tensor, Tensor]:
+def _chunked_logps(lm_head: nn.Module, hidden: Tensor, targets: Tensor, return_entropy: bool, chunk_size: int,
+                   temperature: float) -> tuple[Tensor, Tensor]:
     """log π(targets) and entropies from hidden states that predict them, `chunk_size` positions at a time;
     under autograd each chunk is checkpointed, so backward recomputes its logits instead of keeping them."""
     logp_chunks, entropy_chunks = [], []
     for start in range(0, hidden.shape[1], chunk_size):
-        args = (lm_head, hidden[:, start:start + chunk_size], targets[:, start:start + chunk_size], return_entropy)
+        args = (lm_head, hidden[:, start:start + chunk_size], targets[:, start:start + chunk_size], return_entropy,
+                temperature)
         if torch.is_grad_enabled():
             chunk_logps, chunk_entropy = checkpoint(_chunk_logps, *args, use_reentrant=False)
         else:
@@ -88,8 +92,11 @@ def sequence_logprobs(
     *,
     return_entropy: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float = 1.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """log π(x_t | x_<t) of each taken token, aligned to input_ids positions; position 0 gets 0.
+
+    `temperature` divides the logits, as the sampler did: the log-probs of the distribution a rollout drew from.
 
     Values are zero wherever completion_mask is 0. With return_entropy, also the entropy of the
     distribution that predicted each position, masked the same way. Logits are built `chunk_size`
@@ -98,6 +105,8 @@ def sequence_logprobs(
     _check_inputs(input_ids, attention_mask, completion_mask)
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size}: expected >= 1")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: expected > 0")
     batch, seq_len = input_ids.shape
     hidden = _final_hidden(model, input_ids, attention_mask)  # (B, T, H)
     lm_head = getattr(model, "module", model).get_output_embeddings()
@@ -108,7 +117,7 @@ def sequence_logprobs(
     if needed.numel() > 0:
         lo, hi = int(needed.min()), int(needed.max()) + 1  # hidden at column t predicts token t + 1
         span_logps, span_entropy = _chunked_logps(lm_head, hidden[:, lo:hi], input_ids[:, lo + 1:hi + 1],
-                                                  return_entropy, chunk_size)
+                                                  return_entropy, chunk_size, temperature)
         # Pad rather than write in place: in-place writes into `logps` would break autograd on the chunks.
         pad = (lo + 1, seq_len - hi - 1)
         logps = nn.functional.pad(span_logps, pad)  # (B, T)
@@ -144,6 +153,7 @@ def shared_prompt_logprobs(
     *,
     return_entropy: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float = 1.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """log π(y_t | x, y_<t) of each completion token, (N, C) aligned to completion_ids; 0 where the mask is 0.
 
@@ -162,6 +172,8 @@ def shared_prompt_logprobs(
                          f"got {prompt_index.shape[0]}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size}: expected >= 1")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: expected > 0")
     inner = getattr(model, "module", model)
     cache = DynamicCache(config=inner.config)
     prompt_hidden = _final_hidden(model, prompt_ids, prompt_mask, cache=cache, use_cache=True,
@@ -173,7 +185,8 @@ def shared_prompt_logprobs(
                                       cache=cache, use_cache=True, position_ids=positions)  # (N, C, H)
     # the last prompt position predicts completion token 0, completion position t predicts token t + 1
     hidden = torch.cat([prompt_hidden[prompt_index, -1:], completion_hidden[:, :-1]], dim=1)  # (N, C, H)
-    logps, entropy = _chunked_logps(inner.get_output_embeddings(), hidden, completion_ids, return_entropy, chunk_size)
+    logps, entropy = _chunked_logps(inner.get_output_embeddings(), hidden, completion_ids, return_entropy, chunk_size,
+                                    temperature)
     keep = completion_mask.bool()
     logps = torch.where(keep, logps, torch.zeros_like(logps))  # (N, C)
     if return_entropy:

@@ -75,7 +75,8 @@ def pair_rows(pair_ids: list[int]) -> list[int]:
 @torch.no_grad()
 def logprob_sums(model: nn.Module, encoded: Encoded, rows: list[int], *, pad_id: int, device: torch.device,
                  batch_size: int) -> Tensor:
-    """log π(y|x) of `rows` without gradients, batched over rows sorted by length (little padding)."""
+    """log π(y|x) of `rows` without gradients (dropout off), batched over rows sorted by length (little padding)."""
+    training = model.training
     model.eval()
     lengths = [len(encoded.prompt_ids[r]) + len(encoded.completion_ids[r]) for r in rows]
     order = sorted(range(len(rows)), key=lambda k: lengths[k])
@@ -86,7 +87,7 @@ def logprob_sums(model: nn.Module, encoded: Encoded, rows: list[int], *, pad_id:
         with autocast(device):
             sums = completion_logprob_sums(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
         out[chunk] = sums.float().cpu()
-    model.train()
+    model.train(training)
     return out
 
 
@@ -162,7 +163,7 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     model.config.use_cache = False
     if cfg.lora_r:
         model = add_lora(model, cfg)
-    model.train()
+    model.train(not cfg.disable_dropout)  # eval mode: dropout off, as the cached reference log-probs were taken
     encoded = encode_pairs(tokenizer, pairs, max_length=cfg.max_length)
     train_ids, eval_ids = holdout_split(pairs["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     if cfg.batch_size % (ctx.world_size * cfg.grad_accum_steps):

@@ -4,6 +4,7 @@ G samples per prompt from θ_old, group-normalized advantages, μ passes of clip
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +82,8 @@ def sample_groups(
 
     With dynamic sampling (DAPO §3.2) a group is kept only when 0 < #correct < G on the RAW verifier outcome,
     and further prompt batches are sampled until the batch is full or `max_refill_rounds` extra rounds are
-    spent; surplus informative groups of the last round are dropped. Round r of step s is seeded
+    spent (then a warning, and the step trains on the groups it has); surplus informative groups of the last
+    round are dropped (as verl does) and not counted as filtered. Round r of step s is seeded
     rollout_seed(seed, s, r)."""
     group = cfg.group_size
     kept_prompts: list[str] = []
@@ -92,7 +94,7 @@ def sample_groups(
     seen_lengths: list[int] = []
     truncated = 0
     component_sums: dict[str, float] = {}
-    groups_sampled = groups_kept = rounds = data_step = 0
+    groups_sampled = groups_informative = groups_kept = rounds = data_step = 0
     for round_ in range(1 + (cfg.max_refill_rounds if cfg.dynamic_sampling else 0)):
         rounds = round_ + 1
         batch_step, indices = next(prompt_stream)
@@ -115,6 +117,7 @@ def sample_groups(
             component_sums[name] = component_sums.get(name, 0.0) + sum(values)
         groups_sampled += len(indices)
         keep = informative_groups(correct, group) if cfg.dynamic_sampling else torch.ones(len(indices), dtype=torch.bool)
+        groups_informative += int(keep.sum())
         for g in keep.nonzero().flatten().tolist()[:cfg.prompts_per_step - groups_kept]:
             rows = slice(g * group, (g + 1) * group)
             kept_prompts += row_prompts[rows]
@@ -123,6 +126,10 @@ def sample_groups(
             groups_kept += 1
         if groups_kept == cfg.prompts_per_step:
             break
+    if groups_kept < cfg.prompts_per_step:
+        warnings.warn(f"step {step + 1}: dynamic sampling found {groups_kept} of {cfg.prompts_per_step} groups with "
+                      f"0 < #correct < G in {rounds} round(s); training on them (raise max_refill_rounds to keep "
+                      "sampling)", RuntimeWarning, stacklevel=2)
 
     n = len(seen_rewards)
     reward_tensor = torch.tensor(seen_rewards)
@@ -134,7 +141,7 @@ def sample_groups(
         "completions/mean_length": sum(seen_lengths) / n,
         "completions/truncated_frac": truncated / n,
         "completions/tokens": float(sum(seen_lengths)),
-        "rollout/groups_filtered_frac": 1.0 - groups_kept / groups_sampled,
+        "rollout/groups_filtered_frac": 1.0 - groups_informative / groups_sampled,  # not the surplus ones
         "rollout/groups_kept": float(groups_kept),
         "rollout/refill_rounds": float(rounds - 1),
     }
@@ -212,9 +219,11 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                 advantages = group_advantages(torch.tensor(rollout.rewards), group_size=cfg.group_size,
                                               scale=cfg.scale_rewards).to(device)  # (N,)
                 n_rows = len(batch)
-                ref_logps = grouped_logprobs_in_chunks(ref, batch, mini_batch) if ref is not None else None  # (N, C)
+                ref_logps = grouped_logprobs_in_chunks(ref, batch, mini_batch, temperature=cfg.temperature) \
+                    if ref is not None else None  # (N, C)
                 # one mini-batch: θ_old = θ at its first pass, so its log-probs come free from that pass
-                old_logps = grouped_logprobs_in_chunks(policy, batch, mini_batch) if n_rows > mini_batch else None
+                old_logps = grouped_logprobs_in_chunks(policy, batch, mini_batch, temperature=cfg.temperature) \
+                    if n_rows > mini_batch else None
 
                 # ---- update: μ passes over the rollout, one optimizer step per mini-batch
                 order_generator = torch.Generator().manual_seed(rollout_seed(cfg.seed, step, 997))
@@ -225,7 +234,8 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                         micro = batch.select(rows)
                         mask = micro.completion_mask
                         with autocast(device):
-                            logps, entropy = micro.logprobs(policy, return_entropy=True)  # (n, C)
+                            logps, entropy = micro.logprobs(policy, return_entropy=True,
+                                                            temperature=cfg.temperature)  # (n, C)
                         if old_logps is None:
                             old_logps = torch.empty_like(logps)
                             old_logps[rows] = logps.detach().float()

@@ -159,8 +159,8 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
             batch: Batch = completions_batch(tokenizer, [texts[i] for i in indices], completions,
                                              add_special_tokens=add_special_tokens).to(device)
             mask = batch.completion_mask  # (B, T)
-            old_logps = logprobs_in_chunks(policy, batch, mini_batch, device)  # (B, T)
-            ref_logps = logprobs_in_chunks(ref, batch, mini_batch, device)  # (B, T)
+            old_logps = logprobs_in_chunks(policy, batch, mini_batch, device, temperature=cfg.temperature)  # (B, T)
+            ref_logps = logprobs_in_chunks(ref, batch, mini_batch, device, temperature=cfg.temperature)  # (B, T)
             with torch.no_grad(), autocast(device):
                 old_values = state_values(critic, batch.input_ids, batch.attention_mask).float()  # (B, T)
             lengths = [c.n_tokens for c in completions]
@@ -186,7 +186,8 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
                     rows = order[start:start + mini_batch]
                     with autocast(device):
                         logps, entropy = sequence_logprobs(policy, batch.input_ids[rows], batch.attention_mask[rows],
-                                                           mask[rows], return_entropy=True)  # (n, T)
+                                                           mask[rows], return_entropy=True,
+                                                           temperature=cfg.temperature)  # (n, T)
                         values = state_values(critic, batch.input_ids[rows], batch.attention_mask[rows])  # (n, T)
                     policy_loss, policy_stats = ppo_policy_loss(logps.float(), old_logps[rows], advantages[rows],
                                                                 mask[rows], clip_eps=cfg.clip_eps)

@@ -128,14 +128,15 @@ def completions_batch(
 
 
 @torch.no_grad()
-def logprobs_in_chunks(model: PreTrainedModel, batch: Batch, chunk: int, device: torch.device) -> Tensor:
-    """log π of the completion tokens, (N, T), computed `chunk` rows at a time without gradients."""
+def logprobs_in_chunks(model: PreTrainedModel, batch: Batch, chunk: int, device: torch.device, *,
+                       temperature: float = 1.0) -> Tensor:
+    """log π of the completion tokens (logits / temperature), (N, T), `chunk` rows at a time without gradients."""
     parts = []
     for start in range(0, batch.input_ids.shape[0], chunk):
         rows = slice(start, start + chunk)
         with autocast(device):
             parts.append(sequence_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows],
-                                           batch.completion_mask[rows]).float())
+                                           batch.completion_mask[rows], temperature=temperature).float())
     return torch.cat(parts)  # (N, T)
 
 
@@ -162,10 +163,13 @@ class GroupedBatch:
         return GroupedBatch(self.prompt_ids[used], self.prompt_mask[used], index, self.completion_ids[rows],
                             self.completion_mask[rows])
 
-    def logprobs(self, model: PreTrainedModel, *, return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        """log π of the completion tokens, (N, C) (with entropies), each distinct prompt run once."""
+    def logprobs(self, model: PreTrainedModel, *, return_entropy: bool = False, temperature: float = 1.0
+                 ) -> Tensor | tuple[Tensor, Tensor]:
+        """log π of the completion tokens (logits / temperature), (N, C) (with entropies), each distinct prompt
+        run once."""
         return shared_prompt_logprobs(model, self.prompt_ids, self.prompt_mask, self.prompt_index,
-                                      self.completion_ids, self.completion_mask, return_entropy=return_entropy)
+                                      self.completion_ids, self.completion_mask, return_entropy=return_entropy,
+                                      temperature=temperature)
 
 
 def grouped_completions_batch(
@@ -199,14 +203,15 @@ def grouped_completions_batch(
 
 
 @torch.no_grad()
-def grouped_logprobs_in_chunks(model: PreTrainedModel, batch: GroupedBatch, chunk: int) -> Tensor:
+def grouped_logprobs_in_chunks(model: PreTrainedModel, batch: GroupedBatch, chunk: int, *,
+                               temperature: float = 1.0) -> Tensor:
     """log π of the completion tokens, (N, C), `chunk` consecutive rows at a time (a group's rows share its
     prompt pass), without gradients."""
     parts = []
     for start in range(0, len(batch), chunk):
         with autocast(batch.completion_ids.device):
             rows = torch.arange(start, min(start + chunk, len(batch)), device=batch.completion_ids.device)
-            parts.append(batch.select(rows).logprobs(model).float())
+            parts.append(batch.select(rows).logprobs(model, temperature=temperature).float())
     return torch.cat(parts)  # (N, C)
 
 

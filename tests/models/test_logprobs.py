@@ -33,9 +33,10 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, attention, completion
 
 
-def _naive(model, ids, attention, completion) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference: full (B, T, V) log_softmax, gather, shift by one, mask."""
+def _naive(model, ids, attention, completion, temperature=1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: full (B, T, V) log_softmax of logits / temperature, gather, shift by one, mask."""
     logits = model(ids, attention_mask=attention, position_ids=position_ids_from_mask(attention)).logits.float()
+    logits = logits / temperature
     logp_all = logits.log_softmax(-1)  # (B, T, V)
     taken = logp_all[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, T-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)[:, :-1]  # (B, T-1)
@@ -186,6 +187,28 @@ def test_shared_prompt_logprobs_equal_full_rows_values_entropies_and_gradients(m
         assert torch.all(shared[row, len(tokens):] == 0) and torch.all(shared_entropy[row, len(tokens):] == 0)
     for a, b in zip(shared_grads, full_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.7])
+def test_temperature_gives_the_log_probs_of_the_sampled_distribution(model, temperature):
+    """Rollouts drawn at temperature T: log-probs and entropies of softmax(logits / T), shared prompt or not."""
+    ids, attention, completion = _batch()
+    with torch.no_grad():
+        logps, entropy = sequence_logprobs(model, ids, attention, completion, return_entropy=True,
+                                           temperature=temperature)
+        ref_logps, ref_entropy = _naive(model, ids, attention, completion, temperature)
+        assert not torch.allclose(logps, sequence_logprobs(model, ids, attention, completion), atol=1e-3)
+        torch.testing.assert_close(logps, ref_logps, atol=ATOL, rtol=0)
+        torch.testing.assert_close(entropy, ref_entropy, atol=ATOL, rtol=0)
+        prompts, completions, index = _grouped()
+        full_ids, full_attention, full_completion = _full_rows(prompts, completions, index)
+        full = sequence_logprobs(model, full_ids, full_attention, full_completion, temperature=temperature)
+        shared = shared_prompt_logprobs(model, *_grouped_tensors(prompts, completions, index), temperature=temperature)
+    width = full_ids.shape[1]
+    for row, tokens in enumerate(completions):
+        torch.testing.assert_close(shared[row, :len(tokens)], full[row, width - len(tokens):], atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="temperature=0: expected > 0"):
+        sequence_logprobs(model, ids, attention, completion, temperature=0)
 
 
 def test_shared_prompt_logprobs_rejects_mismatched_inputs(model):

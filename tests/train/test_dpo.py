@@ -4,8 +4,10 @@ raises held-out preference accuracy and the chosen - rejected log-prob margin ov
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -55,6 +57,26 @@ def test_two_steps_start_at_log_2_and_train_every_weight(tiny, tmp_path, collect
     assert {"eval/pref_accuracy", "eval/logp_margin", "eval/logp_margin_start"} <= set(metrics)
     before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
     assert all(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_dropout_is_off_unless_asked_so_a_dropout_checkpoint_still_starts_at_log_2(tiny, tmp_path, collect):
+    """The cached reference log-probs are taken without dropout; the policy must be trained the same way, or the
+    step-0 loss is not log 2 (TRL's disable_dropout)."""
+    dropout_dir = tmp_path / "dropout"
+    shutil.copytree(tiny, dropout_dir)
+    config = json.loads((dropout_dir / "config.json").read_text())
+    (dropout_dir / "config.json").write_text(json.dumps(config | {"attention_dropout": 0.5}))
+    first_losses = {}
+    for disable in (True, False):
+        logged, log = collect()
+        cfg = DPOConfig(policy_path=str(dropout_dir), max_steps=1, batch_size=8, lr=1e-3, device="cpu",
+                        disable_dropout=disable)
+        train_dpo(cfg, toy_pairs(40), tmp_path / f"out-{disable}", log=log)
+        first_losses[disable] = logged[1][1]["train/loss"]
+    assert first_losses[True] == pytest.approx(math.log(2), abs=1e-5)
+    assert abs(first_losses[False] - math.log(2)) > 1e-3  # dropout on: the policy is not the reference
+    with pytest.raises(ValueError, match="lora_dropout 0.1 has no effect while disable_dropout is true"):
+        DPOConfig(policy_path="p", lora_r=8, lora_dropout=0.1)
 
 
 def test_rpo_term_adds_the_chosen_nll_and_holds_the_chosen_answers_up(tiny, tmp_path, collect):

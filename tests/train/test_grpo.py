@@ -114,11 +114,27 @@ def test_dynamic_sampling_keeps_informative_groups_by_raw_correctness_and_refill
 def test_dynamic_sampling_gives_up_after_max_refill_rounds():
     cfg = scripted_config(dynamic_sampling=True, max_refill_rounds=2)
     stream = iter([(k, [0]) for k in range(10)])  # prompt 0 is always all-correct
-    rollout = sample_groups(ScriptedSampler(SCRIPT), stream, PROMPTS, ANSWERS, combined_reward(cfg.rewards), cfg, 0)
+    with pytest.warns(RuntimeWarning, match=r"step 1: dynamic sampling found 0 of 2 groups with 0 < #correct < G "
+                                            r"in 3 round\(s\); training on them \(raise max_refill_rounds"):
+        rollout = sample_groups(ScriptedSampler(SCRIPT), stream, PROMPTS, ANSWERS, combined_reward(cfg.rewards),
+                                cfg, 0)
     assert rollout.groups_kept == 0 and rollout.completions == []
     assert rollout.data_step == 3  # 1 round + 2 refills drew 3 batches; the next step starts at the 4th
     assert rollout.metrics["rollout/refill_rounds"] == 2.0
     assert rollout.metrics["rollout/groups_filtered_frac"] == 1.0
+
+
+def test_surplus_informative_groups_are_dropped_but_not_counted_as_filtered():
+    cfg = scripted_config(dynamic_sampling=True, prompts_per_step=1)
+    rollout = sample_groups(ScriptedSampler(SCRIPT), iter([(0, [0, 1, 3])]), PROMPTS, ANSWERS,
+                            combined_reward(cfg.rewards), cfg, 0)
+    assert rollout.groups_kept == 1 and rollout.prompts == ["2+2="] * 4
+    assert rollout.metrics["rollout/groups_filtered_frac"] == pytest.approx(1 / 3)  # prompt 0 only
+
+
+def test_dynamic_sampling_needs_the_verifier_among_the_rewards():
+    with pytest.raises(ValueError, match="dynamic_sampling keeps the groups with 0 < #correct < G"):
+        scripted_config(dynamic_sampling=True, rewards=({"name": "reward_model"},), reward_model_path="rm")
 
 
 def test_without_dynamic_sampling_every_group_is_kept_in_one_round():
@@ -217,6 +233,23 @@ def test_beta_zero_loads_no_reference_and_logs_no_reference_kl(tiny, problems, t
     assert runs[0.04][0] == 2 and runs[0.0][0] == 1  # the policy, plus the reference only when β > 0
     assert "policy/kl_ref" not in runs[0.0][1]
     assert runs[0.04][1]["policy/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # one update, taken at π = π_ref
+
+
+def test_every_log_prob_pass_uses_the_rollout_temperature(tiny, problems, tmp_path, monkeypatch):
+    """θ, θ_old and the reference divide the logits by the sampling temperature, as TRL and verl do."""
+    from pipeline_lib.train import rollout as rollout_module
+
+    temperatures: list[float] = []
+    real = rollout_module.shared_prompt_logprobs
+
+    def recording(*args, temperature=1.0, **kwargs):
+        temperatures.append(temperature)
+        return real(*args, temperature=temperature, **kwargs)
+
+    monkeypatch.setattr(rollout_module, "shared_prompt_logprobs", recording)
+    train_grpo(small_config(tiny, temperature=0.7, max_steps=1, mini_batch_size=8), problems, tmp_path / "out")
+    # reference and θ_old: 2 chunks of 8 rows each; θ: 2 iterations x 2 mini-batches
+    assert temperatures == [0.7] * 8
 
 
 def test_rewards_can_mix_a_reward_model_with_the_verifier(tiny, problems, tmp_path, collect):

@@ -79,6 +79,24 @@ def test_two_steps_change_actor_and_log_finite_metrics(tiny, reward_model, probl
     assert not (tmp_path / "out" / CHECKPOINT_DIR).exists()
 
 
+def test_every_log_prob_pass_uses_the_rollout_temperature(tiny, reward_model, problems, tmp_path, monkeypatch):
+    """The actor, θ_old and the reference divide the logits by the sampling temperature, as TRL does."""
+    from pipeline_lib.train import ppo as ppo_module
+    from pipeline_lib.train import rollout as rollout_module
+
+    temperatures: list[float] = []
+    real = rollout_module.sequence_logprobs
+
+    def recording(*args, temperature=1.0, **kwargs):
+        temperatures.append(temperature)
+        return real(*args, temperature=temperature, **kwargs)
+
+    for module in (ppo_module, rollout_module):
+        monkeypatch.setattr(module, "sequence_logprobs", recording)
+    train_ppo(small_config(tiny, reward_model, temperature=1.5, max_steps=1), problems, tmp_path / "out")
+    assert len(temperatures) >= 3 and set(temperatures) == {1.5}
+
+
 def test_rewards_mix_the_reward_model_with_the_verifier_or_use_the_verifier_alone(tiny, reward_model, problems,
                                                                                    tmp_path, collect):
     """rewards = 0.5·RM + verifier: each component is logged, rewards/mean is their weighted sum; the verifier
