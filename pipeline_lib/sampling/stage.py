@@ -106,7 +106,8 @@ def sample_problems(
     Batches are cut from the problems in problem_id order and batch b is sampled with `seed + b`; a batch
     is written in one INSERT, so a crash loses at most that batch, and a rerun skips the prompts already in
     `run_id`: the resumed run holds the same rows as an uninterrupted one. `render` maps a problem's
-    prompt to the text sent to the model (chat template); the table keeps the problem's own prompt."""
+    prompt to the text sent to the model (chat template); rewards score that text + the completion (a reward
+    model trained on chat-rendered pairs reads the same form) and the table keeps the problem's own prompt."""
     missing = {"problem_id", "prompt", "answer"} - set(problems.columns)
     if missing:
         raise SamplingError(f"problems: missing column(s) {sorted(missing)}")
@@ -136,7 +137,8 @@ def sample_problems(
         row_answers = [answers[i] for i, _, _ in rows]
         completions = [c.text for _, _, c in rows]
         lengths = [c.n_tokens for _, _, c in rows]
-        rewards = reward_fn(row_prompts, completions, answers=row_answers, lengths=lengths)
+        sent = dict(zip(todo, texts))  # rewards score what the model read + its completion, as GRPO and PPO do
+        rewards = reward_fn([sent[i] for i, _, _ in rows], completions, answers=row_answers, lengths=lengths)
         correct = [is_correct(text, answer) for text, answer in zip(completions, row_answers)]
         frame = pl.DataFrame({
             "run_id": [run_id] * len(rows),

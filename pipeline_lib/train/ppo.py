@@ -121,7 +121,8 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
     if answers is None and any(spec["name"] == "verifier" for spec in cfg.rewards):
         raise AlignflowError("ppo: rewards name 'verifier' but the prompts have no answers (use prompts_table "
                              "problems)")
-    # an RM scores prompt + completion text as the RM stage trained on it (rewards/model.py), in its own tokens
+    # an RM scores the prompt as the policy read it (chat-rendered with chat_template, as the RM stage renders
+    # chat-shaped pairs) + the completion, in its own tokens; the sampling stage scores the same text
     reward_fn = build_reward(cfg.rewards, reward_model_path=cfg.reward_model_path, device=device)
     critic_path = cfg.reward_model_path if cfg.critic_init == "reward_model" else cfg.policy_path
     if cfg.critic_init == "reward_model" and load_tokenizer(critic_path).get_vocab() != tokenizer.get_vocab():

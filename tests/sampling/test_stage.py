@@ -144,6 +144,23 @@ def test_chat_template_renders_prompts_and_keeps_the_raw_prompt(store, tiny_mode
     assert set(rows["prompt"]) == {"97+70=", "36+31="}
 
 
+def test_rewards_score_the_text_the_model_read(store, problems):
+    """With a renderer (chat template) the reward sees the rendered prompt + completion, as GRPO and PPO do;
+    the table keeps the problem's own prompt."""
+    seen: list[str] = []
+
+    def recording_reward(prompts, completions, *, answers, lengths):
+        seen.extend(p + c for p, c in zip(prompts, completions))
+        return [0.0] * len(completions)
+
+    answers = {f"<u>{p}<a>": a for p, a in zip(problems["prompt"], problems["answer"])}
+    _sample(GoldEveryOtherSampler(answers), problems.head(2), store, n=2, reward_fn=recording_reward,
+            render=lambda prompt: f"<u>{prompt}<a>")
+    first = problems.head(2).sort("problem_id")["prompt"][0]
+    assert seen[:2] == [f"<u>{first}<a>{answers[f'<u>{first}<a>']}", f"<u>{first}<a>0"]
+    assert set(store.read("samples", run_id="run")["prompt"]) == set(problems.head(2)["prompt"])
+
+
 def test_bad_inputs_are_one_line_errors(store, tiny_model_dir):
     with pytest.raises(SamplingError, match=r"no problems in the store with split='train', source='nope'"):
         select_problems(store, SampleConfig(model_path="m", split="train", problems_source="nope"))
