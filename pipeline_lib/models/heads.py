@@ -134,11 +134,13 @@ class RewardModel(nn.Module):
     entries of the backbone's hidden_states (the final-normed last layer and the previous layer's output)
     at the last valid token. The head is float32 whatever the backbone dtype."""
 
-    def __init__(self, backbone: PreTrainedModel, head: nn.Linear, pooling: Pooling = "last_token") -> None:
+    def __init__(self, backbone: PreTrainedModel, head: nn.Linear, pooling: Pooling = "last_token",
+                 chat_prompts: bool = False) -> None:
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"pooling={pooling!r}: expected one of {POOLINGS}")
         self.backbone, self.head, self.pooling = backbone, head.float(), pooling
+        self.chat_prompts = chat_prompts  # trained on chat-rendered prompts; saved, so scoring stages can check
 
     @classmethod
     def from_policy(
@@ -158,10 +160,11 @@ class RewardModel(nn.Module):
         trust_remote_code: bool = False,
     ) -> "RewardModel":
         backbone, head, config = _load(path, "reward", dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-        return cls(backbone, head, config["pooling"])
+        return cls(backbone, head, config["pooling"], bool(config.get("chat_prompts", False)))
 
     def save_pretrained(self, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
-        return _save(out_dir, self.backbone, self.head, "reward", {"pooling": self.pooling}, tokenizer)
+        return _save(out_dir, self.backbone, self.head, "reward",
+                     {"pooling": self.pooling, "chat_prompts": self.chat_prompts}, tokenizer)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         hidden = _hidden_states(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import math
 import typing
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -172,9 +173,10 @@ def check_reward_specs(specs: Sequence[Mapping[str, Any]]) -> None:
 
 
 def build_reward(specs: Sequence[Mapping[str, Any]], *, reward_model_path: str | None = None,
-                 device: Any = "cpu") -> CombinedReward:
+                 device: Any = "cpu", chat_prompts: bool = False) -> CombinedReward:
     """`combined_reward` of config specs, a `reward_model` component given a scorer of `reward_model_path`
-    on `device`; a bad spec is a one-line AlignflowError naming the rewards."""
+    on `device`; a bad spec is a one-line AlignflowError naming the rewards. `chat_prompts`: the prompts to
+    score are chat-rendered; a reward model trained on the other form gets a warning."""
     specs = [dict(spec) for spec in specs]
     for spec in specs:
         if spec.get("name") == "reward_model":
@@ -182,6 +184,11 @@ def build_reward(specs: Sequence[Mapping[str, Any]], *, reward_model_path: str |
             from pipeline_lib.rewards.model import RewardModelScorer
 
             model = RewardModel.from_pretrained(reward_model_path, device=device)
+            if model.chat_prompts != chat_prompts:
+                forms = ("plain-text", "chat-rendered")
+                warnings.warn(f"reward model {reward_model_path} was trained on {forms[model.chat_prompts]} prompts "
+                              f"but scores {forms[chat_prompts]} ones here; set chat_template "
+                              f"{str(model.chat_prompts).lower()} to match", RuntimeWarning, stacklevel=2)
             spec["scorer"] = RewardModelScorer(model, load_tokenizer(reward_model_path))
     try:
         return combined_reward(specs)

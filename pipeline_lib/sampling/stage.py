@@ -211,7 +211,8 @@ def select_problems(store: Store, cfg: SampleConfig) -> pl.DataFrame:
 
 def build_reward_fn(cfg: SampleConfig) -> RewardFn:
     """The total of cfg.rewards' weighted sum (the per-component values are not stored per sample)."""
-    combined = build_reward(cfg.rewards, reward_model_path=cfg.reward_model_path, device=cfg.device)
+    combined = build_reward(cfg.rewards, reward_model_path=cfg.reward_model_path, device=cfg.device,
+                            chat_prompts=cfg.chat_template)
 
     def reward_fn(prompts: list[str], completions: list[str], *, answers: list[str | None],
                   lengths: list[int]) -> list[float]:

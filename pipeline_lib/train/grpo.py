@@ -184,7 +184,8 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
         ref = load_policy(cfg.policy_path, dtype="float32", device=device,
                           trust_remote_code=cfg.trust_remote_code).eval()
         ref.requires_grad_(False)
-    reward_fn = build_reward(cfg.rewards, reward_model_path=cfg.reward_model_path, device=device)
+    reward_fn = build_reward(cfg.rewards, reward_model_path=cfg.reward_model_path, device=device,
+                             chat_prompts=any(templated))
     policy_loss = LOSSES[cfg.loss]
     rows_per_step = cfg.prompts_per_step * cfg.group_size
     mini_batch = min(cfg.mini_batch_size or rows_per_step, rows_per_step)

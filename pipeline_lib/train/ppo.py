@@ -123,7 +123,8 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
                              "problems)")
     # an RM scores the prompt as the policy read it (chat-rendered with chat_template, as the RM stage renders
     # chat-shaped pairs) + the completion, in its own tokens; the sampling stage scores the same text
-    reward_fn = build_reward(cfg.rewards, reward_model_path=cfg.reward_model_path, device=device)
+    reward_fn = build_reward(cfg.rewards, reward_model_path=cfg.reward_model_path, device=device,
+                             chat_prompts=any(templated))
     critic_path = cfg.reward_model_path if cfg.critic_init == "reward_model" else cfg.policy_path
     if cfg.critic_init == "reward_model" and load_tokenizer(critic_path).get_vocab() != tokenizer.get_vocab():
         raise AlignflowError(f"critic_init=reward_model: the tokenizer of {cfg.reward_model_path} differs from the "

@@ -58,6 +58,8 @@ class Groups:
     encoded: Encoded
     starts: list[int]
     sizes: list[int]
+    chat_prompts: bool
+    """Some prompts were rendered with the chat template (chat-shaped pairs)."""
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -79,7 +81,7 @@ def build_groups(tokenizer, frame: pl.DataFrame, loss: str, *, max_length: int) 
         short = next((row for row, group in enumerate(responses) if len(group) < 2), None)
         if short is not None:
             raise TrainDataError(f"rankings[{short}]: expected >= 2 responses, got {len(responses[short])}")
-    prompts, _ = render_prompts(tokenizer, frame)
+    prompts, templated = render_prompts(tokenizer, frame)
     # the scored text is prompt + response, exactly what RewardModelScorer sees when the RM is used
     encoded = encode_texts(tokenizer, [p + text for p, group in zip(prompts, responses) for text in group],
                            max_length=max_length)
@@ -87,7 +89,7 @@ def build_groups(tokenizer, frame: pl.DataFrame, loss: str, *, max_length: int) 
     starts = [0]
     for size in sizes[:-1]:
         starts.append(starts[-1] + size)
-    return Groups(encoded, starts, sizes)
+    return Groups(encoded, starts, sizes, any(templated))
 
 
 def load_rm_data(store: Store, cfg: RMConfig) -> pl.DataFrame:
@@ -144,6 +146,7 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
                                     trust_remote_code=cfg.trust_remote_code, seed=cfg.seed)
     model.train()
     groups = build_groups(tokenizer, data, cfg.loss, max_length=cfg.max_length)
+    model.chat_prompts = groups.chat_prompts
     train_ids, eval_ids = holdout_split(data["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     if cfg.batch_size % (ctx.world_size * cfg.grad_accum_steps):
         raise ValueError(f"batch_size {cfg.batch_size}: expected a multiple of world size {ctx.world_size} "

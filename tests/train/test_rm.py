@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 
 from pipeline_lib.config import RMConfig, SFTConfig
 from pipeline_lib.models import RewardModel, build_tiny_model, load_tokenizer
+from pipeline_lib.rewards.registry import build_reward
 from pipeline_lib.train.common import NonFiniteLossError, batches, final_metrics
 from pipeline_lib.train.data import TrainDataError, holdout_split
 from pipeline_lib.train.rm import build_groups, group_scores, pairwise_accuracy, train_rm
@@ -102,6 +104,24 @@ def test_bradley_terry_two_steps_with_margin(tiny, tmp_path):
     before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
     assert all(not torch.equal(after[k], before["model." + k]) for k in after)  # the backbone trains too
     assert final_metrics(final)["eval/n_groups"] == len(eval_ids) >= 4  # 10% of the prompts
+
+
+def test_the_reward_model_records_its_prompt_form_and_scoring_checks_it(tiny, tmp_path):
+    """Chat-shaped pairs train on chat-rendered prompts; a stage scoring the other form gets a warning."""
+    plain = toy_pairs(16)
+    chat = plain.with_columns(pl.col("prompt").map_elements(
+        lambda p: json.dumps([{"role": "user", "content": p}]), return_dtype=pl.String).alias("prompt_messages"))
+    for name, data, rendered in (("plain", plain, False), ("chat", chat, True)):
+        cfg = RMConfig(model_path=str(tiny), max_steps=1, batch_size=4, device="cpu")
+        final = train_rm(cfg, data, tmp_path / name)
+        assert json.loads((final / "reward_config.json").read_text())["chat_prompts"] is rendered
+        assert RewardModel.from_pretrained(final).chat_prompts is rendered
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            build_reward([{"name": "reward_model"}], reward_model_path=str(final), chat_prompts=rendered)
+        form = "chat-rendered" if rendered else "plain-text"
+        with pytest.warns(RuntimeWarning, match=f"was trained on {form} prompts but scores"):
+            build_reward([{"name": "reward_model"}], reward_model_path=str(final), chat_prompts=not rendered)
 
 
 def test_plackett_luce_on_rankings_of_different_sizes(tiny, tmp_path):
