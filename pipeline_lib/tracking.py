@@ -6,17 +6,26 @@ Prefect flow-run id as a tag (`prefect.flow_run_id`)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.metadata
 import json
 import os
+import socket
+import sqlite3
+import subprocess
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import mlflow
+from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 from pydantic import BaseModel
 
+from pipeline_lib.errors import first_line
 from pipeline_lib.logfns import LogFn, print_log
 from pipeline_lib.workspace import Workspace
 
@@ -27,23 +36,43 @@ TRUNCATED = "...[truncated]"
 
 
 def configure(workspace: Workspace, experiment: str = EXPERIMENT) -> str:
-    """Point MLflow at the workspace (sqlite + file artifacts) and return the experiment id."""
+    """Point MLflow at the workspace (sqlite + file artifacts) and return the experiment id.
+
+    MLflow stores absolute artifact URIs: a workspace moved or copied since its experiment was created still
+    points at the old directory, so its own store is rewritten to the workspace's `mlartifacts/` first."""
+    user_uri = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(workspace.tracking_uri)
+    if user_uri is None:  # mlflow exports the URI to child processes; they must follow their own workspace
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    artifacts = workspace.mlflow_artifacts.as_uri()
     found = mlflow.get_experiment_by_name(experiment)
-    if found is not None:
-        experiment_id = found.experiment_id
+    if found is None:
+        experiment_id = mlflow.create_experiment(experiment, artifact_location=artifacts)
     else:
-        experiment_id = mlflow.create_experiment(
-            experiment, artifact_location=workspace.mlflow_artifacts.as_uri()
-        )
+        experiment_id = found.experiment_id
+        if found.artifact_location != artifacts and workspace.tracking_uri == f"sqlite:///{workspace.mlflow_db}":
+            _relocate_artifacts(workspace.mlflow_db, found.artifact_location, artifacts)
     mlflow.set_experiment(experiment_id=experiment_id)
     return experiment_id
+
+
+def _relocate_artifacts(mlflow_db: Path, old: str, new: str) -> None:
+    """Rewrite the artifact URIs under `old` to `new` in the workspace's own MLflow sqlite store."""
+    prefix = old.rstrip("/")
+    with contextlib.closing(sqlite3.connect(mlflow_db)) as db, db:
+        for table, column in (("experiments", "artifact_location"), ("runs", "artifact_uri"),
+                              ("logged_models", "artifact_location")):
+            db.execute(f"UPDATE {table} SET {column} = ? || substr({column}, ?) "  # noqa: S608 - fixed names
+                       f"WHERE {column} = ? OR substr({column}, 1, ?) = ?",
+                       (new.rstrip("/"), len(prefix) + 1, prefix, len(prefix) + 1, prefix + "/"))
 
 
 def flatten_params(value: Any, prefix: str = "") -> dict[str, str]:
     """Nested config -> {"a.b": "v"}; long values truncated with a marker."""
     if isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
+    if isinstance(value, (list, tuple)) and any(isinstance(item, (Mapping, BaseModel)) for item in value):
+        value = dict(enumerate(value))  # a list of configs (the pipeline's ingest files): ingest.0.path, ...
     if isinstance(value, Mapping):
         flat: dict[str, str] = {}
         for key, item in value.items():
@@ -68,13 +97,17 @@ def stage_run(
 
     Logs the flattened config as params and as `config.json`; yields `log(metrics, step)`.
     An exception marks the run FAILED and propagates."""
-    configure(workspace)
+    experiment_id = configure(workspace)
+    params = flatten_params(config) if config is not None else {}
+    stale = _end_stale_runs(experiment_id)
     parent = os.environ.get(PARENT_ENV)
     run = mlflow.start_run(run_name=stage, nested=parent is not None, parent_run_id=parent)
     try:
-        mlflow.set_tags({"alignflow.stage": stage, **dict(tags or {})})
+        resumes = [old.info.run_id for old in stale if old.info.run_name == stage and old.data.params == params]
+        mlflow.set_tags({"alignflow.stage": stage, **_process_tags(),
+                         **({"alignflow.resumes": resumes[0]} if resumes else {}), **dict(tags or {})})
         if config is not None:
-            mlflow.log_params(flatten_params(config))
+            mlflow.log_params(params)
             dumped = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
             mlflow.log_dict(dumped, "config.json")
 
@@ -85,8 +118,8 @@ def stage_run(
                 print_log(clean, step)
 
         yield log
-    except BaseException:
-        mlflow.end_run(status="FAILED")
+    except BaseException as exc:
+        _end_failed(exc)
         raise
     mlflow.end_run(status="FINISHED")
 
@@ -96,20 +129,75 @@ def pipeline_run(
     workspace: Workspace, name: str, config: BaseModel, *, tags: Mapping[str, str] | None = None
 ) -> Iterator[str]:
     """The parent run of a pipeline: stage runs started inside nest under it."""
-    configure(workspace)
+    _end_stale_runs(configure(workspace))
     run = mlflow.start_run(run_name=name)
     os.environ[PARENT_ENV] = run.info.run_id
     try:
-        mlflow.set_tags({"alignflow.stage": "pipeline", **dict(tags or {})})
+        mlflow.set_tags({"alignflow.stage": "pipeline", **_process_tags(), **dict(tags or {})})
         mlflow.log_params(flatten_params(config))
         mlflow.log_dict(config.model_dump(mode="json"), "config.json")
         yield run.info.run_id
-    except BaseException:
-        mlflow.end_run(status="FAILED")
+    except BaseException as exc:
+        _end_failed(exc)
         raise
     finally:
         os.environ.pop(PARENT_ENV, None)
     mlflow.end_run(status="FINISHED")
+
+
+def _process_tags() -> dict[str, str]:
+    """Who writes the run: host and pid (to tell a killed run from a live one), and the code that wrote it."""
+    return {"alignflow.host": socket.gethostname(), "alignflow.pid": str(os.getpid()), **code_version_tags()}
+
+
+@functools.cache
+def code_version_tags() -> dict[str, str]:
+    """alignflow's version and, from a git checkout, its commit (MLflow shows `mlflow.source.git.commit`)."""
+    tags = {"alignflow.version": alignflow_version()}
+    try:
+        head = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return tags
+    return tags | {"mlflow.source.git.commit": head}
+
+
+def alignflow_version() -> str:
+    try:
+        return importlib.metadata.version("alignflow")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown"
+
+
+def _end_stale_runs(experiment_id: str) -> list[Any]:
+    """Mark KILLED the RUNNING runs whose process on this host is gone (a SIGKILLed stage); returns them."""
+    client = MlflowClient()
+    host = socket.gethostname()
+    stale = []
+    for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'"):
+        pid = run.data.tags.get("alignflow.pid")
+        if run.data.tags.get("alignflow.host") != host or not pid or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        client.set_terminated(run.info.run_id, status="KILLED")
+        client.set_tag(run.info.run_id, "alignflow.error", f"process {pid} ended without closing the run")
+        stale.append(run)
+    return stale
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _end_failed(exc: BaseException) -> None:
+    """End the active run FAILED with the reason as a tag (MLflow has no field for it)."""
+    mlflow.set_tag("alignflow.error", first_line(exc)[:5000])
+    mlflow.end_run(status="FAILED")
 
 
 def log_figure(figure: Any, artifact_file: str, *, run_id: str | None = None) -> None:
@@ -135,8 +223,24 @@ def log_dict(value: Mapping[str, Any], artifact_file: str, *, run_id: str | None
         mlflow.log_dict(dict(value), artifact_file)
 
 
-def set_tags(tags: Mapping[str, str]) -> None:
-    mlflow.set_tags(dict(tags))
+def set_tags(tags: Mapping[str, str], *, run_id: str | None = None) -> None:
+    if run_id:
+        for key, value in tags.items():
+            MlflowClient().set_tag(run_id, key, value)
+    else:
+        mlflow.set_tags(dict(tags))
+
+
+def log_metrics(metrics: Mapping[str, float], *, run_id: str, step: int = 0) -> None:
+    MlflowClient().log_batch(run_id, metrics=[Metric(key, float(value), int(time.time() * 1000), step)
+                                              for key, value in metrics.items()])
+
+
+def child_runs(parent_run_id: str) -> list[Any]:
+    """Runs nested under `parent_run_id` (in the experiment MLflow is configured for)."""
+    client = MlflowClient()
+    parent = client.get_run(parent_run_id)
+    return client.search_runs([parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
 
 
 def find_runs(workspace: Workspace, filter_string: str = "") -> list[Any]:

@@ -7,16 +7,18 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE, CacheKeyFnPolicy
 from prefect.runtime import flow_run
 
 from pipeline_lib.errors import AlignflowError
+from pipeline_lib.tracking import alignflow_version
 from pipeline_lib.workspace import Workspace, resolve_workspace
 
 
 def _workspace_key(context, parameters) -> str:
-    return str(resolve_workspace().root)
+    return f"{resolve_workspace().root}|alignflow {alignflow_version()}"
 
 
 # A stage task's inputs are its config and the fingerprints of what it reads, so an unchanged stage is
-# a cache hit across processes; the workspace is part of the key (its paths are in the results), and
-# results persist under PREFECT_HOME (inside the workspace).
+# a cache hit across processes; the workspace is part of the key (its paths are in the results), and so is
+# alignflow's version (another release may train differently); results persist under PREFECT_HOME (inside
+# the workspace).
 CACHED = {
     "cache_policy": INPUTS + TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_workspace_key),
     "persist_result": True,

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+
 import mlflow
 import pytest
 from matplotlib.figure import Figure
 from mlflow.tracking import MlflowClient
 
 from pipeline_lib import tracking
-from pipeline_lib.config import EvalConfig
+from pipeline_lib.config import EvalConfig, IngestConfig
+from pipeline_lib.workspace import Workspace
 
 
 def test_stage_run_logs_params_metrics_config_and_tags(workspace):
@@ -45,9 +51,53 @@ def test_stage_runs_nest_under_the_pipeline_run_and_failures_are_marked(workspac
     assert runs["sft"].data.tags["mlflow.parentRunId"] == parent_id
     assert runs["dpo"].data.tags["mlflow.parentRunId"] == parent_id
     assert runs["dpo"].info.status == "FAILED" and runs["sft"].info.status == "FINISHED"
+    assert runs["dpo"].data.tags["alignflow.error"] == "RuntimeError: boom"
+    assert "alignflow.error" not in runs["sft"].data.tags
+    for run in runs.values():
+        assert run.data.tags["alignflow.version"] == tracking.alignflow_version() != "unknown"
+        assert run.data.tags["alignflow.pid"] == str(os.getpid())
 
 
 def test_flatten_params_nests_and_truncates():
-    flat = tracking.flatten_params({"a": {"b": 1, "c": [1, 2]}, "d": "x" * 600})
+    flat = tracking.flatten_params({"a": {"b": 1, "c": [1, 2]}, "d": "x" * 600,
+                                    "files": ({"path": "a.jsonl"}, IngestConfig(path="b.csv"))})
     assert flat["a.b"] == "1" and flat["a.c"] == "[1, 2]"
+    assert flat["files.0.path"] == "a.jsonl" and flat["files.1.path"] == "b.csv"
     assert len(flat["d"]) == tracking.MAX_PARAM_CHARS and flat["d"].endswith("[truncated]")
+
+
+def test_a_moved_workspace_logs_into_its_own_artifacts_and_keeps_the_old_ones(workspace, tmp_path):
+    with tracking.stage_run(workspace, "sft", {"lr": 0.1}, echo=False):
+        tracking.log_text("before the move", "note.txt")
+    moved = Workspace(tmp_path / "moved")
+    shutil.move(workspace.root, moved.root)
+    with tracking.stage_run(moved, "sft", {"lr": 0.2}, echo=False):
+        tracking.log_text("after the move", "note.txt")
+    runs = tracking.find_runs(moved)
+    assert [r.data.params["lr"] for r in runs] == ["0.2", "0.1"]
+    for run, text in zip(runs, ("after the move", "before the move")):
+        assert run.info.artifact_uri.startswith(moved.mlflow_artifacts.as_uri() + "/")
+        assert mlflow.artifacts.load_text(f"{run.info.artifact_uri}/note.txt") == text
+    assert not workspace.root.exists()
+
+
+def test_a_killed_stage_run_is_marked_killed_and_its_rerun_says_it_resumes_it(workspace):
+    """A process that dies inside a stage leaves its run RUNNING; the next run in the workspace ends it as
+    KILLED with the reason, and the rerun of the same stage and config is tagged with the run it resumes."""
+    script = (f"import os; from pathlib import Path; from pipeline_lib import tracking\n"
+              f"from pipeline_lib.workspace import Workspace\n"
+              f"with tracking.stage_run(Workspace(Path({str(workspace.root)!r})), 'sft', {{'lr': 0.1}},\n"
+              f"                        echo=False) as log:\n"
+              f"    log({{'train/loss': 1.0}}, 5)\n"
+              f"    os._exit(9)\n")
+    assert subprocess.run([sys.executable, "-c", script]).returncode == 9
+    (killed,) = tracking.find_runs(workspace)
+    assert killed.info.status == "RUNNING"
+    with tracking.stage_run(workspace, "sft", {"lr": 0.1}, echo=False):
+        pass
+    with tracking.stage_run(workspace, "sft", {"lr": 0.2}, echo=False):  # another config: not a resume
+        pass
+    other, rerun, killed = tracking.find_runs(workspace)
+    assert killed.info.status == "KILLED" and "ended without closing the run" in killed.data.tags["alignflow.error"]
+    assert rerun.data.tags["alignflow.resumes"] == killed.info.run_id and rerun.info.status == "FINISHED"
+    assert "alignflow.resumes" not in other.data.tags
