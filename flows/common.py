@@ -17,9 +17,9 @@ from tasks.common import current_workspace
 R = typing.TypeVar("R")
 
 
-def stage_flow(name: str) -> Callable[[Callable[..., R]], Flow]:
-    """`@flow(name=name, log_prints=True)` around a body that holds the run lock; re-entrant, so the pipeline
-    flow (and the CLI, which takes the lock before Prefect starts) can run stage flows inside it."""
+def stage_flow(name: str, **flow_options) -> Callable[[Callable[..., R]], Flow]:
+    """`@flow(name=name, log_prints=True, **flow_options)` around a body that holds the run lock; re-entrant, so
+    the pipeline flow (and the CLI, which takes the lock before Prefect starts) can run stage flows inside it."""
 
     def decorate(body: Callable[..., R]) -> Flow:
         @functools.wraps(body)
@@ -31,7 +31,7 @@ def stage_flow(name: str) -> Callable[[Callable[..., R]], Flow]:
         # annotations (`from __future__ import annotations`) would resolve in this module's namespace
         locked.__signature__ = inspect.signature(body, eval_str=True)
         locked.__annotations__ = typing.get_type_hints(body)
-        return flow(name=name, log_prints=True)(locked)
+        return flow(name=name, log_prints=True, **flow_options)(locked)
 
     return decorate
 

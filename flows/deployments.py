@@ -15,22 +15,30 @@ import httpx
 from pipeline_lib.config import FROM, PipelineConfig
 from pipeline_lib.workspace import Workspace
 
-STAGE_FLOWS = ("sft", "rm", "sample", "dpo", "grpo", "dapo", "ppo", "eval")
+# stage (as `alignflow run` names it) -> the preset field whose config is the default parameter of its deployment;
+# ingest has none: a preset lists several files and the flow takes one, so the UI asks for it
+STAGE_FLOWS = {"ingest": None, "prepare": "base", "sft": "sft", "rm": "rm", "sample": "sample", "dpo": "dpo",
+               "grpo": "grpo", "dapo": "dapo", "ppo": "ppo", "eval": "eval"}
+FILTER_KINDS = ("best_of_n", "west_of_n")
 
 
 def build_deployments(cfg: PipelineConfig) -> list:
-    """The pipeline deployment (cron from the preset) and one per stage flow. A stage's preset config is
-    its default parameter when it has no `from:` reference; otherwise the UI asks for the paths."""
+    """The pipeline deployment (cron from the preset), one per stage flow and one per filter kind. A stage's
+    preset config is its default parameter when it has no `from:` reference; otherwise the UI asks for the
+    paths (and a filter for the sampling run)."""
     from flows.cli import load_flow
+    from flows.filters import filter_flow
     from flows.pipeline import pipeline_flow
 
     deployments = [pipeline_flow.to_deployment(name=cfg.name, cron=cfg.schedule_cron,
                                                parameters={"cfg": cfg.model_dump(mode="json")})]
-    for stage in STAGE_FLOWS:
-        stage_cfg = getattr(cfg, stage)
+    for stage, field in STAGE_FLOWS.items():
+        stage_cfg = getattr(cfg, field) if field else None
         dumped = stage_cfg.model_dump(mode="json") if stage_cfg is not None else None
         params = {"cfg": dumped} if dumped and not any(str(v).startswith(FROM) for v in dumped.values()) else {}
         deployments.append(load_flow(stage).to_deployment(name=f"{cfg.name}-{stage}", parameters=params))
+    for kind in FILTER_KINDS:
+        deployments.append(filter_flow.to_deployment(name=f"{cfg.name}-{kind}", parameters={"kind": kind}))
     return deployments
 
 

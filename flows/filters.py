@@ -6,8 +6,10 @@ from typing import Literal
 
 from flows.common import stage_flow
 from tasks.filters import filter_task
+from tasks.store import samples_fingerprint_task
 
 
-@stage_flow("filter")
+# runs named `best_of_n-<samples run id>`, not at random: the pipeline's filter runs differ by kind
+@stage_flow("filter", flow_run_name="{kind}-{samples_run_id}")
 def filter_flow(kind: Literal["best_of_n", "west_of_n", "dynamic"], samples_run_id: str, group_size: int | None = None) -> dict:
-    return filter_task(kind, samples_run_id, group_size)
+    return filter_task(kind, samples_run_id, group_size, samples_fingerprint_task(samples_run_id))

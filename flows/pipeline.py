@@ -1,8 +1,12 @@
 """The pipeline flow: stage flows chained in plain Python from a PipelineConfig (a YAML preset in
 flows/configs/). Each stage's task is cached on its config and input fingerprints, so a rerun recomputes
-only what changed (and what depends on it); `force` names stages to recompute anyway."""
+only what changed (and what depends on it); `force` names stages to recompute anyway. The pipeline's MLflow run
+holds every model's Pass@K / Maj@K, each stage's output as an `outputs.<stage>` tag and, in `alignflow.reused`,
+the stages that were cache hits (they have no run under it: their runs are those of the pipeline that made them)."""
 
 from __future__ import annotations
+
+import sys
 
 from flows.common import stage_flow
 from flows.dapo import dapo_flow
@@ -49,7 +53,14 @@ def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str,
         for stage in cfg.evaluated:
             rows += eval_flow(cfg.eval.model_copy(update={"model_path": outputs[stage], "model_name": stage}),
                               force="eval" in force)
-        if rows:
-            print(compare_task(rows, pipeline_run_id))
+        if rows:  # each model's Pass@K / Maj@K on the pipeline run too, so pipeline runs compare in one table
+            tracking.log_metrics({f"eval/{row['model']}/{kind}_at_{row['k']}": row[f"{kind}_at_k"]
+                                  for row in rows for kind in ("pass", "maj")}, run_id=pipeline_run_id)
+            sys.stdout.write(compare_task(rows, pipeline_run_id) + "\n")  # print() would go to Prefect's log
         tracking.log_dict(outputs, "outputs.json", run_id=pipeline_run_id)
+        ran = {run.info.run_name for run in tracking.child_runs(pipeline_run_id)}
+        reused = [stage for stage in [*outputs, *(f"eval-{stage}" for stage in cfg.evaluated)]
+                  if stage != "base" and stage not in ran]
+        tracking.set_tags({**{f"outputs.{stage}": str(value) for stage, value in outputs.items()},
+                           "alignflow.reused": ",".join(reused)}, run_id=pipeline_run_id)
     return outputs

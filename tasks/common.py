@@ -3,6 +3,8 @@ stages, and the I/O-only retry rule."""
 
 from __future__ import annotations
 
+import re
+
 from prefect.cache_policies import INPUTS, TASK_SOURCE, CacheKeyFnPolicy
 from prefect.runtime import flow_run
 
@@ -30,10 +32,17 @@ def current_workspace() -> Workspace:
     return resolve_workspace().create()
 
 
-def run_tags() -> dict[str, str]:
-    """MLflow tags linking a stage run to its Prefect flow run."""
+def run_tags(inputs_fingerprint: str | None = None) -> dict[str, str]:
+    """MLflow tags linking a stage run to its Prefect flow run, and to the fingerprint of what it read."""
     run_id = flow_run.get_id()
-    return {"prefect.flow_run_id": str(run_id)} if run_id else {}
+    tags = {"prefect.flow_run_id": str(run_id)} if run_id else {}
+    return tags | ({"data.fingerprint": inputs_fingerprint} if inputs_fingerprint is not None else {})
+
+
+def artifact_key(*names: str) -> str:
+    """A Prefect artifact key from names (`rs_sft`, `result` -> `rs-sft-result`): Prefect accepts only lowercase
+    letters, digits and dashes."""
+    return re.sub(r"[^a-z0-9]+", "-", "-".join(names).lower()).strip("-")
 
 
 def retry_on_io(task, task_run, state) -> bool:

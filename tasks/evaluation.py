@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import polars as pl
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
@@ -10,7 +12,17 @@ from pipeline_lib import tracking
 from pipeline_lib.config import EvalConfig
 from pipeline_lib.evaluation import plot_curves, plot_histograms, run_eval_stage
 from pipeline_lib.store.db import open_store
-from tasks.common import CACHED, current_workspace, run_tags
+from tasks.common import CACHED, artifact_key, current_workspace, run_tags
+
+
+def model_label(cfg: EvalConfig) -> str:
+    """The evaluated model's short name in run names (`eval-<name>`) and artifact keys: its model_name, else the
+    stage that wrote it (`models/<stage>/<hash>/final` of the workspace), else its dir name."""
+    if cfg.model_name:
+        return cfg.model_name
+    path = Path(cfg.model_path).resolve()
+    models_dir = current_workspace().models_dir.resolve()
+    return path.relative_to(models_dir).parts[0] if path.is_relative_to(models_dir) else path.name
 
 
 # cached on the config and the inputs (the problems, the model's content); retries: sampling resumes where a
@@ -18,14 +30,17 @@ from tasks.common import CACHED, current_workspace, run_tags
 @task(name="evaluate", retries=1, retry_delay_seconds=5, **CACHED)
 def eval_task(cfg: EvalConfig, inputs_fingerprint: str) -> list[dict]:
     workspace = current_workspace()
-    with tracking.stage_run(workspace, f"eval-{cfg.label}", cfg, tags=run_tags(), echo=False) as log:
+    name = model_label(cfg)
+    tags = run_tags(inputs_fingerprint)
+    with tracking.stage_run(workspace, f"eval-{name}", cfg, tags=tags, echo=False) as log:
         with open_store(workspace.store_path) as store:
             results, samples = run_eval_stage(cfg, store, log=log)
         fig_pass, fig_maj = plot_curves(results)
         tracking.log_figure(fig_pass, "plots/pass_at_k.png")
         tracking.log_figure(fig_maj, "plots/maj_at_k.png")
         tracking.log_figure(plot_histograms(samples, cfg.label), "plots/reward_length_hist.png")
-    create_markdown_artifact(results_markdown(results), key="eval-results", description=f"Pass@K / Maj@K of {cfg.label}")
+    create_markdown_artifact(results_markdown(results), key=artifact_key("eval-results", name),
+                             description=f"Pass@K / Maj@K of {cfg.label}")
     print(results_markdown(results))
     return results.to_dicts()
 

@@ -13,12 +13,13 @@ from tasks.common import CACHED, current_workspace, retry_on_io, run_tags
 STAGES = {"best_of_n": run_best_of_n_stage, "west_of_n": run_west_of_n_stage, "dynamic": run_dynamic_filter_stage}
 
 
-# cached: a sampling run id names its content; retries: store writes
+# cached on the sampling run's rows (its id and their fingerprint); retries: store writes
 @task(name="filter", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_on_io, **CACHED)
-def filter_task(kind: str, run_id: str, group_size: int | None = None) -> dict:
+def filter_task(kind: str, run_id: str, group_size: int | None = None, inputs_fingerprint: str = "") -> dict:
     workspace = current_workspace()
     params = {"kind": kind, "samples_run_id": run_id} | ({"group_size": group_size} if group_size else {})
-    with tracking.stage_run(workspace, kind, params, tags=run_tags(), echo=False) as log:
+    tags = run_tags(inputs_fingerprint)
+    with tracking.stage_run(workspace, kind, params, tags=tags, echo=False) as log:
         extra = {"group_size": group_size} if kind == "dynamic" else {}
         with open_store(workspace.store_path) as store:
             stats = STAGES[kind](store, run_id=run_id, **extra)

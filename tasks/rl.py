@@ -6,7 +6,6 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 
-from matplotlib.figure import Figure
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
@@ -18,27 +17,13 @@ from pipeline_lib.train.common import final_metrics
 from pipeline_lib.train.data import stage_dir
 from pipeline_lib.train.grpo import load_grpo_data, train_grpo
 from pipeline_lib.train.ppo import load_ppo_data, train_ppo
-from tasks.common import CACHED, current_workspace, run_tags
-from tasks.training import result_table
+from tasks.common import CACHED, artifact_key, current_workspace, run_tags
+from tasks.training import log_curves, recording, result_table
 
 GRPO_CURVES = ["rewards/accuracy", "rewards/mean", "policy/kl_ref", "policy/entropy", "completions/mean_length"]
 DAPO_CURVES = ["rewards/accuracy", "rewards/mean", "rollout/groups_filtered_frac", "policy/clipfrac_high",
                "policy/entropy"]
 PPO_CURVES = ["rewards/mean", "objective/kl", "objective/kl_coef", "value/loss", "rewards/accuracy"]
-
-
-def curves_figure(history: list[tuple[int, dict[str, float]]], keys: list[str]) -> Figure:
-    """One panel per metric against the training step (metrics a run never logged are left out)."""
-    keys = [key for key in keys if any(key in metrics for _, metrics in history)]
-    figure = Figure(figsize=(3.2 * len(keys), 3))
-    for i, key in enumerate(keys):
-        points = [(step, metrics[key]) for step, metrics in history if key in metrics]
-        axis = figure.add_subplot(1, len(keys), i + 1)
-        axis.plot([s for s, _ in points], [v for _, v in points])
-        axis.set_title(key)
-        axis.set_xlabel("step")
-    figure.tight_layout()
-    return figure
 
 
 def run_rl_stage(stage: str, cfg: BaseModel, load: Callable, train: Callable, curves: list[str], force: bool,
@@ -51,15 +36,13 @@ def run_rl_stage(stage: str, cfg: BaseModel, load: Callable, train: Callable, cu
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
     history: list[tuple[int, dict[str, float]]] = []
-    with tracking.stage_run(workspace, stage, cfg, tags=run_tags() | {"data.fingerprint": inputs_fingerprint}) as log:
-        final = train(cfg, data, out_dir, log=lambda metrics, step: (history.append((step, dict(metrics))),
-                                                                     log(metrics, step)))
+    with tracking.stage_run(workspace, stage, cfg, tags=run_tags(inputs_fingerprint)) as log:
+        final = train(cfg, data, out_dir, log=recording(log, history))
         tracking.log_artifact(final, "model")
-        if len(history) > 1:  # a stage that had finished before logs only its stored final metrics
-            tracking.log_figure(curves_figure(history, curves), f"{stage}_curves.png")
+        log_curves(history, curves, f"{stage}_curves.png")
     shown = [key for key in curves + ["train/seconds"] if key in final_metrics(final)]
     create_markdown_artifact(result_table(f"{stage.upper()} -> {final}", final_metrics(final), shown),
-                             key=f"{stage}-result")
+                             key=artifact_key(stage, "result"))
     return str(final)
 
 

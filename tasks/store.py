@@ -44,6 +44,13 @@ def inputs_fingerprint_task(cfg: BaseModel) -> str:
     return content_id(*(frame_fingerprint(f) for f in frames), *models)
 
 
+@task(name="samples-fingerprint")
+def samples_fingerprint_task(run_id: str) -> str:
+    """Fingerprint of a sampling run's rows: a run resumed with new problems is a new input to its filters."""
+    with open_store(current_workspace().store_path) as store:
+        return frame_fingerprint(store.read("samples", run_id=run_id))
+
+
 @task(name="corpus-fingerprint")
 def corpus_fingerprint_task(sources: tuple[str, ...] | None) -> str:
     """Fingerprint of the texts a tokenizer would be trained on."""

@@ -14,13 +14,17 @@ from prefect.artifacts import create_markdown_artifact
 
 from pipeline_lib import tracking
 from pipeline_lib.config import DPOConfig, RMConfig, SFTConfig
+from pipeline_lib.logfns import LogFn
 from pipeline_lib.store.db import open_store
 from pipeline_lib.train.common import final_metrics
 from pipeline_lib.train.data import stage_dir
 from pipeline_lib.train.dpo import load_dpo_data, train_dpo
 from pipeline_lib.train.rm import load_rm_data, train_rm
 from pipeline_lib.train.sft import load_sft_data, train_sft
-from tasks.common import CACHED, current_workspace, run_tags
+from tasks.common import CACHED, artifact_key, current_workspace, run_tags
+
+SFT_CURVES = ["train/loss", "eval/loss"]
+RM_CURVES = ["train/loss", "eval/rm_accuracy", "eval/rm_margin"]
 
 
 def result_table(title: str, metrics: Mapping[str, float], keys: list[str]) -> str:
@@ -39,7 +43,47 @@ def before_after_figure(metrics: Mapping[str, float], keys: list[str]) -> Figure
     return figure
 
 
-@task(name="sft", retries=0, **CACHED)
+def curves_figure(history: list[tuple[int, dict[str, float]]], keys: list[str]) -> Figure:
+    """One panel per metric against the training step (metrics a run never logged are left out)."""
+    keys = [key for key in keys if any(key in metrics for _, metrics in history)]
+    figure = Figure(figsize=(3.2 * len(keys), 3))
+    for i, key in enumerate(keys):
+        points = [(step, metrics[key]) for step, metrics in history if key in metrics]
+        axis = figure.add_subplot(1, len(keys), i + 1)
+        axis.plot([s for s, _ in points], [v for _, v in points])
+        axis.set_title(key)
+        axis.set_xlabel("step")
+    figure.tight_layout()
+    return figure
+
+
+def recording(log: LogFn, history: list[tuple[int, dict[str, float]]]) -> LogFn:
+    """`log` that also keeps every (step, metrics) it is given in `history`, the points of the curves figure."""
+
+    def record(metrics: Mapping[str, float], step: int) -> None:
+        history.append((step, dict(metrics)))
+        log(metrics, step)
+
+    return record
+
+
+def log_curves(history: list[tuple[int, dict[str, float]]], keys: list[str], artifact_file: str) -> None:
+    """The training curves of `keys` into the active MLflow run, one panel per metric."""
+    if len(history) > 1:  # a stage that had finished before logs only its stored final metrics
+        tracking.log_figure(curves_figure(history, keys), artifact_file)
+
+
+def sft_stage(cfg: SFTConfig) -> str:
+    """The stage name of an SFT run in MLflow and Prefect: rejection-sampling SFT (Best-of-N data) is `rs_sft`."""
+    return "rs_sft" if cfg.data == "best_of_n" else "sft"
+
+
+def sft_task_run_name(parameters: dict) -> str:
+    """The task run's name in the Prefect UI: its stage (`sft` or `rs_sft`)."""
+    return sft_stage(parameters["cfg"])
+
+
+@task(name="sft", task_run_name=sft_task_run_name, retries=0, **CACHED)
 def sft_task(cfg: SFTConfig, inputs_fingerprint: str = "", force: bool = False) -> str:
     workspace = current_workspace()
     with open_store(workspace.store_path, read_only=True) as store:
@@ -47,13 +91,16 @@ def sft_task(cfg: SFTConfig, inputs_fingerprint: str = "", force: bool = False) 
     out_dir = stage_dir(workspace.models_dir, "sft", cfg, rows)
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
-    stage = "rs_sft" if cfg.data == "best_of_n" else "sft"  # rejection-sampling SFT gets its own name in MLflow
-    with tracking.stage_run(workspace, stage, cfg, tags=run_tags() | {"data.fingerprint": inputs_fingerprint}) as log:
-        final = train_sft(cfg, rows, out_dir, log=log, eval_rows=eval_rows)
+    stage = sft_stage(cfg)
+    history: list[tuple[int, dict[str, float]]] = []
+    with tracking.stage_run(workspace, stage, cfg, tags=run_tags(inputs_fingerprint)) as log:
+        final = train_sft(cfg, rows, out_dir, log=recording(log, history), eval_rows=eval_rows)
         tracking.log_artifact(final, "model")
+        log_curves(history, SFT_CURVES, f"{stage}_curves.png")
     metrics = {**final_metrics(final), "data/rows": float(rows.height)}
     create_markdown_artifact(result_table(f"SFT ({cfg.data}) -> {final}", metrics,
-                                          ["data/rows", "train/loss", "eval/loss", "train/seconds"]), key="sft-result")
+                                          ["data/rows", "train/loss", "eval/loss", "train/seconds"]),
+                             key=artifact_key(stage, "result"))
     return str(final)
 
 
@@ -65,9 +112,11 @@ def rm_task(cfg: RMConfig, inputs_fingerprint: str = "", force: bool = False) ->
     out_dir = stage_dir(workspace.models_dir, "rm", cfg, data)
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
-    with tracking.stage_run(workspace, "rm", cfg, tags=run_tags() | {"data.fingerprint": inputs_fingerprint}) as log:
-        final = train_rm(cfg, data, out_dir, log=log)
+    history: list[tuple[int, dict[str, float]]] = []
+    with tracking.stage_run(workspace, "rm", cfg, tags=run_tags(inputs_fingerprint)) as log:
+        final = train_rm(cfg, data, out_dir, log=recording(log, history))
         tracking.log_artifact(final, "model")
+        log_curves(history, RM_CURVES, "rm_curves.png")
     create_markdown_artifact(result_table(f"Reward model ({cfg.loss}) -> {final}", final_metrics(final),
                                           ["eval/rm_accuracy", "eval/rm_margin", "eval/n_groups", "train/seconds"]),
                              key="rm-result")
@@ -83,7 +132,7 @@ def dpo_task(cfg: DPOConfig, inputs_fingerprint: str = "", force: bool = False) 
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
     keys = ["eval/pref_accuracy", "eval/logp_margin"]
-    with tracking.stage_run(workspace, "dpo", cfg, tags=run_tags() | {"data.fingerprint": inputs_fingerprint}) as log:
+    with tracking.stage_run(workspace, "dpo", cfg, tags=run_tags(inputs_fingerprint)) as log:
         final = train_dpo(cfg, pairs, out_dir, log=log, cache_dir=workspace.root / "cache")
         tracking.log_artifact(final, "model")
         metrics = final_metrics(final)

@@ -128,8 +128,8 @@ def sample_groups(
             break
     if groups_kept < cfg.prompts_per_step:
         warnings.warn(f"step {step + 1}: dynamic sampling found {groups_kept} of {cfg.prompts_per_step} groups with "
-                      f"0 < #correct < G in {rounds} round(s); training on them (raise max_refill_rounds to keep "
-                      "sampling)", RuntimeWarning, stacklevel=2)
+                      f"0 < #correct < G in {rounds} round(s); {'training on them' if groups_kept else 'no update'} "
+                      "(raise max_refill_rounds to keep sampling)", RuntimeWarning, stacklevel=2)
 
     n = len(seen_rewards)
     reward_tensor = torch.tensor(seen_rewards)

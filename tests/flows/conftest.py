@@ -6,6 +6,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
 from prefect.testing.utilities import prefect_test_harness
 
 from pipeline_lib import tracking
@@ -54,5 +56,22 @@ def the_run():
         run = runs[0]
         assert run.info.status == "FINISHED" and run.data.tags["prefect.flow_run_id"]
         return run, Path(run.info.artifact_uri.removeprefix("file://"))
+
+    return find
+
+
+@pytest.fixture
+def prefect_run():
+    """`name, task_names, artifact_keys = prefect_run(state)`: what the Prefect UI shows of the flow run that ended
+    in `state` (a flow called with `return_state=True`): its name, its task runs' names, its artifacts' keys."""
+
+    def find(state) -> tuple[str, set[str], set[str]]:
+        flow_run_id = state.state_details.flow_run_id
+        with get_client(sync_client=True) as client:
+            name = client.read_flow_run(flow_run_id).name
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            artifacts = client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        return name, {task.name for task in tasks}, {artifact.key for artifact in artifacts}
 
     return find

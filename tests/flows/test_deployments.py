@@ -1,5 +1,6 @@
-"""A real `prefect server` on 127.0.0.1: `alignflow serve` registers the preset's deployments with its cron
-schedule; a triggered run of the pipeline deployment is seen COMPLETED and its work lands in the store."""
+"""The deployments of a preset: one per stage flow (ingest, prepare, filters included), with the preset's stage
+config as default parameters; on a real `prefect server` on 127.0.0.1, `alignflow serve` registers them with the
+cron schedule, and a triggered run of the pipeline deployment is seen COMPLETED and its work lands in the store."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from flows.deployments import build_deployments
+from pipeline_lib.config import PipelineConfig, load_config
 from pipeline_lib.store.db import open_store
 
 DATA = Path(__file__).resolve().parents[2] / "data"
@@ -45,6 +48,18 @@ def stop(process: subprocess.Popen) -> None:
             os.killpg(process.pid, signal.SIGKILL)
 
 
+def test_every_stage_flow_is_deployed_with_the_presets_parameters():
+    cfg = load_config(PipelineConfig, Path(__file__).resolve().parents[2] / "flows" / "configs" / "demo.yaml")
+    deployments = {d.name: d for d in build_deployments(cfg)}
+    assert {name: d.flow_name for name, d in deployments.items()} == {
+        "demo": "pipeline", "demo-ingest": "ingest", "demo-prepare": "prepare-model", "demo-sft": "sft",
+        "demo-rm": "rm", "demo-sample": "sample", "demo-dpo": "dpo", "demo-grpo": "grpo", "demo-dapo": "dapo",
+        "demo-ppo": "ppo", "demo-eval": "evaluate", "demo-best_of_n": "filter", "demo-west_of_n": "filter"}
+    assert deployments["demo-prepare"].parameters == {"cfg": cfg.base.model_dump(mode="json")}
+    assert deployments["demo-best_of_n"].parameters == {"kind": "best_of_n"}  # the UI asks for the sampling run
+    assert deployments["demo-ingest"].parameters == {} and deployments["demo-sft"].parameters == {}  # from:base
+
+
 @pytest.mark.slow
 def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_env, listening_sockets):
     port = free_port()
@@ -68,8 +83,9 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_e
         deployment = wait_for(lambda: _deployment(api, "smoke"), 120, "the pipeline deployment")
         assert deployment["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
         # every stage flow is deployed too (registered one after the other)
-        wait_for(lambda: _deployment(api, "smoke-eval"), 60, "the stage deployments")
-        assert _deployment(api, "smoke-sft") is not None
+        wait_for(lambda: _deployment(api, "smoke-west_of_n"), 60, "the stage deployments")
+        for stage in ("ingest", "prepare", "sft", "eval", "best_of_n"):
+            assert _deployment(api, f"smoke-{stage}") is not None
         # the serving process opens no socket beyond loopback (checked on the sockets themselves)
         assert {address for address, _ in listening_sockets(served.pid)} <= {"127.0.0.1"}
 

@@ -1,5 +1,6 @@
-"""Evaluation and filter stages through their flows: eval_results rows, MLflow metrics and plots,
-West-of-N pairs in the store, Best-of-N and dynamic-filter statistics."""
+"""Evaluation and filter stages through their flows: eval_results rows, MLflow metrics, plots and data
+fingerprints, West-of-N pairs in the store, Best-of-N and dynamic-filter statistics, and the names a user
+tells their runs apart by in the Prefect and MLflow UIs."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from flows.evaluate import eval_flow
 from flows.filters import filter_flow
 from pipeline_lib import tracking
 from pipeline_lib.config import EvalConfig
+from pipeline_lib.fingerprint import frame_fingerprint
 from pipeline_lib.models import build_tiny_model
 from pipeline_lib.store.db import open_store
+from tasks.evaluation import model_label
 from tasks.filters import filter_task
+from tasks.store import inputs_fingerprint_task
 
 SAMPLES = pl.DataFrame({
     "run_id": "r1", "prompt_id": ["a"] * 4 + ["b"] * 4 + ["c"] * 4, "sample_idx": [0, 1, 2, 3] * 3,
@@ -23,15 +27,20 @@ SAMPLES = pl.DataFrame({
 })
 
 
-def test_eval_flow_writes_results_metrics_and_plots(flow_workspace, tmp_path):
+def add_problems(workspace) -> None:
     problems = pl.DataFrame({"problem_id": ["p1", "p2"], "source": "demo", "split": "test",
                              "prompt": ["12+34=", "5+6="], "answer": ["46", "11"]})
-    with open_store(flow_workspace.store_path) as store:
+    with open_store(workspace.store_path) as store:
         store.insert_new("problems", problems)
+
+
+def test_eval_flow_writes_results_metrics_and_plots(flow_workspace, tmp_path, prefect_run):
+    add_problems(flow_workspace)
     model = build_tiny_model(tmp_path / "tiny", ["0123456789+="])
     cfg = EvalConfig(model_path=str(model), model_name="tiny", n=4, ks=(1, 2, 4), max_new_tokens=3, device="cpu")
 
-    rows = eval_flow(cfg)
+    state = eval_flow(cfg, return_state=True)
+    rows = state.result()
     again = eval_flow(cfg)  # resumes the finished sampling run: same numbers, rows replaced not duplicated
 
     assert [r["k"] for r in rows] == [1, 2, 4] and rows == again
@@ -41,26 +50,64 @@ def test_eval_flow_writes_results_metrics_and_plots(flow_workspace, tmp_path):
     run = tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'eval-tiny'")[0]
     assert run.data.metrics["eval/pass_at_4"] == rows[2]["pass_at_k"]
     assert "eval/maj_at_1" in run.data.metrics
+    assert run.data.tags["data.fingerprint"] == inputs_fingerprint_task.fn(cfg)
     plots = {a.path for a in MlflowClient(flow_workspace.tracking_uri).list_artifacts(run.info.run_id, "plots")}
     assert plots == {"plots/pass_at_k.png", "plots/maj_at_k.png", "plots/reward_length_hist.png"}
+    name, _, artifact_keys = prefect_run(state)
+    assert name == "eval-tiny" and artifact_keys == {"eval-results-tiny"}  # one table per model in Prefect
 
 
-def test_filter_flows_on_a_sampling_run(flow_workspace):
+def test_an_unnamed_model_is_named_after_the_stage_that_wrote_it(flow_workspace, tmp_path, prefect_run):
+    """`alignflow eval --model ws/models/sft/<hash>/final` shows as eval-sft, not eval-/abs/path/.../final."""
+    add_problems(flow_workspace)
+    model = build_tiny_model(flow_workspace.models_dir / "sft" / "0123456789abcdef" / "final", ["0123456789+="])
+    cfg = EvalConfig(model_path=str(model), n=2, ks=(1, 2), max_new_tokens=3, device="cpu")
+
+    state = eval_flow(cfg, return_state=True)
+
+    run = tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'eval-sft'")[0]
+    assert run.info.run_name == "eval-sft"
+    name, _, artifact_keys = prefect_run(state)
+    assert name == "eval-sft" and artifact_keys == {"eval-results-sft"}
+    outside = build_tiny_model(tmp_path / "Tiny_Model", ["0123456789+="])
+    assert model_label(cfg.model_copy(update={"model_path": str(outside)})) == "Tiny_Model"  # its dir name
+
+
+def test_filter_flows_on_a_sampling_run(flow_workspace, the_run, prefect_run):
     with open_store(flow_workspace.store_path) as store:
         store.insert_new("samples", SAMPLES)
-    won = filter_flow("west_of_n", "r1")
+    state = filter_flow("west_of_n", "r1", return_state=True)
+    won = state.result()
     assert won == {"filter/prompts": 3, "filter/pairs": 1, "filter/pairs_inserted": 1, "filter/skipped_ties": 2}
+    with open_store(flow_workspace.store_path) as store:
+        read = frame_fingerprint(store.read("samples", run_id="r1"))
+    assert the_run(flow_workspace, "west_of_n")[0].data.tags["data.fingerprint"] == read  # the rows it filtered
+    assert prefect_run(state)[0] == "west_of_n-r1"
     with open_store(flow_workspace.store_path) as store:
         pairs = store.read("preference_pairs", source="west_of_n")
     assert pairs.select("prompt", "chosen", "rejected").row(0) == ("1+1=", "2", "3")
     assert filter_flow("west_of_n", "r1") == won  # a cache hit
     assert filter_task.fn("west_of_n", "r1")["filter/pairs_inserted"] == 0  # and the body is idempotent
 
-    bon = filter_flow("best_of_n", "r1")
+    state = filter_flow("best_of_n", "r1", return_state=True)
+    bon = state.result()
     assert bon["filter/best_accuracy"] == 2 / 3 and bon["filter/all_accuracy"] == 6 / 12
+    assert prefect_run(state)[0] == "best_of_n-r1"
     with open_store(flow_workspace.store_path) as store:  # an unscored (NaN) sample counts in neither mean
         store.insert_new("samples", SAMPLES.with_columns(run_id=pl.lit("r2"), reward=pl.col("reward").replace(0.0, float("nan"))))
     assert filter_task.fn("best_of_n", "r2")["filter/all_reward_mean"] == 1.0
     dyn = filter_flow("dynamic", "r1", group_size=4)
     assert dyn == {"filter/groups_total": 3, "filter/groups_kept": 1, "filter/dropped_all_correct": 1,
                    "filter/dropped_all_wrong": 1}
+
+
+def test_a_sampling_run_that_gained_rows_is_filtered_again(flow_workspace):
+    """A sampling run resumed on newly ingested problems keeps its id: West-of-N must see the new samples."""
+    with open_store(flow_workspace.store_path) as store:
+        store.insert_new("samples", SAMPLES)
+    assert filter_flow("west_of_n", "r1")["filter/pairs_inserted"] == 1
+    more = SAMPLES.filter(pl.col("prompt_id") == "a").with_columns(prompt_id=pl.lit("d"), prompt=pl.lit("0+2="))
+    with open_store(flow_workspace.store_path) as store:
+        store.insert_new("samples", more)
+    again = filter_flow("west_of_n", "r1")
+    assert (again["filter/prompts"], again["filter/pairs_inserted"]) == (4, 1)

@@ -40,9 +40,10 @@ def stage_runs(workspace, stage: str) -> list:
 
 
 @pytest.mark.slow
-def test_pipeline_chain_cache_hits_and_partial_recompute(flow_workspace):
+def test_pipeline_chain_cache_hits_and_partial_recompute(flow_workspace, capsys):
     cfg = short_demo()
     outputs = pipeline_flow(cfg)
+    assert "| model | dataset | K | Pass@K | Maj@K | n |" in capsys.readouterr().out  # stdout, not Prefect's log
     assert set(outputs) == {"base", "sample", *STAGES}
     for stage in STAGES:
         assert (Path(outputs[stage]) / "config.json").is_file(), stage
@@ -55,6 +56,9 @@ def test_pipeline_chain_cache_hits_and_partial_recompute(flow_workspace):
         results = store.latest_eval_results()
         assert store.count("preference_pairs") > 3000  # the demo pairs plus West-of-N pairs
     assert set(results["model"]) == {"sft", "rs_sft", "dpo", "grpo", "dapo", "ppo"}
+    assert parent.data.tags["alignflow.reused"] == ""
+    assert parent.data.metrics["eval/dpo/pass_at_4"] == results.filter(
+        (results["model"] == "dpo") & (results["k"] == 4))["pass_at_k"].item()
 
     started = time.perf_counter()
     sft_flow(cfg.resolved("sft", outputs))  # unchanged stage, run alone: a Prefect cache hit
@@ -62,6 +66,11 @@ def test_pipeline_chain_cache_hits_and_partial_recompute(flow_workspace):
     assert pipeline_flow(cfg) == outputs
     for stage in STAGES:
         assert len(stage_runs(flow_workspace, stage)) == 1, f"{stage} recomputed on an unchanged rerun"
+    cached = stage_runs(flow_workspace, "pipeline")[0]  # a rerun of cache hits still says what it used
+    assert set(cached.data.tags["alignflow.reused"].split(",")) == {
+        "sample", *STAGES, *(f"eval-{stage}" for stage in cfg.evaluated)}
+    assert cached.data.tags["outputs.dpo"] == outputs["dpo"]
+    assert cached.data.metrics["eval/dpo/pass_at_4"] == parent.data.metrics["eval/dpo/pass_at_4"]
 
     changed = cfg.model_copy(update={"dpo": cfg.dpo.model_copy(update={"beta": 0.3})})
     new_outputs = pipeline_flow(changed)
@@ -71,6 +80,7 @@ def test_pipeline_chain_cache_hits_and_partial_recompute(flow_workspace):
     for stage in ("sft", "rm", "rs_sft", "grpo", "dapo", "ppo"):
         assert len(stage_runs(flow_workspace, stage)) == 1, f"{stage} recomputed after a DPO-only change"
     assert len(stage_runs(flow_workspace, "eval-dpo")) == 2 and len(stage_runs(flow_workspace, "eval-sft")) == 1
+    assert "dpo" not in stage_runs(flow_workspace, "pipeline")[0].data.tags["alignflow.reused"].split(",")
 
     pipeline_flow(changed, force=("sft",))
     assert len(stage_runs(flow_workspace, "sft")) == 2

@@ -21,6 +21,11 @@ from pipeline_lib.train.data import stage_dir
 from tasks.training import sft_task
 
 FAST = dict(max_steps=2, batch_size=4, log_every=1, device="cpu")
+SAMPLES = pl.DataFrame({  # one sampling run of 4 prompts: 2 samples each, the first one verified correct
+    "run_id": "r1", "prompt_id": [f"p{i // 2}" for i in range(8)], "sample_idx": [0, 1] * 4,
+    "prompt": [f"{i // 2}+1=" for i in range(8)], "completion": [str(i // 2 + 1 + i % 2) for i in range(8)],
+    "reward": [1.0, 0.0] * 4, "is_correct": [True, False] * 4,
+})
 
 
 def fill_store(workspace) -> None:
@@ -53,14 +58,29 @@ def tiny(flow_workspace, tmp_path) -> str:
                                 intermediate_size=128))
 
 
-def test_sft_flow_trains_on_problems_and_logs_to_mlflow(flow_workspace, tiny, the_run):
-    final = Path(sft_flow(SFTConfig(model_path=tiny, **FAST)))
+def test_sft_flow_trains_on_problems_and_logs_to_mlflow(flow_workspace, tiny, the_run, prefect_run):
+    state = sft_flow(SFTConfig(model_path=tiny, **FAST), return_state=True)
+    final = Path(state.result())
     assert final.parent.parent == flow_workspace.models_dir / "sft" and final.name == "final"
     load_policy(final, device="cpu")
     run, artifacts = the_run(flow_workspace, "sft")
     assert {"train/loss", "train/grad_norm", "train/lr", "eval/loss"} <= set(run.data.metrics)
     assert run.data.params["max_steps"] == "2" and run.data.params["data"] == "problems"
     assert (artifacts / "model" / "model.safetensors").is_file() and (artifacts / "config.json").is_file()
+    assert (artifacts / "sft_curves.png").is_file()  # train/loss and eval/loss over the steps
+    name, task_names, artifact_keys = prefect_run(state)
+    assert name == "sft" and "sft" in task_names and artifact_keys == {"sft-result"}
+
+
+def test_rs_sft_is_named_rs_sft_in_prefect_and_mlflow(flow_workspace, tiny, the_run, prefect_run):
+    """The pipeline runs rs_sft through the sft flow: its flow run, task run, artifact and MLflow run say rs_sft."""
+    with open_store(flow_workspace.store_path) as store:
+        store.insert_new("samples", SAMPLES)
+    state = sft_flow(SFTConfig(model_path=tiny, data="best_of_n", samples_run_id="r1", **FAST), return_state=True)
+    state.result()
+    assert (the_run(flow_workspace, "rs_sft")[1] / "rs_sft_curves.png").is_file()
+    name, task_names, artifact_keys = prefect_run(state)
+    assert name == "rs_sft" and "rs_sft" in task_names and artifact_keys == {"rs-sft-result"}
 
 
 def test_sft_task_rerun_returns_the_finished_model(flow_workspace, tiny):
@@ -99,6 +119,7 @@ def test_rm_flow_reports_held_out_accuracy(flow_workspace, tiny, the_run):
     assert 0.0 <= run.data.metrics["eval/rm_accuracy"] <= 1.0
     assert final_metrics(final)["eval/n_groups"] == 2  # 20% of 10 pairs
     assert (artifacts / "model" / "reward_head.safetensors").is_file()
+    assert (artifacts / "rm_curves.png").is_file()  # train/loss and the held-out accuracy and margin over the steps
 
     ranked = Path(rm_flow(RMConfig(model_path=tiny, loss="plackett_luce", pooling="mean", **FAST)))
     assert ranked != final and RewardModel.from_pretrained(ranked, device="cpu").pooling == "mean"

@@ -115,7 +115,7 @@ def test_dynamic_sampling_gives_up_after_max_refill_rounds():
     cfg = scripted_config(dynamic_sampling=True, max_refill_rounds=2)
     stream = iter([(k, [0]) for k in range(10)])  # prompt 0 is always all-correct
     with pytest.warns(RuntimeWarning, match=r"step 1: dynamic sampling found 0 of 2 groups with 0 < #correct < G "
-                                            r"in 3 round\(s\); training on them \(raise max_refill_rounds"):
+                                            r"in 3 round\(s\); no update \(raise max_refill_rounds"):
         rollout = sample_groups(ScriptedSampler(SCRIPT), stream, PROMPTS, ANSWERS, combined_reward(cfg.rewards),
                                 cfg, 0)
     assert rollout.groups_kept == 0 and rollout.completions == []
