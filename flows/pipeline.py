@@ -60,7 +60,7 @@ def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str,
         tracking.log_dict(outputs, "outputs.json", run_id=pipeline_run_id)
         ran = {run.info.run_name for run in tracking.child_runs(pipeline_run_id)}
         reused = [stage for stage in [*outputs, *(f"eval-{stage}" for stage in cfg.evaluated)]
-                  if stage != "base" and stage not in ran]
+                  if stage not in ran and (stage != "base" or cfg.base)]  # a base_model_path is not a stage
         tracking.set_tags({**{f"outputs.{stage}": str(value) for stage, value in outputs.items()},
                            "alignflow.reused": ",".join(reused)}, run_id=pipeline_run_id)
     return outputs

@@ -1,14 +1,17 @@
-"""Model preparation task: build the tiny offline model from the store's texts (cached by content)."""
+"""Model preparation task: build the tiny offline model from the store's texts (cached by content), logged
+as the `base` MLflow run (its config, parameter count and the model)."""
 
 from __future__ import annotations
 
 from prefect import task
+from safetensors.torch import load_file
 
+from pipeline_lib import tracking
 from pipeline_lib.config import TinyModelConfig
 from pipeline_lib.fingerprint import keyed_dir
 from pipeline_lib.models.tiny import build_tiny_model
 from pipeline_lib.store.db import open_store
-from tasks.common import CACHED, current_workspace
+from tasks.common import CACHED, current_workspace, run_tags
 
 
 @task(name="build-tiny-model", **CACHED)
@@ -17,6 +20,9 @@ def build_tiny_model_task(cfg: TinyModelConfig, data_fingerprint: str) -> str:
     with open_store(workspace.store_path) as store:
         corpus = store.corpus_texts(list(cfg.corpus_sources) if cfg.corpus_sources else None)
     out_dir = keyed_dir(workspace.models_dir, "tiny_model", cfg.model_dump_json(), data_fingerprint)
-    path = build_tiny_model(out_dir, corpus, **cfg.model_dump(exclude={"corpus_sources"}))
-    print(f"tiny model: {path} ({len(corpus)} corpus texts)")
+    with tracking.stage_run(workspace, "base", cfg, tags=run_tags(data_fingerprint)) as log:
+        path = build_tiny_model(out_dir, corpus, **cfg.model_dump(exclude={"corpus_sources"}))
+        parameters = sum(tensor.numel() for file in path.glob("*.safetensors") for tensor in load_file(file).values())
+        log({"model/parameters": float(parameters), "data/corpus_texts": float(len(corpus))}, 0)
+        tracking.log_artifact(path, "model")
     return str(path)

@@ -57,6 +57,8 @@ def test_pipeline_chain_cache_hits_and_partial_recompute(flow_workspace, capsys)
         assert store.count("preference_pairs") > 3000  # the demo pairs plus West-of-N pairs
     assert set(results["model"]) == {"sft", "rs_sft", "dpo", "grpo", "dapo", "ppo"}
     assert parent.data.tags["alignflow.reused"] == ""
+    (base,) = stage_runs(flow_workspace, "base")  # the tiny model's build is a run too
+    assert base.data.tags["mlflow.parentRunId"] == parent.info.run_id and base.data.metrics["model/parameters"] > 0
     assert parent.data.metrics["eval/dpo/pass_at_4"] == results.filter(
         (results["model"] == "dpo") & (results["k"] == 4))["pass_at_k"].item()
 
@@ -68,7 +70,7 @@ def test_pipeline_chain_cache_hits_and_partial_recompute(flow_workspace, capsys)
         assert len(stage_runs(flow_workspace, stage)) == 1, f"{stage} recomputed on an unchanged rerun"
     cached = stage_runs(flow_workspace, "pipeline")[0]  # a rerun of cache hits still says what it used
     assert set(cached.data.tags["alignflow.reused"].split(",")) == {
-        "sample", *STAGES, *(f"eval-{stage}" for stage in cfg.evaluated)}
+        "base", "sample", *STAGES, *(f"eval-{stage}" for stage in cfg.evaluated)}
     assert cached.data.tags["outputs.dpo"] == outputs["dpo"]
     assert cached.data.metrics["eval/dpo/pass_at_4"] == parent.data.metrics["eval/dpo/pass_at_4"]
 
