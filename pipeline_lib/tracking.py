@@ -154,12 +154,14 @@ def _process_tags() -> dict[str, str]:
 def code_version_tags() -> dict[str, str]:
     """alignflow's version and, from a git checkout, its commit (MLflow shows `mlflow.source.git.commit`)."""
     tags = {"alignflow.version": alignflow_version()}
+    checkout = Path(__file__).resolve().parents[1]
     try:
-        head = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
+        top, head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--show-toplevel", "HEAD"],
+                                   capture_output=True, text=True, timeout=10, check=True).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError, ValueError):
         return tags
-    return tags | {"mlflow.source.git.commit": head}
+    # installed into site-packages inside some other repository, HEAD would be that repository's commit
+    return tags | {"mlflow.source.git.commit": head} if Path(top).resolve() == checkout else tags
 
 
 def alignflow_version() -> str:

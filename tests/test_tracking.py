@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -55,6 +56,9 @@ def test_stage_runs_nest_under_the_pipeline_run_and_failures_are_marked(workspac
     assert "alignflow.error" not in runs["sft"].data.tags
     for run in runs.values():
         assert run.data.tags["alignflow.version"] == tracking.alignflow_version() != "unknown"
+        commit = subprocess.run(["git", "-C", str(Path(tracking.__file__).parents[1]), "rev-parse", "HEAD"],
+                                capture_output=True, text=True).stdout.strip()
+        assert run.data.tags.get("mlflow.source.git.commit") == (commit or None)  # None outside a checkout
         assert run.data.tags["alignflow.pid"] == str(os.getpid())
 
 
