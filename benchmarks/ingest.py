@@ -100,13 +100,14 @@ def write_csv(jsonl: Path, path: Path) -> int:
     return rows
 
 
-def run_csv(jsonl: Path, tmp: Path) -> tuple[tuple[float, float], str]:
-    """(wall, cpu) seconds and the summary of ingesting the same pairs as a CSV file into a fresh store."""
-    write_csv(jsonl, tmp / "pairs.csv")
+def run_csv(jsonl: Path, tmp: Path) -> tuple[tuple[float, float], int, float, str]:
+    """(wall, cpu) seconds, rows, file MB and the summary of ingesting the same pairs as CSV into a fresh store."""
+    rows = write_csv(jsonl, tmp / "pairs.csv")
     with open_store(tmp / "csv-store.duckdb") as store:
         cpu = time.process_time()
         report = ingest_file(tmp / "pairs.csv", store, source="bench-csv")
-        return (report.seconds, time.process_time() - cpu), report.summary()
+        seconds = (report.seconds, time.process_time() - cpu)
+    return seconds, rows, (tmp / "pairs.csv").stat().st_size / 1e6, report.summary()
 
 
 def run_datasets(path: Path, cache_dir: Path) -> tuple[tuple[float, float], int]:
@@ -157,30 +158,31 @@ def main() -> None:
             got = tuple(int(word) for word in summary.replace("=", " ").replace("+", " ").split() if word.isdigit())
             if got != expected:
                 raise SystemExit(f"ingest counts {got} != planted (read, good, duplicates, bad) {expected}")
-            csv_secs = None
+            csv_run = None
             if args.csv:
-                csv_secs, csv_summary = run_csv(hf_path, tmp)
-                print("csv:", csv_summary, f"({csv_secs[0]:.2f} s)")
+                *csv_run, csv_summary = run_csv(hf_path, tmp)
+                print("csv:", csv_summary, f"({csv_run[0][0]:.2f} s)")
             hf, hf_kept = (None, None) if args.skip_datasets else run_datasets(hf_path, tmp / "hf-cache")
             if hf_kept is not None:
                 print(f"datasets kept {hf_kept} rows (its file lacks the {sum(counts[k] for k in UNPARSEABLE)} "
                       "lines its JSON reader cannot parse)")
-            rows.append((n, size_mb, first, again, csv_secs, hf))
+            rows.append((n, size_mb, first, again, csv_run, hf))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     print()
     print("| N pairs | file MB | method | wall s | CPU s | rows/s (wall) | speedup vs datasets (wall) |")
     print("|---|---|---|---|---|---|---|")
-    for n, size_mb, first, again, csv_secs, hf in rows:
-        for method, secs in (("alignflow ingest_file, fresh store", first),
-                             ("alignflow re-ingest, all duplicates", again),
-                             ("alignflow ingest_file, the parseable records as CSV, fresh store", csv_secs),
-                             ("HF datasets load_dataset + filter + map + set dedup", hf)):
+    for n, size_mb, first, again, csv_run, hf in rows:
+        csv_row = [(csv_run[1], csv_run[2], "alignflow ingest_file of the parseable records as CSV", csv_run[0])]
+        for count, mb, method, secs in [(n, size_mb, "alignflow ingest_file, fresh store", first),
+                                        (n, size_mb, "alignflow re-ingest, all duplicates", again),
+                                        *(csv_row if csv_run else []),
+                                        (n, size_mb, "HF datasets load_dataset + filter + map + set dedup", hf)]:
             if secs is None:
                 continue
             speedup = f"{hf[0] / secs[0]:.1f}x" if hf else "-"
             wall, cpu = secs
-            print(f"| {n:,} | {size_mb:.0f} | {method} | {wall:.2f} | {cpu:.2f} | {n / wall:,.0f} | {speedup} |")
+            print(f"| {count:,} | {mb:.0f} | {method} | {wall:.2f} | {cpu:.2f} | {count / wall:,.0f} | {speedup} |")
 
 
 if __name__ == "__main__":

@@ -442,9 +442,11 @@ class GRPOConfig(Config):
                              "(DAPO §3.1) widens the upper bound, expected clip_eps_high >= clip_eps_low")
         if self.loss == "dapo" and self.beta != 0:
             raise ValueError("loss 'dapo' has no KL term: beta must be 0 (use loss 'grpo' for a KL penalty)")
-        if self.dynamic_sampling and not any(spec["name"] == "verifier" for spec in self.rewards):
+        if self.dynamic_sampling and not any(spec["name"] == "verifier" and spec.get("weight", 1.0) != 0
+                                             for spec in self.rewards):
             raise ValueError("dynamic_sampling keeps the groups with 0 < #correct < G, which only a reward with the "
-                             "verifier varies: add {name: verifier} to rewards or set dynamic_sampling false")
+                             "verifier (weight != 0) varies: add {name: verifier} to rewards or set dynamic_sampling "
+                             "false")
         for spec in self.rewards:
             if spec["name"] == "overlong" and int(spec.get("max_len", 0)) > self.max_new_tokens:
                 raise ValueError(f"rewards overlong max_len {spec['max_len']} exceeds max_new_tokens {self.max_new_tokens}")

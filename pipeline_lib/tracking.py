@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.metadata
 import json
 import os
 import socket
@@ -25,6 +24,7 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 from pydantic import BaseModel
 
+from pipeline_lib import alignflow_version
 from pipeline_lib.errors import first_line
 from pipeline_lib.logfns import LogFn, print_log
 from pipeline_lib.workspace import Workspace
@@ -50,8 +50,11 @@ def configure(workspace: Workspace, experiment: str = EXPERIMENT) -> str:
         experiment_id = mlflow.create_experiment(experiment, artifact_location=artifacts)
     else:
         experiment_id = found.experiment_id
-        if found.artifact_location != artifacts and workspace.tracking_uri == f"sqlite:///{workspace.mlflow_db}":
-            _relocate_artifacts(workspace.mlflow_db, found.artifact_location, artifacts)
+        old = found.artifact_location
+        # a workspace's own artifacts dir somewhere else, not an artifact root the user chose (s3://, ...)
+        moved = old != artifacts and old.startswith("file:") and old.rstrip("/").endswith("/mlartifacts")
+        if moved and workspace.tracking_uri == f"sqlite:///{workspace.mlflow_db}":
+            _relocate_artifacts(workspace.mlflow_db, old, artifacts)
     mlflow.set_experiment(experiment_id=experiment_id)
     return experiment_id
 
@@ -99,13 +102,13 @@ def stage_run(
     An exception marks the run FAILED and propagates."""
     experiment_id = configure(workspace)
     params = flatten_params(config) if config is not None else {}
-    stale = _end_stale_runs(experiment_id)
+    _end_stale_runs(experiment_id)
+    resumes = _killed_run_to_resume(experiment_id, stage, params)
     parent = os.environ.get(PARENT_ENV)
     run = mlflow.start_run(run_name=stage, nested=parent is not None, parent_run_id=parent)
     try:
-        resumes = [old.info.run_id for old in stale if old.info.run_name == stage and old.data.params == params]
         mlflow.set_tags({"alignflow.stage": stage, **_process_tags(),
-                         **({"alignflow.resumes": resumes[0]} if resumes else {}), **dict(tags or {})})
+                         **({"alignflow.resumes": resumes} if resumes else {}), **dict(tags or {})})
         if config is not None:
             mlflow.log_params(params)
             dumped = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
@@ -147,7 +150,7 @@ def pipeline_run(
 
 def _process_tags() -> dict[str, str]:
     """Who writes the run: host and pid (to tell a killed run from a live one), and the code that wrote it."""
-    return {"alignflow.host": socket.gethostname(), "alignflow.pid": str(os.getpid()), **code_version_tags()}
+    return {"alignflow.host": _host(), "alignflow.pid": str(os.getpid()), **code_version_tags()}
 
 
 @functools.cache
@@ -164,26 +167,37 @@ def code_version_tags() -> dict[str, str]:
     return tags | {"mlflow.source.git.commit": head} if Path(top).resolve() == checkout else tags
 
 
-def alignflow_version() -> str:
+def _host() -> str:
+    """This host and its pid namespace: a pid means something only inside its namespace (containers)."""
     try:
-        return importlib.metadata.version("alignflow")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
-        return "unknown"
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:  # no /proc (macOS)
+        return socket.gethostname()
+    return f"{socket.gethostname()} {namespace}"
 
 
-def _end_stale_runs(experiment_id: str) -> list[Any]:
-    """Mark KILLED the RUNNING runs whose process on this host is gone (a SIGKILLed stage); returns them."""
+def _end_stale_runs(experiment_id: str) -> None:
+    """Mark KILLED the RUNNING runs whose process on this host is gone (a SIGKILLed stage)."""
     client = MlflowClient()
-    host = socket.gethostname()
-    stale = []
     for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'"):
         pid = run.data.tags.get("alignflow.pid")
-        if run.data.tags.get("alignflow.host") != host or not pid or int(pid) == os.getpid() or _alive(int(pid)):
+        if run.data.tags.get("alignflow.host") != _host() or not pid or int(pid) == os.getpid() or _alive(int(pid)):
             continue
         client.set_terminated(run.info.run_id, status="KILLED")
         client.set_tag(run.info.run_id, "alignflow.error", f"process {pid} ended without closing the run")
-        stale.append(run)
-    return stale
+
+
+def _killed_run_to_resume(experiment_id: str, stage: str, params: Mapping[str, str]) -> str | None:
+    """The latest KILLED run of this stage with these params that no run resumed yet: the run a rerun continues."""
+    client = MlflowClient()
+    killed = client.search_runs([experiment_id], filter_string="attributes.status = 'KILLED'",
+                                order_by=["attributes.start_time DESC"])
+    for run in killed:
+        if run.info.run_name == stage and run.data.params == params:
+            resumed = client.search_runs([experiment_id], max_results=1,
+                                         filter_string=f"tags.`alignflow.resumes` = '{run.info.run_id}'")
+            return None if resumed else run.info.run_id
+    return None
 
 
 def _alive(pid: int) -> bool:

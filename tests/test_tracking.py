@@ -13,7 +13,7 @@ import pytest
 from matplotlib.figure import Figure
 from mlflow.tracking import MlflowClient
 
-from pipeline_lib import tracking
+from pipeline_lib import alignflow_version, tracking
 from pipeline_lib.config import EvalConfig, IngestConfig
 from pipeline_lib.workspace import Workspace
 
@@ -55,7 +55,7 @@ def test_stage_runs_nest_under_the_pipeline_run_and_failures_are_marked(workspac
     assert runs["dpo"].data.tags["alignflow.error"] == "RuntimeError: boom"
     assert "alignflow.error" not in runs["sft"].data.tags
     for run in runs.values():
-        assert run.data.tags["alignflow.version"] == tracking.alignflow_version() != "unknown"
+        assert run.data.tags["alignflow.version"] == alignflow_version() != "unknown"
         commit = subprocess.run(["git", "-C", str(Path(tracking.__file__).parents[1]), "rev-parse", "HEAD"],
                                 capture_output=True, text=True).stdout.strip()
         assert run.data.tags.get("mlflow.source.git.commit") == (commit or None)  # None outside a checkout
@@ -83,6 +83,13 @@ def test_a_moved_workspace_logs_into_its_own_artifacts_and_keeps_the_old_ones(wo
         assert run.info.artifact_uri.startswith(moved.mlflow_artifacts.as_uri() + "/")
         assert mlflow.artifacts.load_text(f"{run.info.artifact_uri}/note.txt") == text
     assert not workspace.root.exists()
+    own = Workspace(tmp_path / "own-root").create()  # an artifact root the user chose is not the workspace's to move
+    client = MlflowClient(own.tracking_uri)
+    chosen = client.create_experiment(tracking.EXPERIMENT, artifact_location="s3://bucket/mlflow")
+    run = client.create_run(chosen)
+    assert tracking.configure(own) == chosen
+    assert client.get_experiment(chosen).artifact_location == "s3://bucket/mlflow"
+    assert client.get_run(run.info.run_id).info.artifact_uri.startswith("s3://bucket/mlflow/")
 
 
 def test_a_killed_stage_run_is_marked_killed_and_its_rerun_says_it_resumes_it(workspace):
@@ -97,11 +104,14 @@ def test_a_killed_stage_run_is_marked_killed_and_its_rerun_says_it_resumes_it(wo
     assert subprocess.run([sys.executable, "-c", script]).returncode == 9
     (killed,) = tracking.find_runs(workspace)
     assert killed.info.status == "RUNNING"
-    with tracking.stage_run(workspace, "sft", {"lr": 0.1}, echo=False):
+    with tracking.stage_run(workspace, "rm", {"lr": 0.1}, echo=False):  # another stage first: it ends the run
         pass
     with tracking.stage_run(workspace, "sft", {"lr": 0.2}, echo=False):  # another config: not a resume
         pass
-    other, rerun, killed = tracking.find_runs(workspace)
+    for _ in range(2):  # only the first rerun resumes the killed run
+        with tracking.stage_run(workspace, "sft", {"lr": 0.1}, echo=False):
+            pass
+    again, rerun, other, first, killed = tracking.find_runs(workspace)
     assert killed.info.status == "KILLED" and "ended without closing the run" in killed.data.tags["alignflow.error"]
     assert rerun.data.tags["alignflow.resumes"] == killed.info.run_id and rerun.info.status == "FINISHED"
-    assert "alignflow.resumes" not in other.data.tags
+    assert not any("alignflow.resumes" in run.data.tags for run in (again, other, first))

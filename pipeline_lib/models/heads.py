@@ -135,12 +135,12 @@ class RewardModel(nn.Module):
     at the last valid token. The head is float32 whatever the backbone dtype."""
 
     def __init__(self, backbone: PreTrainedModel, head: nn.Linear, pooling: Pooling = "last_token",
-                 chat_prompts: bool = False) -> None:
+                 chat_prompts: bool | None = None) -> None:
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"pooling={pooling!r}: expected one of {POOLINGS}")
         self.backbone, self.head, self.pooling = backbone, head.float(), pooling
-        self.chat_prompts = chat_prompts  # trained on chat-rendered prompts; saved, so scoring stages can check
+        self.chat_prompts = chat_prompts  # trained on chat-rendered prompts (None: not recorded); saved with it
 
     @classmethod
     def from_policy(
@@ -160,7 +160,7 @@ class RewardModel(nn.Module):
         trust_remote_code: bool = False,
     ) -> "RewardModel":
         backbone, head, config = _load(path, "reward", dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-        return cls(backbone, head, config["pooling"], bool(config.get("chat_prompts", False)))
+        return cls(backbone, head, config["pooling"], config.get("chat_prompts"))  # None before 0.2.0
 
     def save_pretrained(self, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
         return _save(out_dir, self.backbone, self.head, "reward",

@@ -184,7 +184,7 @@ def build_reward(specs: Sequence[Mapping[str, Any]], *, reward_model_path: str |
             from pipeline_lib.rewards.model import RewardModelScorer
 
             model = RewardModel.from_pretrained(reward_model_path, device=device)
-            if model.chat_prompts != chat_prompts:
+            if model.chat_prompts is not None and model.chat_prompts != chat_prompts:
                 forms = ("plain-text", "chat-rendered")
                 warnings.warn(f"reward model {reward_model_path} was trained on {forms[model.chat_prompts]} prompts "
                               f"but scores {forms[chat_prompts]} ones here; set chat_template "

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import polars as pl
 from tqdm.auto import tqdm
 
+from pipeline_lib import alignflow_version
 from pipeline_lib.config import SampleConfig
 from pipeline_lib.fingerprint import model_fingerprint
 from pipeline_lib.rewards.math import is_correct
@@ -186,12 +187,12 @@ def _report(store: Store, run_id: str, policy: str, n_problems: int, skipped: in
 
 
 def sample_run_id(cfg: SampleConfig) -> str:
-    """cfg.run_id, else `sample-<hash>` of the sampling-relevant config fields and the fingerprints of the
-    policy and (when set) the reward model that scores the samples."""
+    """cfg.run_id, else `sample-<hash>` of the sampling-relevant config fields, the fingerprints of the
+    policy and (when set) the reward model that scores the samples, and alignflow's version."""
     if cfg.run_id:
         return cfg.run_id
     fields = cfg.model_dump(mode="json", exclude=_RUN_ID_EXCLUDE)
-    key = {"config": fields, "model": model_fingerprint(cfg.model_path)}
+    key = {"config": fields, "model": model_fingerprint(cfg.model_path), "alignflow": alignflow_version()}
     if cfg.reward_model_path:
         key["reward_model"] = model_fingerprint(cfg.reward_model_path)
     text = json.dumps(key, sort_keys=True)

@@ -180,18 +180,10 @@ def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], Sequence[int], di
             raise IngestError(f"{path}: not valid JSON ({exc})") from None
         if not isinstance(items, list):
             raise IngestError(f"{path}: expected a JSON array of records, got {_json_type(items)}")
-        lines, pre_bad = [], {}
-        for i, item in enumerate(items):
-            try:
-                lines.append(orjson.dumps(item))
-            except orjson.JSONEncodeError:  # orjson reads deeper than it writes; no text to keep in `raw`
-                pre_bad[i] = TOO_DEEP
-                lines.append(b"")
-        if len(_KEY_END.findall(data)) > sum(map(len, map(_KEY_END.findall, lines))) or any(
-                map(_HUGE_NUMBER.search, lines)):
-            # orjson dropped a repeated key or rounded a huge integer: screen the records as written
-            lines = _array_items(data)
-        return lines, range(len(lines)), pre_bad
+        # each record as written, screened like a JSONL line: orjson's parse of the whole array has already
+        # dropped repeated keys and rounded huge integers
+        lines = _array_items(data) if items else []
+        return lines, range(len(lines)), {}
     if suffix == ".parquet":
         return _parquet_lines(path, data)
     return _csv_lines(path, data)

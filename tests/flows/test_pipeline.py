@@ -70,7 +70,7 @@ def test_pipeline_chain_cache_hits_and_partial_recompute(flow_workspace, capsys)
         assert len(stage_runs(flow_workspace, stage)) == 1, f"{stage} recomputed on an unchanged rerun"
     cached = stage_runs(flow_workspace, "pipeline")[0]  # a rerun of cache hits still says what it used
     assert set(cached.data.tags["alignflow.reused"].split(",")) == {
-        "base", "sample", *STAGES, *(f"eval-{stage}" for stage in cfg.evaluated)}
+        "base", "sample", "best_of_n", "west_of_n", *STAGES, *(f"eval-{stage}" for stage in cfg.evaluated)}
     assert cached.data.tags["outputs.dpo"] == outputs["dpo"]
     assert cached.data.metrics["eval/dpo/pass_at_4"] == parent.data.metrics["eval/dpo/pass_at_4"]
 

@@ -284,15 +284,21 @@ def test_json_array_screens_records_as_written(tmp_path, store):
     big = 123456789012345678901234567890
     text = ('[\n  {"prompt": "p,[}", "chosen": 5,\n   "rejected": "b", "chosen": "a"},\n'
             '  {"prompt": "q", "chosen": "a", "rejected": "b", "id": %d},\n  7,\n'
-            '  {"prompt": "r", "chosen": "a", "rejected": "b", "m": {"k": [1, {"k": "]"}], "k": 2}}\n]\n' % big)
+            '  {"prompt": "r", "chosen": "a", "rejected": "b", "m": {"k": [1, {"k": "]"}], "k": 2}},\n'
+            '  {"prompt": "say \\u0022: hi", "chosen": "a", "rejected": "b"}\n]\n' % big)  # key-like once parsed
     (tmp_path / "a.json").write_text(text)
     report = ingest_file(tmp_path / "a.json", store)
     check_invariant(report)
-    assert (report.rows_read, report.accepted) == (4, 1)
+    assert (report.rows_read, report.accepted) == (5, 2)
     assert quarantine(store) == {0: "duplicate key 'chosen'", 2: "record is a number, expected a JSON object",
                                  3: "duplicate key 'k'"}
     assert store.read("quarantine")["raw"][0] == '{"prompt": "p,[}", "chosen": 5,    "rejected": "b", "chosen": "a"}'
     assert json.loads(store.read("preference_pairs")["meta"][0]) == {"id": big}
+    # one repeated key beside a value that orjson writes back as `\":` must still be seen
+    (tmp_path / "b.json").write_bytes(b'[{"prompt":"p","chosen":"5","rejected":"b","chosen":"a"},'
+                                      b'{"prompt":"tell \\u0022: me","chosen":"a","rejected":"b"}]')
+    report = ingest_file(tmp_path / "b.json", store)
+    assert (report.accepted, report.quarantined) == (1, 1)
 
 
 def lists(n: int) -> bytes:

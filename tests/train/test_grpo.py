@@ -133,8 +133,9 @@ def test_surplus_informative_groups_are_dropped_but_not_counted_as_filtered():
 
 
 def test_dynamic_sampling_needs_the_verifier_among_the_rewards():
-    with pytest.raises(ValueError, match="dynamic_sampling keeps the groups with 0 < #correct < G"):
-        scripted_config(dynamic_sampling=True, rewards=({"name": "reward_model"},), reward_model_path="rm")
+    for rewards in (({"name": "reward_model"},), ({"name": "reward_model"}, {"name": "verifier", "weight": 0})):
+        with pytest.raises(ValueError, match="dynamic_sampling keeps the groups with 0 < #correct < G"):
+            scripted_config(dynamic_sampling=True, rewards=rewards, reward_model_path="rm")
 
 
 def test_without_dynamic_sampling_every_group_is_kept_in_one_round():

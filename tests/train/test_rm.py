@@ -122,6 +122,12 @@ def test_the_reward_model_records_its_prompt_form_and_scoring_checks_it(tiny, tm
         form = "chat-rendered" if rendered else "plain-text"
         with pytest.warns(RuntimeWarning, match=f"was trained on {form} prompts but scores"):
             build_reward([{"name": "reward_model"}], reward_model_path=str(final), chat_prompts=not rendered)
+    config = json.loads((final / "reward_config.json").read_text())  # a reward model saved before the record
+    (final / "reward_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_prompts"}))
+    assert RewardModel.from_pretrained(final).chat_prompts is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_reward([{"name": "reward_model"}], reward_model_path=str(final), chat_prompts=False)
 
 
 def test_plackett_luce_on_rankings_of_different_sizes(tiny, tmp_path):
