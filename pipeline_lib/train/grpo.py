@@ -255,7 +255,9 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                             update_stats.setdefault(key, []).append(float(value))
 
             lr = scheduler.get_last_lr()[0]  # every update of this step used it
-            scheduler.step()
+            with warnings.catch_warnings():  # a step without updates advances the schedule too, on purpose
+                warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before", UserWarning)
+                scheduler.step()
 
             # ---- log (and checkpoint)
             done = step + 1
