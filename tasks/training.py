@@ -88,10 +88,10 @@ def sft_task(cfg: SFTConfig, inputs_fingerprint: str = "", force: bool = False) 
     workspace = current_workspace()
     with open_store(workspace.store_path, read_only=True) as store:
         rows, eval_rows = load_sft_data(store, cfg)
-    out_dir = stage_dir(workspace.models_dir, "sft", cfg, rows)
+    stage = sft_stage(cfg)
+    out_dir = stage_dir(workspace.models_dir, stage, cfg, rows)  # models/rs_sft/...: eval names it after its stage
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
-    stage = sft_stage(cfg)
     history: list[tuple[int, dict[str, float]]] = []
     with tracking.stage_run(workspace, stage, cfg, tags=run_tags(inputs_fingerprint)) as log:
         final = train_sft(cfg, rows, out_dir, log=recording(log, history), eval_rows=eval_rows)

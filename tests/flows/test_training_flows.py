@@ -77,7 +77,8 @@ def test_rs_sft_is_named_rs_sft_in_prefect_and_mlflow(flow_workspace, tiny, the_
     with open_store(flow_workspace.store_path) as store:
         store.insert_new("samples", SAMPLES)
     state = sft_flow(SFTConfig(model_path=tiny, data="best_of_n", samples_run_id="r1", **FAST), return_state=True)
-    state.result()
+    final = Path(state.result())
+    assert final.parent.parent == flow_workspace.models_dir / "rs_sft"  # an unnamed eval of it says eval-rs_sft
     assert (the_run(flow_workspace, "rs_sft")[1] / "rs_sft_curves.png").is_file()
     name, task_names, artifact_keys = prefect_run(state)
     assert name == "rs_sft" and "rs_sft" in task_names and artifact_keys == {"rs-sft-result"}
