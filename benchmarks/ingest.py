@@ -76,15 +76,19 @@ def _bad_line(kind: str, i: int, pool: list[str]) -> bytes:
     return orjson.dumps({"prompt": f"Q{i}", "chosen": 42, "rejected": text})
 
 
+def timed_ingest(path: Path, store) -> tuple[tuple[float, float], str]:
+    """(wall, cpu) seconds of one `ingest_file` and its summary."""
+    cpu = time.process_time()
+    report = ingest_file(path, store, source="bench")
+    return (report.seconds, time.process_time() - cpu), report.summary()
+
+
 def run_alignflow(path: Path, store_path: Path) -> tuple[tuple[float, float], tuple[float, float], str, str]:
     """(wall, cpu) seconds of a first ingest into a fresh store and of a re-ingest, and their summaries."""
     with open_store(store_path) as store:
-        cpu = time.process_time()
-        first = ingest_file(path, store, source="bench")
-        cpu_first, cpu = time.process_time() - cpu, time.process_time()
-        again = ingest_file(path, store, source="bench")
-        cpu_again = time.process_time() - cpu
-    return (first.seconds, cpu_first), (again.seconds, cpu_again), first.summary(), again.summary()
+        first, first_summary = timed_ingest(path, store)
+        again, again_summary = timed_ingest(path, store)
+    return first, again, first_summary, again_summary
 
 
 def write_csv(jsonl: Path, path: Path) -> int:
@@ -100,14 +104,12 @@ def write_csv(jsonl: Path, path: Path) -> int:
     return rows
 
 
-def run_csv(jsonl: Path, tmp: Path) -> tuple[tuple[float, float], int, float, str]:
-    """(wall, cpu) seconds, rows, file MB and the summary of ingesting the same pairs as CSV into a fresh store."""
+def run_csv(jsonl: Path, tmp: Path) -> tuple[int, float, tuple[float, float], str]:
+    """Rows, file MB, (wall, cpu) seconds and the summary of ingesting the same pairs as CSV into a fresh store."""
     rows = write_csv(jsonl, tmp / "pairs.csv")
     with open_store(tmp / "csv-store.duckdb") as store:
-        cpu = time.process_time()
-        report = ingest_file(tmp / "pairs.csv", store, source="bench-csv")
-        seconds = (report.seconds, time.process_time() - cpu)
-    return seconds, rows, (tmp / "pairs.csv").stat().st_size / 1e6, report.summary()
+        seconds, summary = timed_ingest(tmp / "pairs.csv", store)
+    return rows, (tmp / "pairs.csv").stat().st_size / 1e6, seconds, summary
 
 
 def run_datasets(path: Path, cache_dir: Path) -> tuple[tuple[float, float], int]:
@@ -158,25 +160,25 @@ def main() -> None:
             got = tuple(int(word) for word in summary.replace("=", " ").replace("+", " ").split() if word.isdigit())
             if got != expected:
                 raise SystemExit(f"ingest counts {got} != planted (read, good, duplicates, bad) {expected}")
-            csv_run = None
+            csv_rows = []  # (rows, MB, method, seconds) of the CSV ingest
             if args.csv:
-                *csv_run, csv_summary = run_csv(hf_path, tmp)
-                print("csv:", csv_summary, f"({csv_run[0][0]:.2f} s)")
+                csv_count, csv_mb, csv_secs, csv_summary = run_csv(hf_path, tmp)
+                print("csv:", csv_summary, f"({csv_secs[0]:.2f} s)")
+                csv_rows = [(csv_count, csv_mb, "alignflow ingest_file of the parseable records as CSV", csv_secs)]
             hf, hf_kept = (None, None) if args.skip_datasets else run_datasets(hf_path, tmp / "hf-cache")
             if hf_kept is not None:
                 print(f"datasets kept {hf_kept} rows (its file lacks the {sum(counts[k] for k in UNPARSEABLE)} "
                       "lines its JSON reader cannot parse)")
-            rows.append((n, size_mb, first, again, csv_run, hf))
+            rows.append((n, size_mb, first, again, csv_rows, hf))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     print()
     print("| N pairs | file MB | method | wall s | CPU s | rows/s (wall) | speedup vs datasets (wall) |")
     print("|---|---|---|---|---|---|---|")
-    for n, size_mb, first, again, csv_run, hf in rows:
-        csv_row = [(csv_run[1], csv_run[2], "alignflow ingest_file of the parseable records as CSV", csv_run[0])]
+    for n, size_mb, first, again, csv_rows, hf in rows:
         for count, mb, method, secs in [(n, size_mb, "alignflow ingest_file, fresh store", first),
                                         (n, size_mb, "alignflow re-ingest, all duplicates", again),
-                                        *(csv_row if csv_run else []),
+                                        *csv_rows,
                                         (n, size_mb, "HF datasets load_dataset + filter + map + set dedup", hf)]:
             if secs is None:
                 continue

@@ -58,7 +58,8 @@ def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str,
                                   for row in rows for kind in ("pass", "maj")}, run_id=pipeline_run_id)
             sys.stdout.write(compare_task(rows, pipeline_run_id) + "\n")  # print() would go to Prefect's log
         tracking.log_dict(outputs, "outputs.json", run_id=pipeline_run_id)
-        ran = {run.info.run_name for run in tracking.child_runs(pipeline_run_id)}
+        children = tracking.find_runs(current_workspace(), f"tags.mlflow.parentRunId = '{pipeline_run_id}'")
+        ran = {run.info.run_name for run in children}
         filters = ("best_of_n", "west_of_n") if "sample" in outputs else ()
         reused = [stage for stage in [*outputs, *filters, *(f"eval-{stage}" for stage in cfg.evaluated)]
                   if stage not in ran and (stage != "base" or cfg.base)]  # a base_model_path is not a stage

@@ -679,12 +679,12 @@ REF_TARGETS = {"model_path": POLICY_STAGES, "policy_path": POLICY_STAGES, "rewar
                "samples_run_id": ("sample",)}
 REF_FIELDS = tuple(REF_TARGETS)
 MODEL_FIELDS = ("model_path", "policy_path", "reward_model_path")  # the references that are model dirs
+FORCEABLE = (*STAGE_ORDER, "eval")  # what a pipeline run's `force` may name
 
 
 def model_paths(cfg: BaseModel) -> list[str]:
     """The model dirs (or hub ids) a stage config names: starting policy, reward model."""
     return [path for path in (getattr(cfg, field, None) for field in MODEL_FIELDS) if path]
-FORCEABLE = (*STAGE_ORDER, "eval")  # what a pipeline run's `force` may name
 
 
 class PipelineConfig(Config):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
-from mlflow.entities import Metric
+from mlflow.entities import Metric, RunTag
 from mlflow.tracking import MlflowClient
 from pydantic import BaseModel
 
@@ -150,11 +150,11 @@ def pipeline_run(
 
 def _process_tags() -> dict[str, str]:
     """Who writes the run: host and pid (to tell a killed run from a live one), and the code that wrote it."""
-    return {"alignflow.host": _host(), "alignflow.pid": str(os.getpid()), **code_version_tags()}
+    return {"alignflow.host": _host(), "alignflow.pid": str(os.getpid()), **_code_version_tags()}
 
 
 @functools.cache
-def code_version_tags() -> dict[str, str]:
+def _code_version_tags() -> dict[str, str]:
     """alignflow's version and, from a git checkout, its commit (MLflow shows `mlflow.source.git.commit`)."""
     tags = {"alignflow.version": alignflow_version()}
     checkout = Path(__file__).resolve().parents[1]
@@ -205,8 +205,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
-        return True
+    except PermissionError:  # another user's process: alive
+        pass
     return True
 
 
@@ -241,22 +241,15 @@ def log_dict(value: Mapping[str, Any], artifact_file: str, *, run_id: str | None
 
 def set_tags(tags: Mapping[str, str], *, run_id: str | None = None) -> None:
     if run_id:
-        for key, value in tags.items():
-            MlflowClient().set_tag(run_id, key, value)
+        MlflowClient().log_batch(run_id, tags=[RunTag(key, value) for key, value in tags.items()])
     else:
         mlflow.set_tags(dict(tags))
 
 
-def log_metrics(metrics: Mapping[str, float], *, run_id: str, step: int = 0) -> None:
-    MlflowClient().log_batch(run_id, metrics=[Metric(key, float(value), int(time.time() * 1000), step)
+def log_metrics(metrics: Mapping[str, float], *, run_id: str) -> None:
+    """Step-0 metrics into `run_id` (e.g. the pipeline run, from a task thread)."""
+    MlflowClient().log_batch(run_id, metrics=[Metric(key, float(value), int(time.time() * 1000), 0)
                                               for key, value in metrics.items()])
-
-
-def child_runs(parent_run_id: str) -> list[Any]:
-    """Runs nested under `parent_run_id` (in the experiment MLflow is configured for)."""
-    client = MlflowClient()
-    parent = client.get_run(parent_run_id)
-    return client.search_runs([parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
 
 
 def find_runs(workspace: Workspace, filter_string: str = "") -> list[Any]:

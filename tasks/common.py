@@ -8,8 +8,8 @@ import re
 from prefect.cache_policies import INPUTS, TASK_SOURCE, CacheKeyFnPolicy
 from prefect.runtime import flow_run
 
-from pipeline_lib.errors import AlignflowError
 from pipeline_lib import alignflow_version
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.workspace import Workspace, resolve_workspace
 
 

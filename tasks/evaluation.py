@@ -31,8 +31,7 @@ def model_label(cfg: EvalConfig) -> str:
 def eval_task(cfg: EvalConfig, inputs_fingerprint: str) -> list[dict]:
     workspace = current_workspace()
     name = model_label(cfg)
-    tags = run_tags(inputs_fingerprint)
-    with tracking.stage_run(workspace, f"eval-{name}", cfg, tags=tags, echo=False) as log:
+    with tracking.stage_run(workspace, f"eval-{name}", cfg, tags=run_tags(inputs_fingerprint), echo=False) as log:
         with open_store(workspace.store_path) as store:
             results, samples = run_eval_stage(cfg, store, log=log)
         fig_pass, fig_maj = plot_curves(results)

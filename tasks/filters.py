@@ -15,11 +15,11 @@ STAGES = {"best_of_n": run_best_of_n_stage, "west_of_n": run_west_of_n_stage, "d
 
 # cached on the sampling run's rows (its id and their fingerprint); retries: store writes
 @task(name="filter", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_on_io, **CACHED)
-def filter_task(kind: str, run_id: str, group_size: int | None = None, inputs_fingerprint: str = "") -> dict:
+def filter_task(kind: str, run_id: str, group_size: int | None = None, inputs_fingerprint: str | None = None
+                ) -> dict:
     workspace = current_workspace()
     params = {"kind": kind, "samples_run_id": run_id} | ({"group_size": group_size} if group_size else {})
-    tags = run_tags(inputs_fingerprint)
-    with tracking.stage_run(workspace, kind, params, tags=tags, echo=False) as log:
+    with tracking.stage_run(workspace, kind, params, tags=run_tags(inputs_fingerprint), echo=False) as log:
         extra = {"group_size": group_size} if kind == "dynamic" else {}
         with open_store(workspace.store_path) as store:
             stats = STAGES[kind](store, run_id=run_id, **extra)

@@ -19,8 +19,7 @@ from tasks.common import CACHED, current_workspace, run_tags
 @task(name="sample", retries=1, retry_delay_seconds=5, **CACHED)
 def sample_task(cfg: SampleConfig, inputs_fingerprint: str) -> dict:
     workspace = current_workspace()
-    tags = run_tags(inputs_fingerprint)
-    with tracking.stage_run(workspace, "sample", cfg, tags=tags, echo=False) as log:
+    with tracking.stage_run(workspace, "sample", cfg, tags=run_tags(inputs_fingerprint), echo=False) as log:
         with open_store(workspace.store_path) as store:
             report = run_sample_stage(cfg, store, log=log)
         log(report.metrics(), 0)

@@ -43,6 +43,13 @@ def _check_inputs(input_ids: Tensor, attention_mask: Tensor, completion_mask: Te
             raise ValueError(f"{name}: expected shape {tuple(input_ids.shape)} like input_ids, got {tuple(mask.shape)}")
 
 
+def _check_options(chunk_size: int, temperature: float) -> None:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size}: expected >= 1")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature}: expected > 0")
+
+
 def _check_plain_lm_head(model: PreTrainedModel) -> None:
     config = getattr(getattr(model, "module", model), "config", None)  # DDP keeps the model in .module
     for field in ("final_logit_softcapping", "logit_scale"):
@@ -103,10 +110,7 @@ def sequence_logprobs(
     positions at a time, only over the span of columns that hold completion tokens; under autograd each
     chunk is checkpointed, so backward recomputes its logits instead of keeping them all alive."""
     _check_inputs(input_ids, attention_mask, completion_mask)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size}: expected >= 1")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature}: expected > 0")
+    _check_options(chunk_size, temperature)
     batch, seq_len = input_ids.shape
     hidden = _final_hidden(model, input_ids, attention_mask)  # (B, T, H)
     lm_head = getattr(model, "module", model).get_output_embeddings()
@@ -170,10 +174,7 @@ def shared_prompt_logprobs(
     if prompt_index.shape[0] != completion_ids.shape[0]:
         raise ValueError(f"prompt_index: expected one entry per completion row ({completion_ids.shape[0]}), "
                          f"got {prompt_index.shape[0]}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size}: expected >= 1")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature}: expected > 0")
+    _check_options(chunk_size, temperature)
     inner = getattr(model, "module", model)
     cache = DynamicCache(config=inner.config)
     prompt_hidden = _final_hidden(model, prompt_ids, prompt_mask, cache=cache, use_cache=True,
