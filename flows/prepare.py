@@ -8,6 +8,6 @@ from tasks.models import build_tiny_model_task
 from tasks.store import corpus_fingerprint_task
 
 
-@stage_flow("prepare-model")
+@stage_flow("prepare-model", flow_run_name="prepare")
 def prepare_model_flow(cfg: TinyModelConfig, force: bool = False) -> str:
     return run_model_task(build_tiny_model_task, cfg, corpus_fingerprint_task(cfg.corpus_sources), refresh=force)

@@ -10,7 +10,6 @@ import contextlib
 import functools
 import json
 import os
-import socket
 import sqlite3
 import subprocess
 import time
@@ -27,7 +26,7 @@ from pydantic import BaseModel
 from pipeline_lib import alignflow_version
 from pipeline_lib.errors import first_line
 from pipeline_lib.logfns import LogFn, print_log
-from pipeline_lib.workspace import Workspace
+from pipeline_lib.workspace import Workspace, host_id
 
 EXPERIMENT = "alignflow"
 PARENT_ENV = "ALIGNFLOW_PARENT_RUN_ID"  # set by the pipeline flow so stage runs nest under it
@@ -150,7 +149,7 @@ def pipeline_run(
 
 def _process_tags() -> dict[str, str]:
     """Who writes the run: host and pid (to tell a killed run from a live one), and the code that wrote it."""
-    return {"alignflow.host": _host(), "alignflow.pid": str(os.getpid()), **_code_version_tags()}
+    return {"alignflow.host": host_id(), "alignflow.pid": str(os.getpid()), **_code_version_tags()}
 
 
 @functools.cache
@@ -167,21 +166,12 @@ def _code_version_tags() -> dict[str, str]:
     return tags | {"mlflow.source.git.commit": head} if Path(top).resolve() == checkout else tags
 
 
-def _host() -> str:
-    """This host and its pid namespace: a pid means something only inside its namespace (containers)."""
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:  # no /proc (macOS)
-        return socket.gethostname()
-    return f"{socket.gethostname()} {namespace}"
-
-
 def _end_stale_runs(experiment_id: str) -> None:
     """Mark KILLED the RUNNING runs whose process on this host is gone (a SIGKILLed stage)."""
     client = MlflowClient()
     for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'"):
         pid = run.data.tags.get("alignflow.pid")
-        if run.data.tags.get("alignflow.host") != _host() or not pid or int(pid) == os.getpid() or _alive(int(pid)):
+        if run.data.tags.get("alignflow.host") != host_id() or not pid or int(pid) == os.getpid() or _alive(int(pid)):
             continue
         client.set_terminated(run.info.run_id, status="KILLED")
         client.set_tag(run.info.run_id, "alignflow.error", f"process {pid} ended without closing the run")

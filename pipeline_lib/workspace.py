@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -81,6 +82,15 @@ def resolve_workspace(path: str | Path | None = None) -> Workspace:
     """`path` (--workspace) > $ALIGNFLOW_HOME > ./.alignflow, made absolute."""
     chosen = path or os.environ.get("ALIGNFLOW_HOME") or ".alignflow"
     return Workspace(Path(chosen).expanduser().resolve())
+
+
+def host_id() -> str:
+    """This host and its pid namespace: a pid means something only inside its namespace (containers)."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:  # no /proc (macOS)
+        return socket.gethostname()
+    return f"{socket.gethostname()} {namespace}"
 
 
 def apply_environment(workspace: Workspace) -> Workspace:

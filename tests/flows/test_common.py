@@ -1,10 +1,18 @@
 """Every flow holds the workspace run lock: a stage flow started while another process runs on the workspace
-(a deployment run from the Prefect UI beside a CLI run) fails at once with the holder's pid, writing nothing."""
+(a deployment run from the Prefect UI beside a CLI run) fails at once with the holder's pid, writing nothing.
+And a flow run whose process was killed is marked Crashed by the next run, which stops the Prefect server the
+killed process left behind."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 
 from flows.ingest import ingest_flow
@@ -24,3 +32,65 @@ def test_stage_flow_refuses_a_workspace_another_process_runs_on(flow_workspace, 
         holder.kill()
         holder.wait()
     assert ingest_flow(IngestConfig(path=str(ROOT / "data" / "demo" / "pairs.jsonl"), source="demo"))
+
+
+def alignflow(workspace: Path, *args: str, **popen) -> subprocess.Popen:
+    """`alignflow -w workspace args` as a user starts it, on the workspace's own temporary Prefect server."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_HOME")}
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "-w", str(workspace), *args], cwd=ROOT, env=env,
+                            text=True, **popen)
+
+
+def prefect_flow_runs(workspace: Path) -> list[tuple[str, str, str | None, set[str]]]:
+    """(name, state, state message, states of its task runs) of every flow run in the workspace's Prefect, oldest
+    first."""
+    code = textwrap.dedent("""
+        import json
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+        with get_client(sync_client=True) as client:
+            runs = [[run.name, run.state_type.value, run.state.message, sorted({task.state_type.value for task in
+                     client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))})]
+                    for run in client.read_flow_runs(sort="EXPECTED_START_TIME_ASC")]
+        print(json.dumps(runs))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(workspace / "prefect")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    return [(name, state, message, set(tasks)) for name, state, message, tasks in json.loads(out.splitlines()[-1])]
+
+
+@pytest.mark.slow  # four processes, each starting Prefect's temporary server: ~90 s on 2 cores
+def test_the_next_run_crashes_the_flow_runs_of_a_killed_process_and_stops_its_prefect_server(tmp_path):
+    workspace = tmp_path / "ws"
+    prepare = tmp_path / "prepare.yaml"
+    prepare.write_text("corpus_sources: [demo]\nhidden_size: 32\nnum_layers: 1\n")
+    ingest = alignflow(workspace, "ingest", str(ROOT / "data" / "demo" / "problems.jsonl"), "-s", "demo")
+    assert ingest.wait(timeout=300) == 0
+    built = alignflow(workspace, "run", "prepare", "--config", str(prepare), stdout=subprocess.PIPE)
+    model = built.communicate(timeout=300)[0].strip().removeprefix("output: ")
+    (tmp_path / "sft.yaml").write_text(f"model_path: {model}\nsource: demo\nmax_steps: 100000\nsave_every: 50\n")
+    records = workspace / "prefect" / "flow-runs"
+
+    sft = alignflow(workspace, "run", "sft", "--config", str(tmp_path / "sft.yaml"), stderr=subprocess.PIPE)
+    while "step " not in sft.stderr.readline():  # training has begun
+        assert sft.poll() is None
+    [record] = [json.loads(path.read_text()) for path in records.glob("*.json")]
+    [(server_pid, _)] = record["servers"]
+    sft.kill()  # SIGKILL: no finally, no atexit; its Prefect server is left behind, an orphan
+    sft.wait()
+    sft.stderr.close()
+    assert psutil.pid_exists(server_pid)
+    assert [state for name, state, _, _ in prefect_flow_runs(workspace)] == ["COMPLETED", "COMPLETED", "RUNNING"]
+
+    rerun = alignflow(workspace, "run", "prepare", "--config", str(prepare))  # any later flow in the workspace
+    assert rerun.wait(timeout=300) == 0
+
+    killed = f"alignflow process {sft.pid} ended without finishing this flow run (killed)"
+    assert prefect_flow_runs(workspace) == [
+        ("ingest-problems.jsonl", "COMPLETED", None, {"COMPLETED"}),
+        ("prepare", "COMPLETED", None, {"COMPLETED"}),
+        ("sft", "CRASHED", killed, {"COMPLETED", "CRASHED"}),  # its fingerprint task had completed, training had not
+        ("prepare", "COMPLETED", None, {"COMPLETED"}),
+    ]
+    assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
+    assert not list(records.glob("*.json"))

@@ -12,9 +12,11 @@ from pipeline_lib.store.db import open_store
 DATA = Path(__file__).resolve().parents[2] / "data"
 
 
-def test_ingest_flow_fills_store_and_logs_counts_to_mlflow(flow_workspace):
+def test_ingest_flow_fills_store_and_logs_counts_to_mlflow(flow_workspace, prefect_run):
     cfg = IngestConfig(path=str(DATA / "demo" / "pairs.jsonl"), source="demo")
-    report = ingest_flow(cfg)
+    state = ingest_flow(cfg, return_state=True)
+    report = state.result()
+    assert prefect_run(state)[0] == "ingest-pairs.jsonl"
 
     assert report["table"] == "preference_pairs"
     assert report["rows_read"] == 3000
