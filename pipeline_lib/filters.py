@@ -21,10 +21,12 @@ def _require(samples: pl.DataFrame, columns: Sequence[str]) -> None:
 
 
 def _scored(samples: pl.DataFrame) -> pl.DataFrame:
-    """Rows with a usable reward: null and NaN rewards (unscored samples) never win or lose a group."""
+    """Rows that can win or lose a group: scored (null and NaN rewards are unscored samples) and with text (an
+    empty or whitespace-only completion is no response to train on; the store refuses such pairs at ingest)."""
     _require(samples, ("prompt_id", "sample_idx", "prompt", "completion", "reward"))
     reward = pl.col("reward").cast(pl.Float64)
-    return samples.with_columns(reward).filter(reward.is_not_null() & reward.is_not_nan())
+    has_text = pl.col("completion").str.strip_chars() != ""
+    return samples.with_columns(reward).filter(reward.is_not_null() & reward.is_not_nan() & has_text)
 
 
 def best_of_n(samples: pl.DataFrame) -> pl.DataFrame:
@@ -40,11 +42,18 @@ def best_of_n(samples: pl.DataFrame) -> pl.DataFrame:
 def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n") -> tuple[pl.DataFrame, int]:
     """Per prompt, the best and the worst completion as a synthetic preference pair (West-of-N).
 
-    Ties pick the lowest sample_idx on both ends. Prompts whose best and worst rewards are equal (all
-    samples tie, or a single sample) give no pair and are counted. Returns (pairs, n_skipped); pairs have
-    the preference_pairs columns pair_id (content_id(prompt, chosen, rejected)), source, prompt, chosen,
-    rejected, meta (JSON: prompt_id, both sample_idx and rewards), sorted by prompt_id."""
-    scored = _scored(samples)
+    Candidates are the distinct completion texts (a text sampled several times counts once, with its mean
+    reward and first sample_idx: a reward model may score one text slightly differently in two batches), so
+    chosen and rejected always differ. Ties pick the lowest sample_idx on both ends. Prompts whose best and
+    worst rewards are equal (all samples tie, a single distinct text) give no pair and are counted. Returns
+    (pairs, n_skipped); pairs have the preference_pairs columns pair_id (content_id(prompt, chosen,
+    rejected)), source, prompt, chosen, rejected, meta (JSON: prompt_id, both sample_idx and rewards), sorted
+    by prompt_id."""
+    scored = (
+        _scored(samples)
+        .group_by("prompt_id", "prompt", "completion")
+        .agg(pl.col("reward").mean(), pl.col("sample_idx").min())
+    )
     best = (
         scored.sort(["prompt_id", "reward", "sample_idx"], descending=[False, True, False])
         .unique(subset="prompt_id", keep="first", maintain_order=True)

@@ -81,6 +81,21 @@ def test_west_of_n_single_sample_and_all_tied_prompts_give_no_pairs():
     assert pairs.columns == ["pair_id", "source", "prompt", "chosen", "rejected", "meta"]
 
 
+def test_west_of_n_pairs_distinct_texts_and_never_an_empty_completion():
+    frame = samples_frame({"same": [(0.5, True), (0.1, False)], "empty": [(0.0, False), (-0.5, False), (-1.0, False)],
+                           "dup": [(0.9, True), (0.2, False), (0.3, False)]})
+    texts = {("same", 1): "42", ("same", 0): "42",  # one text scored twice (a reward model's batch jitter)
+             ("empty", 0): "  ", ("dup", 2): "dup-0"}  # "dup-0" sampled twice, mean reward 0.6 > 0.2
+    frame = frame.with_columns(pl.Series("completion", [texts.get((p, i), c) for p, i, c in
+                                                        frame.select("prompt_id", "sample_idx", "completion").rows()]))
+    pairs, skipped = west_of_n(frame)
+    assert skipped == 1  # "same": one distinct text
+    assert [(r["prompt"], r["chosen"], r["rejected"]) for r in pairs.to_dicts()] == [
+        ("prompt dup", "dup-0", "dup-1"), ("prompt empty", "empty-1", "empty-2")]  # "  " had the best reward
+    assert json.loads(pairs["meta"][0])["chosen_reward"] == pytest.approx(0.6)
+    assert best_of_n(frame).filter(pl.col("prompt_id") == "empty")["completion"].to_list() == ["empty-1"]
+
+
 def test_dynamic_sampling_uses_correctness_not_shaped_rewards():
     frame = samples_frame(GROUPS)
     shaped = frame.filter(pl.col("prompt_id") == "all_wrong_shaped")["reward"]
