@@ -312,7 +312,8 @@ def plot_histograms(samples: pl.DataFrame, title: str) -> Figure:
 def run_eval_stage(cfg: EvalConfig, store: Store, *, log: LogFn = no_log,
                    progress: bool = True) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The evaluation stage: sample (resumable), score Pass@K / Maj@K against the gold answers, replace the
-    run's rows in eval_results, log `eval/pass_at_K` and `eval/maj_at_K`. Returns (results, the samples)."""
+    model's rows of the run in eval_results, log `eval/pass_at_K` and `eval/maj_at_K`. Returns (results, the
+    samples)."""
     from pipeline_lib.sampling.stage import run_sample_stage
 
     report = run_sample_stage(cfg.sample_config, store, log=log, progress=progress)
@@ -322,7 +323,7 @@ def run_eval_stage(cfg: EvalConfig, store: Store, *, log: LogFn = no_log,
     dataset = f"{cfg.problems_source or 'all'}/{cfg.split}"
     results = evaluate(samples, gold, cfg.ks, model=cfg.label, dataset=dataset)
     with store.transaction():
-        store.delete_eval_run(report.run_id)
+        store.delete_eval_results(report.run_id, cfg.label)
         store.append("eval_results", results.with_columns(pl.lit(report.run_id).alias("run_id")))
     for row in results.iter_rows(named=True):
         log({metric_key("pass", row["k"]): row["pass_at_k"], metric_key("maj", row["k"]): row["maj_at_k"]}, 0)

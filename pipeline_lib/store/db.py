@@ -188,8 +188,10 @@ class Store:
             with suppress(duckdb.TransactionException):
                 self.con.unregister("incoming_frame")
 
-    def delete_eval_run(self, run_id: str) -> None:
-        self._run("DELETE FROM eval_results WHERE run_id = ?", [run_id])
+    def delete_eval_results(self, run_id: str, model: str) -> None:
+        """The results of `model` on sampling run `run_id` (one model dir evaluated under two names shares
+        its samples, not its results)."""
+        self._run("DELETE FROM eval_results WHERE run_id = ? AND model = ?", [run_id, model])
 
     # ---- reads
 

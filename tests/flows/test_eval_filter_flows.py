@@ -56,6 +56,12 @@ def test_eval_flow_writes_results_metrics_and_plots(flow_workspace, tmp_path, pr
     name, _, artifact_keys = prefect_run(state)
     assert name == "eval-tiny" and artifact_keys == {"eval-results-tiny"}  # one table per model in Prefect
 
+    renamed = eval_flow(cfg.model_copy(update={"model_name": "base"}))  # the same dir under another name
+    assert [r["pass_at_k"] for r in renamed] == [r["pass_at_k"] for r in rows]  # from the same samples
+    with open_store(flow_workspace.store_path) as store:
+        assert store.read("eval_results").sort("model", "k").select("model", "k").rows() == [
+            ("base", 1), ("base", 2), ("base", 4), ("tiny", 1), ("tiny", 2), ("tiny", 4)]
+
 
 def test_an_unnamed_model_is_named_after_the_stage_that_wrote_it(flow_workspace, tmp_path, prefect_run):
     """`alignflow eval --model ws/models/sft/<hash>/final` shows as eval-sft, not eval-/abs/path/.../final."""

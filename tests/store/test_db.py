@@ -106,12 +106,13 @@ def test_stats_count_per_table_and_source(tmp_path):
     assert stats == [("preference_pairs", "hh", 2), ("preference_pairs", "mine", 1), ("samples", "sft", 3)]
 
 
-def test_delete_eval_run(tmp_path):
-    results = pl.DataFrame({"run_id": ["a", "a", "b"], "model": ["m"] * 3, "dataset": ["d"] * 3, "k": [1, 2, 1]})
+def test_delete_eval_results_of_one_model_and_run(tmp_path):
+    results = pl.DataFrame({"run_id": ["a", "a", "b", "a"], "model": ["m", "m", "m", "n"], "dataset": ["d"] * 4,
+                            "k": [1, 2, 1, 1]})
     with open_store(tmp_path / "s.duckdb") as store:
         store.insert_new("eval_results", results)
-        store.delete_eval_run("a")
-        assert store.read("eval_results")["run_id"].to_list() == ["b"]
+        store.delete_eval_results("a", "m")
+        assert store.read("eval_results").select("run_id", "model").rows() == [("b", "m"), ("a", "n")]
 
 
 def test_read_only_and_one_line_open_errors(tmp_path):
