@@ -144,42 +144,50 @@ def _render(messages: list[dict]) -> str:
 def split_chat(record: dict) -> str | tuple[str, str, str, str]:
     """(prompt text, chosen, rejected, messages JSON) of a conversational record, or a reason.
 
-    chosen/rejected may hold only the completion or the whole conversation (then the prompt
-    messages are stripped); without `prompt`, the prompt is their longest common message prefix."""
-    chosen, rejected, prompt = record["chosen"], record["rejected"], record.get("prompt")
+    chosen/rejected hold a reply to `prompt` (a list starting with an assistant message) or a whole
+    conversation; the prompt is the two conversations' longest common message prefix (with `prompt` given as
+    a string and conversations whose system message it lacks, the system message is part of it). After it
+    each side must be exactly one assistant reply: a pair whose sides differ at an earlier turn has no one
+    prompt to train on and is quarantined, not cut to its last reply."""
+    prompt = record.get("prompt")
+    given = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    conversations = {}
+    for name in ("chosen", "rejected"):
+        messages = record[name]
+        if messages and messages[0]["role"] == "assistant":  # a reply: the conversation is the prompt + it
+            if not given:
+                return "no prompt: 'chosen' and 'rejected' share no first message and there is no 'prompt'"
+            messages = given + messages
+        conversations[name] = messages
+    chosen, rejected = conversations["chosen"], conversations["rejected"]
     if chosen == rejected:
         return "chosen identical to rejected"
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
-    if prompt is None:
-        n = 0
-        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-            n += 1
-        prompt = chosen[:n]
-        if not prompt:
-            return "no prompt: 'chosen' and 'rejected' share no first message and there is no 'prompt'"
-        completions = {"chosen": chosen[n:], "rejected": rejected[n:]}
-    else:
-        k = len(prompt)
-        completions = {
-            name: msgs[k:] if msgs[:k] == prompt else msgs for name, msgs in (("chosen", chosen), ("rejected", rejected))
-        }
-    if not any(m["content"].strip() for m in prompt):
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if n == 0:
+        return "no prompt: 'chosen' and 'rejected' share no first message"
+    prompt_messages, completions = chosen[:n], {"chosen": chosen[n:], "rejected": rejected[n:]}
+    if not any(m["content"].strip() for m in prompt_messages):
         return "empty field 'prompt'"
     for name, messages in completions.items():
         if not messages or not messages[-1]["content"].strip():
             return f"empty response after prompt extraction ({name})"
         if messages[-1]["role"] != "assistant":
             return f"'{name}' does not end with an assistant message (role {messages[-1]['role']!r})"
-    chosen_text = completions["chosen"][-1]["content"]
-    rejected_text = completions["rejected"][-1]["content"]
+        if len(messages) > 1:
+            roles = ", ".join(m["role"] for m in messages)
+            return (f"'chosen' and 'rejected' differ before their last reply ('{name}' continues with {roles}): "
+                    f"a pair needs one shared prompt and one reply each")
+    chosen_text = completions["chosen"][0]["content"]
+    rejected_text = completions["rejected"][0]["content"]
     if chosen_text == rejected_text:
         return "chosen identical to rejected"
     try:
-        messages = orjson.dumps({"prompt": prompt, **completions}).decode()
+        messages = orjson.dumps({"prompt": prompt_messages, **completions}).decode()
     except orjson.JSONEncodeError:  # a message holds more than the role and content it needs
         return TOO_DEEP
-    return _render(prompt), chosen_text, rejected_text, messages
+    return _render(prompt_messages), chosen_text, rejected_text, messages
 
 
 def _chat(rows: Rows) -> tuple[pl.DataFrame, list[tuple[int, str]]]:

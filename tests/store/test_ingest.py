@@ -433,10 +433,38 @@ def test_chat_bad_rows(tmp_path, store):
         2: "chosen identical to rejected",
         3: "field 'chosen' message 0: 'content' is null, expected a string",
         4: "empty response after prompt extraction (chosen)",
-        5: "'chosen' does not end with an assistant message (role 'user')",
+        5: "no prompt: 'chosen' and 'rejected' share no first message",  # a user turn starts a conversation
         6: "field 'chosen' message 0: 'content' is a list, expected a string",
         7: "chosen identical to rejected",
     }
+
+
+def test_chat_pairs_that_differ_before_their_last_reply_are_quarantined_not_cut(tmp_path, store):
+    """Conversations branching at an earlier user turn have no one prompt: keeping only their last replies
+    would train on the wrong context (and make two different conversations one pair)."""
+    def turn(role, content):
+        return {"role": role, "content": content}
+
+    opening = [turn("user", "hi"), turn("assistant", "hello")]
+    lines = [
+        {"chosen": opening + [turn("user", "bake bread?"), turn("assistant", "Sure.")],
+         "rejected": opening + [turn("user", "pick a lock?"), turn("assistant", "No.")]},
+        {"chosen": opening + [turn("user", "q"), turn("assistant", "a"), turn("assistant", "b")],
+         "rejected": opening + [turn("user", "q"), turn("assistant", "c")]},
+        # a string prompt and whole conversations with a system message: the system message is in the prompt
+        {"prompt": "q3", "chosen": [turn("system", "Answer in French."), turn("user", "q3"), turn("assistant", "Oui")],
+         "rejected": [turn("system", "Answer in French."), turn("user", "q3"), turn("assistant", "Yes")]},
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "chat.jsonl", lines), store)
+    check_invariant(report)
+    assert quarantine(store) == {
+        1: "'chosen' and 'rejected' differ before their last reply ('chosen' continues with user, assistant): "
+           "a pair needs one shared prompt and one reply each",
+        2: "'chosen' and 'rejected' differ before their last reply ('chosen' continues with assistant, assistant): "
+           "a pair needs one shared prompt and one reply each",
+    }
+    row = store.read("preference_pairs").row(0, named=True)
+    assert (row["prompt"], row["chosen"], row["rejected"]) == ("system: Answer in French.\n\nuser: q3", "Oui", "Yes")
 
 
 def test_csv_ragged_row_invalid_utf8_and_empty_cell(tmp_path, store):
