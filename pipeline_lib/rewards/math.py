@@ -1,7 +1,8 @@
 """Answer extraction and equivalence for verifiable problems (GSM8K, arithmetic), with regexes and Fraction only.
 
 Model text is never evaluated. Every scan is bounded: only the last MAX_SCAN_CHARS characters are read,
-a number longer than MAX_NUMBER_CHARS characters or with an exponent beyond ±MAX_EXPONENT is ignored."""
+a number longer than MAX_NUMBER_CHARS characters (MAX_ANSWER_CHARS in an extracted or gold answer, whose
+canonical text can be longer) or with an exponent beyond ±MAX_EXPONENT is ignored."""
 
 from __future__ import annotations
 
@@ -12,17 +13,23 @@ from functools import lru_cache
 MAX_SCAN_CHARS = 10_000
 MAX_NUMBER_CHARS = 100
 MAX_EXPONENT = 100
+# An answer (extracted or gold) is read as a number up to this length: the canonical text of a number written in
+# MAX_NUMBER_CHARS can be longer (1e100 is 101 digits, 1e-100/2**308 has 410 decimal places), and it must read back
+# as the same value. Far below the 4300 digits Python's int() accepts, so parsing stays cheap.
+MAX_ANSWER_CHARS = 1_000
 # Between a repeating value and a decimal (1/3 vs 0.333333) only: |a-b| <= tol * (1 + max(|a|, |b|))
 TOLERANCE = Fraction(1, 10**6)
 
 # One number token: optional sign and `$`, digits with optional thousands commas and decimals (or `.5`),
-# an optional exponent and an optional `/denominator`. The lookbehind keeps tokens from starting inside a
+# an optional exponent (`2e3`, or a power of ten: `2 × 10^3`, `2 \times 10^{3}`, `2\cdot10^3`, `2 x 10^3`, braces
+# optional) and an optional `/denominator`. The lookbehind keeps tokens from starting inside a
 # word (`x2`) or after a minus that belongs to an expression (`16-3` yields 16 and 3, not -3).
 # Every repetition is over a character class disjoint from what follows it: no catastrophic backtracking.
 _NUMBER = re.compile(
     r"(?<![\w.])(?P<sign>-)?(?:\$\s?)?"
     r"(?P<body>\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
-    r"(?:[eE](?P<exp>[-+]?\d+))?"
+    r"(?:[eE](?P<exp>[-+]?\d+)"
+    r"|\s?(?:[×·⋅x*]|\\times|\\cdot)\s?10\^(?P<brace>\{)?(?P<pow>[-+]?\d+)(?(brace)\}))?"
     r"(?:\s?/\s?(?P<den_sign>-)?(?P<den>\d+(?:\.\d+)?))?"
 )
 _HASHES = re.compile(r"####")
@@ -46,6 +53,7 @@ _LATEX_SUBS = (
 
 
 def _strip_latex(text: str) -> str:
+    text = text.replace("{,}", ",")  # `1{,}000`: a comma in braces is LaTeX's plain comma (no space after it)
     if "\\" not in text:
         return text
     for pattern, replacement in _LATEX_SUBS:
@@ -60,14 +68,15 @@ def _decimal(digits: str) -> Fraction:
     return Fraction(int(whole or "0") * scale + int(frac or "0"), scale)
 
 
-def _token_value(match: re.Match[str]) -> tuple[Fraction, bool] | None:
-    """(value, written_as_fraction) of a number token, or None when it is too long, its exponent is out of
-    range (`1e999999` is rejected before any power is built) or its denominator is zero."""
-    if match.end() - match.start() > MAX_NUMBER_CHARS:
+def _token_value(match: re.Match[str], max_chars: int = MAX_NUMBER_CHARS) -> tuple[Fraction, bool] | None:
+    """(value, written_as_fraction) of a number token, or None when it is longer than `max_chars`, its exponent is
+    out of range (`1e999999` is rejected before any power is built) or its denominator is zero."""
+    if match.end() - match.start() > max_chars:
         return None
     value = _decimal(match["body"])
-    if match["exp"] is not None:
-        exponent = int(match["exp"])
+    exponent_text = match["exp"] or match["pow"]  # `2e3` or `2 × 10^3`
+    if exponent_text is not None:
+        exponent = int(exponent_text)
         if abs(exponent) > MAX_EXPONENT:
             return None
         value *= Fraction(10) ** exponent
@@ -179,8 +188,9 @@ def extract_answer(text: str | None, *, numeric: bool = False) -> str | None:
     non-numeric answers, a clause without digits: `The answer is yes.`); otherwise the next rule applies.
     `numeric` (the gold answer is a number) drops that text case: `A: Let me think. 5+7 = 12` gives 12.
     Without any usable marker: the last number in the text. Numbers come back
-    canonical: commas, `$`, `%`, units and trailing zeros/periods stripped (`$1,234.50` -> `1234.5`),
-    fractions as `p/q` (`\\frac{3}{4}` -> `3/4`). Only the last MAX_SCAN_CHARS characters are read."""
+    canonical: commas, `$`, `%`, units and trailing zeros/periods stripped (`$1,234.50` -> `1234.5`,
+    `1{,}000` -> `1000`), powers of ten expanded (`1.2 \\times 10^{3}` -> `1200`), fractions as `p/q`
+    (`\\frac{3}{4}` -> `3/4`). Only the last MAX_SCAN_CHARS characters are read."""
     if not isinstance(text, str):
         return None
     if len(text) > MAX_SCAN_CHARS:
@@ -200,11 +210,12 @@ def extract_answer(text: str | None, *, numeric: bool = False) -> str | None:
     return _last_number(text)
 
 
-def _parse_number(text: str) -> tuple[Fraction, bool] | None:
-    """(value, as_fraction) if the whole of `text` is one number, optionally with `%` or unit words after it."""
+def _parse_number(text: str, max_chars: int = MAX_NUMBER_CHARS) -> tuple[Fraction, bool] | None:
+    """(value, as_fraction) if the whole of `text` is one number of at most `max_chars` characters, optionally with
+    `%` or unit words after it."""
     if len(text) > MAX_SCAN_CHARS:
         return None
-    if text.isascii() and text.isdigit() and len(text) <= MAX_NUMBER_CHARS:
+    if text.isascii() and text.isdigit() and len(text) <= max_chars:
         return Fraction(int(text)), False  # the common case, `72`, without regexes
     text = _strip_latex(text.replace("\u2212", "-")).strip().rstrip(".").strip()
     match = _NUMBER.match(text)
@@ -213,13 +224,14 @@ def _parse_number(text: str) -> tuple[Fraction, bool] | None:
     rest = text[match.end():].strip()
     if rest and rest != "%" and _UNITS.fullmatch(rest) is None:
         return None
-    return _token_value(match)
+    return _token_value(match, max_chars)
 
 
 def answer_value(answer: str) -> Fraction | str:
     """The comparable value of an answer: a Fraction if it is a number, else casefolded, space-collapsed text.
 
-    Equal values are the same answer (Maj@K votes on them); `is_equivalent` adds the tolerance for repeating values."""
+    Equal values are the same answer (Maj@K votes on them); `is_equivalent` adds the tolerance for repeating values.
+    Numbers up to MAX_ANSWER_CHARS are read, so the canonical text `extract_answer` gives reads back as its value."""
     if len(answer) > MAX_SCAN_CHARS:  # never a number; kept out of the cache so it cannot hold huge strings
         return _clean_text(_strip_latex(answer)).casefold()
     return _cached_answer_value(answer)
@@ -227,7 +239,7 @@ def answer_value(answer: str) -> Fraction | str:
 
 @lru_cache(maxsize=65_536)
 def _cached_answer_value(answer: str) -> Fraction | str:
-    parsed = _parse_number(answer)
+    parsed = _parse_number(answer, MAX_ANSWER_CHARS)
     if parsed is not None:
         return parsed[0]
     return _clean_text(_strip_latex(answer)).casefold()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline_lib.rewards.math import (
+    MAX_NUMBER_CHARS,
     MAX_SCAN_CHARS,
     answer_value,
     extract_answer,
@@ -115,6 +116,9 @@ def test_only_the_tail_of_a_long_completion_is_read():
         ("123456789", "123456800", False),
         ("0.0000009", "0", False),
         ("2.50", "2.5", True),
+        ("1{,}000", "1000", True),
+        (r"1.2 \times 10^{3}", "1200", True),
+        ("2 × 10^-3", "0.002", True),
         ("-2", "2", False),
         ("Yes", "yes.", True),
         ("  Paris ", "paris", True),
@@ -163,6 +167,85 @@ def test_answer_value_merges_spellings_of_one_number():
     assert answer_value("Some Text.") == "some text"
 
 
+# ---- LaTeX thousands separators, powers of ten, long canonical numbers
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("The answer is $1{,}000$.", "1000"),  # `{,}` is LaTeX's plain comma
+        ("So she earns $2{,}500 per month. #### 2{,}500", "2500"),
+        (r"\boxed{1{,}000}", "1000"),
+        (r"\boxed{\$1{,}234.50}", "1234.5"),
+        ("a total of 12{,}345{,}678 grains", "12345678"),
+        ("The answer is 1.2 × 10^3", "1200"),
+        (r"\boxed{3 \times 10^3}", "3000"),
+        (r"\boxed{1.5\times10^{3}}", "1500"),
+        (r"The answer is $3\cdot10^{-2}$.", "0.03"),
+        (r"\boxed{-2.5 \times 10^{+2}}", "-250"),
+        ("about 4 x 10^2 people", "400"),
+        ("#### 7·10^1", "70"),
+        ("a 2 x 10 grid", "10"),  # no power of ten: two numbers, the last one wins
+        ("2 × 10 = 20", "20"),
+    ],
+)
+def test_extract_answer_reads_latex_separators_and_powers_of_ten(text, expected):
+    assert extract_answer(text) == expected
+    assert extract_answer(text, numeric=True) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold", "expected"),
+    [
+        ("The answer is $1{,}000$.", "1000", True),
+        ("The answer is $1{,}000$.", "1", False),  # read as 1 before: a false positive
+        ("The answer is 1.2 × 10^3.", "1200", True),
+        ("The answer is 1.2 × 10^3.", "1.2", False),  # read as 1.2 before: a false positive
+        ("#### 2{,}500", "2500", True),
+        (r"\boxed{3 \times 10^3}", "3000", True),  # a number, not the text `3 \times 10^3`
+        (r"\boxed{1{,}000}", "1e3", True),
+        (r"\boxed{3\cdot10^{-2}}", "3/100", True),
+    ],
+)
+def test_is_correct_reads_latex_separators_and_powers_of_ten(completion, gold, expected):
+    assert is_correct(completion, gold) is expected
+
+
+# written in at most MAX_NUMBER_CHARS characters, but canonically longer (1e100 is 101 digits)
+LONG_NUMBERS = [
+    "1e100",
+    "1e-99",
+    "2.5e-98",
+    "-9.5e100",
+    "-.5e-100",
+    "9" * 96 + "e100",  # the largest: 196 digits
+    "1e-100/" + str(2**308),  # the longest canonical text: 410 decimal places
+    "1e100/7",  # canonically a 103-character fraction
+    r"3 \times 10^{-100}",
+]
+
+
+@pytest.mark.parametrize("number", LONG_NUMBERS)
+def test_every_accepted_number_round_trips_through_its_canonical_text(number):
+    """extract -> canonical text -> value gives the value of the number as written, whatever its length."""
+    assert len(number) <= MAX_NUMBER_CHARS
+    completion = f"The answer is {number}"
+    extracted = extract_answer(completion, numeric=True)
+    assert extracted is not None
+    assert isinstance(answer_value(number), Fraction)
+    assert answer_value(extracted) == answer_value(number)
+    assert is_correct(completion, number)
+    assert is_correct(completion, extracted)
+
+
+def test_long_numbers_vote_together_and_stay_distinct():
+    # Maj@K votes on answer_value: the canonical text of 1e100 and the gold `1e100` are one class
+    assert answer_value("1" + "0" * 100) == answer_value("1e100") == 10**100
+    assert not is_correct("The answer is 1e100", "1e99")
+    assert not is_correct("The answer is 1e-99", "1e-98")
+    assert not is_correct("The answer is 1" + "0" * 150, "1" + "0" * 150)  # longer than MAX_NUMBER_CHARS: ignored
+
+
 HOSTILE = {
     "10 MB of digits": "9" * 10_000_000,
     "10 MB of comma groups": "1," * 5_000_000,
@@ -178,6 +261,10 @@ HOSTILE = {
     "spaces then a digit": "72" + " " * 1_000_000 + "x5",
     "slashes": "1/" * 500_000,
     "dots": "1." * 500_000,
+    "huge power of ten": r"The answer is 3 \times 10^{999999}",
+    "long power of ten": "2 × 10^" + "9" * 1_000_000,
+    "many powers of ten": "2 x 10^" * 300_000,
+    "LaTeX separator groups": "1" + "{,}000" * 1_000_000,
 }
 
 
@@ -200,6 +287,9 @@ def test_hostile_values_are_rejected_not_computed():
     assert extract_answer("9" * 10_000_000) is None  # longer than MAX_NUMBER_CHARS
     assert extract_answer("x 1" + "0" * 150) is None
     assert extract_answer("1/0") is None
+    assert extract_answer("The answer is 3 × 10^999999") is None
+    assert not is_correct(r"\boxed{3 \times 10^{999999}}", "3")  # read as text, not as 3
+    assert answer_value("9" * 5000) == "9" * 5000  # text, never int(): Python refuses int() of 4300+ digits
 
 
 # ---- malicious completions through the verifier reward the stages use (issue #8, security)
