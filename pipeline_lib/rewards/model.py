@@ -9,10 +9,19 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 
+def text_ids(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of whole texts (prompt + response) as a reward model reads them, in training and scoring: with
+    the tokenizer's own special tokens, once: a chat-rendered prompt that already starts with the bos token
+    (Llama, Mistral and Gemma templates write it) does not get a second one."""
+    ids = tokenizer(list(texts))["input_ids"]
+    bos = tokenizer.bos_token_id
+    return [row[1:] if bos is not None and row[:2] == [bos, bos] else row for row in ids]
+
+
 class RewardModelScorer:
     """Scores texts with `model(input_ids, attention_mask) -> (B,)` (e.g. models.heads.RewardModel).
 
-    Texts are tokenized with the tokenizer's own special tokens, truncated from the LEFT to `max_length`
+    Texts are tokenized by `text_ids`, truncated from the LEFT to `max_length`
     (the end of the completion is what last-token pooling reads), sorted by length so each batch pads
     little, left-padded, and scored under no_grad in eval mode; scores come back in input order."""
 
@@ -46,7 +55,7 @@ class RewardModelScorer:
         texts = list(texts)
         if not texts:
             return []
-        ids = self.tokenizer(texts)["input_ids"]
+        ids = text_ids(self.tokenizer, texts)
         if self.max_length is not None:
             ids = [row[-self.max_length:] for row in ids]
         empty = next((i for i, row in enumerate(ids) if not row), None)

@@ -25,6 +25,7 @@ from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import fingerprint_path, frame_fingerprint, keyed_dir
 from pipeline_lib.logfns import print_log
 from pipeline_lib.models.loading import resolve_model_dir
+from pipeline_lib.rewards.model import text_ids
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -47,6 +48,12 @@ def _prompt_messages(raw: str | list | dict, row: int) -> list[dict]:
     if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
         raise TrainDataError(f"prompt_messages[{row}]: expected a JSON list of {{role, content}} messages")
     return value
+
+
+def require_chat_template(tokenizer: PreTrainedTokenizerBase, model_path: str, chat_template: bool) -> None:
+    """A stage with `chat_template: true` needs a tokenizer that has one (else it would train on raw prompts)."""
+    if chat_template and getattr(tokenizer, "chat_template", None) is None:
+        raise TrainDataError(f"chat_template=True but the tokenizer in {model_path} has no chat template")
 
 
 def render_prompts(tokenizer: PreTrainedTokenizerBase, frame: pl.DataFrame) -> tuple[list[str], list[bool]]:
@@ -146,11 +153,11 @@ def encode(
 
 def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, max_length: int) -> Encoded:
     """Whole texts (prompt + response) tokenized the way rewards.model.RewardModelScorer reads them at scoring
-    time: the tokenizer's own special tokens, no eos appended, cut from the left. Held as prompts with empty
-    completions (a reward model has no completion mask)."""
+    time (`text_ids`: the tokenizer's own special tokens, one bos), no eos appended, cut from the left. Held as
+    prompts with empty completions (a reward model has no completion mask)."""
     if not texts:
         raise TrainDataError("no training rows: the selected table/source is empty")
-    ids = [row[-max_length:] for row in tokenizer(list(texts), add_special_tokens=True)["input_ids"]]
+    ids = [row[-max_length:] for row in text_ids(tokenizer, texts)]
     empty = next((i for i, row in enumerate(ids) if not row), None)
     if empty is not None:
         raise TrainDataError(f"texts[{empty}]: tokenizes to no tokens")

@@ -37,7 +37,7 @@ from pipeline_lib.train.common import (
     save_final,
     seed_everything,
 )
-from pipeline_lib.train.data import render_prompts, require_columns, run_main
+from pipeline_lib.train.data import render_prompts, require_chat_template, require_columns, run_main
 from pipeline_lib.train.rollout import (
     check_single_process,
     grouped_completions_batch,
@@ -167,6 +167,7 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
     device = resolve_device(cfg.device)
     require_columns(problems, ["prompt", "answer"], "grpo problems")
     tokenizer = load_tokenizer(cfg.policy_path, trust_remote_code=cfg.trust_remote_code)
+    require_chat_template(tokenizer, cfg.policy_path, cfg.chat_template)
     prompts, templated = render_prompts(tokenizer, problems)
     answers = problems["answer"].cast(pl.Utf8).to_list()
     # a chat-rendered prompt already holds its special tokens (the samplers add them to raw prompts)

@@ -45,6 +45,7 @@ from pipeline_lib.train.data import (
     Batch,
     TrainDataError,
     render_prompts,
+    require_chat_template,
     require_columns,
     run_main,
 )
@@ -103,6 +104,7 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
     device = resolve_device(cfg.device)
     require_columns(prompts, ["prompt"], "ppo prompts")
     tokenizer = load_tokenizer(cfg.policy_path, trust_remote_code=cfg.trust_remote_code)
+    require_chat_template(tokenizer, cfg.policy_path, cfg.chat_template)
     texts, templated = render_prompts(tokenizer, prompts)
     answers = prompts["answer"].cast(pl.Utf8).to_list() if "answer" in prompts.columns else None
     add_special_tokens = not any(templated)  # a chat-rendered prompt already holds its special tokens

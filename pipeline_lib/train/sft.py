@@ -40,6 +40,7 @@ from pipeline_lib.train.data import (
     collate,
     encode_frame,
     micro_batches,
+    require_chat_template,
     require_columns,
     run_main,
 )
@@ -115,6 +116,7 @@ def train_sft(cfg: SFTConfig, rows: pl.DataFrame, out_dir: Path, log: LogFn = no
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
     tokenizer = load_tokenizer(cfg.model_path, trust_remote_code=cfg.trust_remote_code)
+    require_chat_template(tokenizer, cfg.model_path, cfg.chat_template)
     # fp32 master weights; bf16 only inside autocast on CUDA
     model = load_policy(cfg.model_path, dtype="float32", device=device, trust_remote_code=cfg.trust_remote_code)
     model.config.use_cache = False

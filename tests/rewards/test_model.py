@@ -72,3 +72,22 @@ def test_bad_arguments_and_outputs_are_reported(tokenizer):
         RewardModelScorer(TwoScores(), tokenizer)(TEXTS)
     with pytest.raises(ValueError, match="no tokens"):
         RewardModelScorer(LastTokenLength(), tokenizer)(["1+1=2", ""])
+
+
+def test_a_text_that_starts_with_the_bos_token_gets_no_second_one():
+    """Llama-style tokenizers add bos, and their chat templates write it too: a chat-rendered prompt + response
+    is read with one bos, in reward-model training (encode_texts) as in scoring."""
+    from tokenizers.processors import TemplateProcessing
+
+    from pipeline_lib.rewards.model import text_ids
+    from pipeline_lib.train.data import encode_texts
+
+    tokenizer = build_tokenizer(["0123456789+="])
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    plain = tokenizer("12")["input_ids"]
+    assert plain[0] == bos and tokenizer("<s>12")["input_ids"] == [bos, *plain]  # the double bos
+    assert text_ids(tokenizer, ["<s>12", "12"]) == [plain, plain]
+    assert encode_texts(tokenizer, ["<s>12"], max_length=8).prompt_ids == [plain]
+    model = LastTokenLength()
+    assert RewardModelScorer(model, tokenizer)(["<s>12"]) == [expected(tokenizer, "12")]

@@ -115,6 +115,20 @@ def test_nan_loss_stops_with_the_step_and_no_final_model(tiny, tmp_path):
     assert not (tmp_path / "out" / "final").exists() and not (tmp_path / "out" / ".final.tmp").exists()
 
 
+def test_chat_template_without_one_in_the_tokenizer_is_a_one_line_error(tmp_path):
+    """As the sampling stage: a config asking for the chat form must not silently train on raw prompts."""
+    model = build_tiny_model(tmp_path / "plain", ["0123456789+="], hidden_size=16, num_heads=2, intermediate_size=32)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    assert load_tokenizer(model).chat_template is None
+    cfg = SFTConfig(model_path=str(model), max_steps=1, chat_template=True, device="cpu")
+    with pytest.raises(TrainDataError, match=f"^chat_template=True but the tokenizer in {model} has no chat template$"):
+        train_sft(cfg, sft_rows(arithmetic_rows(4).rename({"completion": "answer"}), "problems", chat_template=True),
+                  tmp_path / "out")
+
+
 # ---- learning on the demo task (slow)
 
 
