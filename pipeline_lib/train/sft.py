@@ -49,14 +49,18 @@ from pipeline_lib.train.data import (
 def sft_rows(frame: pl.DataFrame, data: str, *, chat_template: bool = False) -> pl.DataFrame:
     """(prompt, completion[, prompt_messages]) rows for SFT from a store table.
 
-    `problems`: the gold `answer`; `pairs`: the `chosen` response (conversation kept for the chat template);
-    `best_of_n`: the output of filters.best_of_n — the kept `completion` of each prompt. chat_template
-    wraps plain prompts as one user turn, as the sampling stage does for instruct models."""
+    `problems`: the worked solution where the problem has one (GSM8K's, ending in `#### N`, kept in
+    meta.solution at ingest), else the gold `answer`; `pairs`: the `chosen` response (conversation kept for the
+    chat template); `best_of_n`: the output of filters.best_of_n — the kept `completion` of each prompt.
+    chat_template wraps plain prompts as one user turn, as the sampling stage does for instruct models."""
     column = {"problems": "answer", "pairs": "chosen", "best_of_n": "completion"}.get(data)
     if column is None:
         raise ValueError(f"data={data!r}: expected 'problems', 'pairs' or 'best_of_n'")
     require_columns(frame, ["prompt", column], f"sft data={data}")
-    keep = [pl.col("prompt"), pl.col(column).cast(pl.Utf8).alias("completion")]
+    completion = pl.col(column).cast(pl.Utf8)
+    if data == "problems" and "meta" in frame.columns:
+        completion = pl.coalesce(pl.col("meta").str.json_path_match("$.solution"), completion)
+    keep = [pl.col("prompt"), completion.alias("completion")]
     if "prompt_messages" in frame.columns:
         keep.append(pl.col("prompt_messages"))
     rows = frame.select(keep)
