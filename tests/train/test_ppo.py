@@ -4,6 +4,7 @@ uninterrupted run (adaptive β included), the NaN guard."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import polars as pl
@@ -124,6 +125,13 @@ def test_reward_settings_fail_fast(tiny, reward_model, problems, tmp_path):
     cfg = small_config(tiny, reward_model, rewards=[{"name": "verifier"}])
     with pytest.raises(AlignflowError, match="rewards name 'verifier' but the prompts have no answers"):
         train_ppo(cfg, problems.drop("answer"), tmp_path / "out")
+    # a conversation and plain prompts (pairs of several sources): one would lose the bos the other's template has
+    turn = json.dumps([{"role": "user", "content": "1+1="}])
+    mixed = problems.select("prompt").with_columns(
+        pl.Series("prompt_messages", [turn] + [None] * (problems.height - 1), dtype=pl.String))
+    with pytest.raises(AlignflowError, match="ppo: the prompts mix 1 conversations .chat template. and 63 plain texts; "
+                                             "set chat_template: true"):
+        train_ppo(small_config(tiny, reward_model), mixed, tmp_path / "mixed")
 
 
 def test_adaptive_kl_updates_beta_from_each_rollouts_kl(tiny, reward_model, problems, tmp_path, collect):
