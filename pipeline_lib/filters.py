@@ -39,7 +39,8 @@ def best_of_n(samples: pl.DataFrame) -> pl.DataFrame:
     return best.select("prompt_id", "prompt", "completion", "reward")
 
 
-def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n") -> tuple[pl.DataFrame, int]:
+def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n", chat_template: bool = False
+              ) -> tuple[pl.DataFrame, int]:
     """Per prompt, the best and the worst completion as a synthetic preference pair (West-of-N).
 
     Candidates are the distinct completion texts (a text sampled several times counts once, with its mean
@@ -47,8 +48,9 @@ def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n") -> tuple[pl.D
     chosen and rejected always differ. Ties pick the lowest sample_idx on both ends. Prompts whose best and
     worst rewards are equal (all samples tie, a single distinct text) give no pair and are counted. Returns
     (pairs, n_skipped); pairs have the preference_pairs columns pair_id (content_id(prompt, chosen,
-    rejected)), source, prompt, chosen, rejected, meta (JSON: prompt_id, both sample_idx and rewards), sorted
-    by prompt_id."""
+    rejected)), source, prompt, chosen, rejected, prompt_messages (with `chat_template`, the samples' prompts
+    were user turns of the chat template: the pair is that conversation, which DPO and RM training render
+    alike; else null), meta (JSON: prompt_id, both sample_idx and rewards), sorted by prompt_id."""
     scored = (
         _scored(samples)
         .group_by("prompt_id", "prompt", "completion")
@@ -74,6 +76,7 @@ def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n") -> tuple[pl.D
             "prompt": [r["prompt"] for r in rows],
             "chosen": [r["chosen"] for r in rows],
             "rejected": [r["rejected"] for r in rows],
+            "prompt_messages": [_conversation(r) if chat_template else None for r in rows],
             "meta": [
                 json.dumps({
                     "prompt_id": r["prompt_id"],
@@ -85,9 +88,20 @@ def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n") -> tuple[pl.D
                 for r in rows
             ],
         },
-        schema={name: pl.String for name in ("pair_id", "source", "prompt", "chosen", "rejected", "meta")},
+        schema={name: pl.String for name in
+                ("pair_id", "source", "prompt", "chosen", "rejected", "prompt_messages", "meta")},
     )
     return pairs, joined.height - kept.height
+
+
+def _conversation(pair: dict) -> str:
+    """A pair's prompt as one user turn and its completions as assistant replies, in the form ingest stores
+    conversational pairs (store.shapes.split_chat)."""
+    def turn(role: str, content: str) -> list[dict[str, str]]:
+        return [{"role": role, "content": content}]
+
+    return json.dumps({"prompt": turn("user", pair["prompt"]), "chosen": turn("assistant", pair["chosen"]),
+                       "rejected": turn("assistant", pair["rejected"])}, ensure_ascii=False)
 
 
 def _group_correct_counts(is_correct: Tensor | Sequence[bool], group_size: int) -> Tensor:
@@ -156,12 +170,14 @@ def dynamic_sampling(
 # ---- the filter stages over a sampling run in the store
 
 
-def run_west_of_n_stage(store: Store, *, run_id: str, source: str = "west_of_n") -> dict[str, int]:
-    """West-of-N pairs of a sampling run into preference_pairs (idempotent: content-hash ids)."""
+def run_west_of_n_stage(store: Store, *, run_id: str, source: str = "west_of_n", chat_template: bool = False
+                        ) -> dict[str, int]:
+    """West-of-N pairs of a sampling run into preference_pairs (idempotent: content-hash ids); `chat_template`:
+    the run sampled with it (SampleConfig.chat_template), so the pairs are conversations."""
     samples = store.read("samples", run_id=run_id)
     if samples.height == 0:
         raise ValueError(f"samples: no rows for run_id {run_id!r}; run the sampling stage first")
-    pairs, skipped = west_of_n(samples, source=source)
+    pairs, skipped = west_of_n(samples, source=source, chat_template=chat_template)
     inserted = store.insert_new("preference_pairs", pairs)
     return {"filter/prompts": samples["prompt_id"].n_unique(), "filter/pairs": pairs.height,
             "filter/pairs_inserted": inserted, "filter/skipped_ties": skipped}

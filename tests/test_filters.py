@@ -62,7 +62,7 @@ def test_best_of_n_ignores_unscored_samples():
 def test_west_of_n_pairs_best_with_worst_and_skips_flat_groups():
     pairs, skipped = west_of_n(samples_frame(GROUPS), source="bon_test")
     assert skipped == 1  # all_correct: best reward == worst reward
-    assert pairs.columns == ["pair_id", "source", "prompt", "chosen", "rejected", "meta"]
+    assert pairs.columns == ["pair_id", "source", "prompt", "chosen", "rejected", "prompt_messages", "meta"]
     by_prompt = {row["prompt"]: row for row in pairs.to_dicts()}
     assert set(by_prompt) == {"prompt mixed", "prompt all_wrong_shaped", "prompt low_tie"}
     mixed = by_prompt["prompt mixed"]
@@ -78,7 +78,7 @@ def test_west_of_n_pairs_best_with_worst_and_skips_flat_groups():
 def test_west_of_n_single_sample_and_all_tied_prompts_give_no_pairs():
     pairs, skipped = west_of_n(samples_frame({"one": [(0.3, True)], "tied": [(0.2, False), (0.2, True)]}))
     assert pairs.height == 0 and skipped == 2
-    assert pairs.columns == ["pair_id", "source", "prompt", "chosen", "rejected", "meta"]
+    assert pairs.columns == ["pair_id", "source", "prompt", "chosen", "rejected", "prompt_messages", "meta"]
 
 
 def test_west_of_n_pairs_distinct_texts_and_never_an_empty_completion():
@@ -93,7 +93,22 @@ def test_west_of_n_pairs_distinct_texts_and_never_an_empty_completion():
     assert [(r["prompt"], r["chosen"], r["rejected"]) for r in pairs.to_dicts()] == [
         ("prompt dup", "dup-0", "dup-1"), ("prompt empty", "empty-1", "empty-2")]  # "  " had the best reward
     assert json.loads(pairs["meta"][0])["chosen_reward"] == pytest.approx(0.6)
+    assert pairs["prompt_messages"].to_list() == [None, None]
     assert best_of_n(frame).filter(pl.col("prompt_id") == "empty")["completion"].to_list() == ["empty-1"]
+
+
+def test_west_of_n_pairs_of_a_chat_template_run_are_conversations():
+    """Pairs of a run that sampled with the chat template are stored as ingest stores conversations, so DPO and
+    the reward model condition on the prompt the completions were sampled from."""
+    from pipeline_lib.store.shapes import split_chat
+
+    pairs, _ = west_of_n(samples_frame({"mixed": GROUPS["mixed"]}), chat_template=True)
+    pair = pairs.row(0, named=True)
+    conversation = json.loads(pair["prompt_messages"])
+    assert conversation == {"prompt": [{"role": "user", "content": "prompt mixed"}],
+                            "chosen": [{"role": "assistant", "content": "mixed-1"}],
+                            "rejected": [{"role": "assistant", "content": "mixed-3"}]}
+    assert json.loads(split_chat(conversation)[3]) == conversation  # what ingesting the conversation stores
 
 
 def test_dynamic_sampling_uses_correctness_not_shaped_rewards():

@@ -4,6 +4,8 @@ tells their runs apart by in the Prefect and MLflow UIs."""
 
 from __future__ import annotations
 
+import json
+
 import polars as pl
 from mlflow.tracking import MlflowClient
 
@@ -105,6 +107,16 @@ def test_filter_flows_on_a_sampling_run(flow_workspace, the_run, prefect_run):
     dyn = filter_flow("dynamic", "r1", group_size=4)
     assert dyn == {"filter/groups_total": 3, "filter/groups_kept": 1, "filter/dropped_all_correct": 1,
                    "filter/dropped_all_wrong": 1}
+
+
+def test_west_of_n_of_a_chat_template_run_stores_conversations(flow_workspace, the_run):
+    with open_store(flow_workspace.store_path) as store:
+        store.insert_new("samples", SAMPLES.with_columns(run_id=pl.lit("c1")))
+    assert filter_flow("west_of_n", "c1", chat_template=True)["filter/pairs_inserted"] == 1
+    with open_store(flow_workspace.store_path) as store:
+        pair = store.read("preference_pairs").row(0, named=True)
+    assert json.loads(pair["prompt_messages"])["prompt"] == [{"role": "user", "content": "1+1="}]
+    assert the_run(flow_workspace, "west_of_n")[0].data.params["chat_template"] == "True"
 
 
 def test_a_sampling_run_that_gained_rows_is_filtered_again(flow_workspace):
