@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from pipeline_lib.config import FROM, PipelineConfig
+from pipeline_lib.config import FROM, ConfigError, PipelineConfig
 from pipeline_lib.workspace import Workspace
 
 # stage (as `alignflow run` names it) -> the preset field whose config is the default parameter of its deployment;
@@ -22,13 +22,15 @@ STAGE_FLOWS = {"ingest": None, "prepare": "base", "sft": "sft", "rm": "rm", "sam
 FILTER_KINDS = ("best_of_n", "west_of_n")
 
 
-def build_deployments(cfg: PipelineConfig) -> list:
+def build_deployments(cfg: PipelineConfig, origin: str = "config") -> list:
     """The pipeline deployment (cron from the preset), one per stage flow and one per filter kind. A stage's
     preset config is its default parameter when it has no `from:` reference; otherwise the UI asks for the
-    paths (and a filter for the sampling run)."""
+    paths (and a filter for the sampling run). An invalid cron is a one-line ConfigError naming `origin`."""
     from flows.cli import load_flow
     from flows.filters import filter_flow
     from flows.pipeline import pipeline_flow
+
+    check_cron(cfg.schedule_cron, origin)
 
     deployments = [pipeline_flow.to_deployment(name=cfg.name, cron=cfg.schedule_cron,
                                                parameters={"cfg": cfg.model_dump(mode="json")})]
@@ -40,6 +42,20 @@ def build_deployments(cfg: PipelineConfig) -> list:
     for kind in FILTER_KINDS:
         deployments.append(filter_flow.to_deployment(name=f"{cfg.name}-{kind}", parameters={"kind": kind}))
     return deployments
+
+
+def check_cron(cron: str | None, origin: str) -> None:
+    """Prefect's own cron check (its CronSchedule), here rather than in PipelineConfig because pipeline_lib never
+    imports prefect; without it a bad cron fails inside to_deployment as a pydantic traceback."""
+    if cron is None:
+        return
+    from prefect.client.schemas.schedules import CronSchedule
+
+    try:
+        CronSchedule(cron=cron)
+    except ValueError:  # pydantic's ValidationError
+        raise ConfigError(f"{origin}: field 'schedule_cron': expected a cron expression: minute hour day month "
+                          f"weekday, like '0 3 * * *' (got {cron!r})") from None
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout: float, log: Path) -> None:

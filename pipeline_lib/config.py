@@ -6,7 +6,7 @@ import difflib
 import types
 import typing
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -16,6 +16,10 @@ from pipeline_lib.errors import AlignflowError
 REPO_ROOT = Path(__file__).resolve().parents[1]
 M = TypeVar("M", bound=BaseModel)
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
+# Reward specs `{name, weight, **options}` keep their values as YAML gave them: the registry's checks
+# (pipeline_lib.rewards.registry) refuse a boolean or a non-finite number, which pydantic would already have read
+# as 1 (`weight: true`) or reported as a mismatch of one union member (`weight: .inf`).
+RewardSpecs = tuple[dict[str, Any], ...]
 
 
 class ConfigError(AlignflowError, ValueError):
@@ -115,6 +119,25 @@ def validate_config(model: type[M], data: object, origin: str = "config") -> M:
         raise ConfigError(format_validation_error(exc, origin, model)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key repeated in one mapping (PyYAML keeps the last one silently, so a second
+    `dpo:` section would replace the first). Keys merged in with `<<: *anchor` may still be overridden."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            first_lines = {}
+            for key_node, _ in node.value:  # the mapping's own keys, before flatten_mapping adds merged ones
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node)
+                if key in first_lines:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"repeated key {key!r} (first at line {first_lines[key]})", key_node.start_mark)
+                first_lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> dict:
     """Read a YAML preset (as given, else in the checkout) into a dict; one-line errors for a missing file or
     bad YAML."""
@@ -122,7 +145,7 @@ def load_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     except yaml.YAMLError as exc:
@@ -136,8 +159,28 @@ def load_yaml(path: str | Path) -> dict:
 
 
 def load_config(model: type[M], path: str | Path) -> M:
-    """Load a YAML (or JSON) preset file into a stage config."""
-    return validate_config(model, load_yaml(path), origin=str(path))
+    """Load a YAML (or JSON) preset file into a stage config; the data files it ingests must exist."""
+    cfg = validate_config(model, load_yaml(path), origin=str(path))
+    check_ingest_files(cfg, origin=str(path))
+    return cfg
+
+
+def check_ingest_files(cfg: BaseModel, origin: str = "config") -> None:
+    """The files an ingest config (or a pipeline's `ingest` list) names exist, else one ConfigError line naming
+    the field. Checked when a preset is loaded, not on every validation: a config built in code may name a file
+    written later, and a missing file would otherwise surface only when the pipeline reaches its ingest step."""
+    if isinstance(cfg, IngestConfig):
+        files = {"path": cfg}
+    else:
+        files = {f"ingest.{i}.path": ingest for i, ingest in enumerate(getattr(cfg, "ingest", ()))}
+    for field, ingest in files.items():
+        resolved = ingest.resolved_path
+        if resolved.is_dir():
+            raise ConfigError(f"{origin}: field '{field}': {ingest.path!r} is a directory, expected a data file")
+        if not resolved.is_file():
+            where = "" if Path(ingest.path).expanduser().is_absolute() else (
+                f" (looked in the working directory and in the alignflow checkout {REPO_ROOT})")
+            raise ConfigError(f"{origin}: field '{field}': no such file {ingest.path!r}{where}")
 
 
 # ---- training stages (SFT, RM, DPO); the loops live in pipeline_lib/train/
@@ -319,7 +362,7 @@ class SampleConfig(Config):
     batch_size: int = Field(32, ge=1)
     """Prompts per generate call and per store write (a crash loses at most one batch); part of the run id,
     since the hf backend's random stream depends on the batch."""
-    rewards: tuple[dict[str, str | int | float], ...] = ({"name": "verifier", "weight": 1.0},)
+    rewards: RewardSpecs = ({"name": "verifier", "weight": 1.0},)
     """Reward specs `{name, weight, **options}` summed into `samples.reward` (pipeline_lib.rewards.registry):
     `verifier` (1 if correct), `overlong` (DAPO shaping, max_len/cache_len), `reward_model`."""
     reward_model_path: str | None = None
@@ -367,7 +410,7 @@ class GRPOConfig(Config):
     chat_template: bool = False
     """Render each problem as one user turn with the tokenizer's chat template (as the SFT stage did);
     False sends the problem text raw (the demo's `12+34=`)."""
-    rewards: tuple[dict[str, str | int | float], ...] = ({"name": "verifier", "weight": 1.0},)
+    rewards: RewardSpecs = ({"name": "verifier", "weight": 1.0},)
     """Reward specs `{name, weight, **options}` summed per sample (pipeline_lib.rewards.registry):
     `verifier` (1 if correct), `overlong` (DAPO shaping, max_len/cache_len), `reward_model`."""
     reward_model_path: str | None = None
@@ -457,7 +500,7 @@ class DAPOConfig(GRPOConfig):
     """DAPO (arXiv:2503.14476) as a GRPO preset: clip-higher, token-level loss, overlong reward shaping,
     dynamic sampling, no KL. Only the defaults differ; the loop is train_grpo."""
 
-    rewards: tuple[dict[str, str | int | float], ...] = (
+    rewards: RewardSpecs = (
         {"name": "verifier", "weight": 1.0},
         {"name": "overlong", "weight": 1.0, "max_len": 20480, "cache_len": 4096},
     )
@@ -490,7 +533,7 @@ class PPOConfig(Config):
 
     policy_path: str = Field(min_length=1)
     """Starting policy (the SFT checkpoint); also the frozen reference."""
-    rewards: tuple[dict[str, str | int | float], ...] = ({"name": "reward_model", "weight": 1.0},)
+    rewards: RewardSpecs = ({"name": "reward_model", "weight": 1.0},)
     """Reward specs `{name, weight, **options}` summed into each completion's score (pipeline_lib.rewards.registry):
     the reward model (InstructGPT), the verifier on problems with answers (PPO on verifiable rewards, as in
     VAPO arXiv:2504.05118), or a weighted mix."""

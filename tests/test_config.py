@@ -20,6 +20,7 @@ from pipeline_lib.config import (
     SFTConfig,
     TinyModelConfig,
     load_config,
+    load_yaml,
     validate_config,
 )
 
@@ -131,6 +132,11 @@ def test_numbers_written_as_strings_are_still_read():
     ([{"name": "overlong", "max_len": 6.7, "cache_len": 2}], "rewards[0].max_len: expected an integer, got 6.7"),
     ([{"name": "overlong", "max_len": 4, "cache_len": 6}], "cache_len: expected 0 < cache_len <= max_len=4"),
     ([], "expected at least one"),
+    # YAML's `true`, `.inf` and `.nan` reach the registry's checks as they are (pydantic would read `true` as 1)
+    ([{"name": "verifier", "weight": True}], "rewards[0].weight: expected a finite number, got True"),
+    ([{"name": "verifier", "weight": float("inf")}], "rewards[0].weight: expected a finite number, got inf"),
+    ([{"name": "verifier", "weight": float("nan")}], "rewards[0].weight: expected a finite number, got nan"),
+    ([{"name": "overlong", "max_len": 8, "cache_len": True}], "rewards[0].cache_len: expected an integer, got True"),
 ])
 @pytest.mark.parametrize("model", [SampleConfig, GRPOConfig, PPOConfig])
 def test_reward_specs_are_checked_when_the_config_loads(model, rewards, message):
@@ -175,3 +181,69 @@ def test_a_reference_must_name_a_stage_whose_output_fits_the_field(stage, field,
 def test_a_pipeline_without_an_eval_section_evaluates_nothing():
     cfg = validate_config(PipelineConfig, {"base": {}, "sft": {"model_path": "from:base"}})
     assert cfg.evaluated == ()
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("rewards: [{name: verifier, weight: true}]", "rewards[0].weight: expected a finite number, got True"),
+    ("rewards: [{name: verifier, weight: .inf}]", "rewards[0].weight: expected a finite number, got inf"),
+    ("max_new_tokens: 100\nrewards: [{name: verifier}, {name: overlong, max_len: 100, cache_len: true}]",
+     "rewards[1].cache_len: expected an integer, got True"),
+])
+def test_a_reward_spec_from_yaml_gets_the_registrys_one_line_error(tmp_path, text, message):
+    path = tmp_path / "grpo.yaml"
+    path.write_text(f"policy_path: /m\n{text}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(GRPOConfig, path)
+    assert str(err.value) == f"{path}: {message}"
+
+
+@pytest.mark.parametrize(("model", "text", "where"), [
+    (SFTConfig, "model_path: /m\nmax_steps: 10\nmax_steps: 20\n", "line 3, column 1: repeated key 'max_steps' (first at line 2)"),
+    (PipelineConfig, "base: {}\ndpo: {policy_path: from:base, beta: 0.5}\nsft: {model_path: from:base}\n"
+                     "dpo: {policy_path: from:sft}\n", "line 4, column 1: repeated key 'dpo' (first at line 2)"),
+    (PipelineConfig, "base: {}\nsft:\n  model_path: from:base\n  lr: 0.1\n  lr: 0.2\n",
+     "line 5, column 3: repeated key 'lr' (first at line 4)"),
+])
+def test_a_repeated_key_is_invalid_yaml_not_last_one_wins(tmp_path, model, text, where):
+    path = tmp_path / "x.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(model, path)
+    assert str(err.value) == f"{path}: invalid YAML at {where}"
+
+
+def test_merge_keys_still_let_a_mapping_override_what_it_merged(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("base: {}\nshort: &short {max_steps: 5, lr: 0.01}\n"
+                    "sft:\n  <<: *short\n  model_path: from:base\n  max_steps: 7\n"
+                    "rm:\n  <<: *short\n  model_path: from:sft\n")
+    data = load_yaml(path)
+    assert data["sft"] == {"max_steps": 7, "lr": 0.01, "model_path": "from:base"}
+    assert data["rm"] == {"max_steps": 5, "lr": 0.01, "model_path": "from:sft"}
+
+
+def test_a_missing_ingest_file_is_reported_when_the_preset_loads(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("base: {}\ningest:\n  - {path: data/demo/problems.jsonl}\n  - {path: data/demo/nope.jsonl}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(PipelineConfig, path)
+    assert str(err.value) == (f"{path}: field 'ingest.1.path': no such file 'data/demo/nope.jsonl' (looked in the "
+                              f"working directory and in the alignflow checkout {PRESETS.parents[1]})")
+    single = tmp_path / "ingest.yaml"
+    single.write_text(f"path: {tmp_path / 'nope.jsonl'}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(IngestConfig, single)
+    assert str(err.value) == f"{single}: field 'path': no such file '{tmp_path / 'nope.jsonl'}'"
+    single.write_text(f"path: {tmp_path}\n")
+    with pytest.raises(ConfigError, match=f"field 'path': '{tmp_path}' is a directory, expected a data file"):
+        load_config(IngestConfig, single)
+
+
+def test_ingest_files_resolve_against_the_checkout_and_are_not_checked_when_built_in_code(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # data/demo/... is not here, but in the checkout
+    path = tmp_path / "ingest.yaml"
+    path.write_text("path: data/demo/pairs.jsonl\n")
+    cfg = load_config(IngestConfig, path)
+    assert cfg.resolved_path.is_file()
+    # a config built in code (a test, a flow parameter) may name a file written later
+    assert validate_config(IngestConfig, {"path": "later.jsonl"}).path == "later.jsonl"

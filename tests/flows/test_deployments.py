@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from flows.deployments import build_deployments
-from pipeline_lib.config import PipelineConfig, load_config
+from pipeline_lib.config import ConfigError, PipelineConfig, load_config
 from pipeline_lib.store.db import open_store
 
 DATA = Path(__file__).resolve().parents[2] / "data"
@@ -58,6 +58,26 @@ def test_every_stage_flow_is_deployed_with_the_presets_parameters():
     assert deployments["demo-prepare"].parameters == {"cfg": cfg.base.model_dump(mode="json")}
     assert deployments["demo-best_of_n"].parameters == {"kind": "best_of_n"}  # the UI asks for the sampling run
     assert deployments["demo-ingest"].parameters == {} and deployments["demo-sft"].parameters == {}  # from:base
+
+
+@pytest.mark.parametrize("cron", ["every day", "61 * * * *", ""])
+def test_an_invalid_cron_is_a_one_line_config_error_before_anything_is_deployed(cron):
+    cfg = PipelineConfig(name="p", schedule_cron=cron)
+    with pytest.raises(ConfigError) as err:
+        build_deployments(cfg, origin="p.yaml")
+    assert str(err.value) == (f"p.yaml: field 'schedule_cron': expected a cron expression: minute hour day month "
+                              f"weekday, like '0 3 * * *' (got {cron!r})")
+
+
+def test_serve_reports_an_invalid_cron_in_one_line_without_a_server(tmp_path, subprocess_env):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("name: p\nschedule_cron: every day\n")
+    env = subprocess_env | {"ALIGNFLOW_HOME": str(tmp_path / "ws"), "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"}
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "serve", "--config", str(preset)], capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"error: {preset}: field 'schedule_cron': expected a cron expression: minute hour "
+                                     "day month weekday, like '0 3 * * *' (got 'every day')")
 
 
 @pytest.mark.slow
