@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from pipeline_lib.config import DPOConfig
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import content_id, fingerprint_path
 from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.losses import dpo_loss
@@ -137,12 +138,21 @@ def preference_eval(model: nn.Module, encoded: Encoded, ref: Tensor, pair_ids: l
 
 
 def add_lora(model: nn.Module, cfg: DPOConfig) -> nn.Module:
-    """Wrap the policy with trainable LoRA adapters (peft imported here: it costs seconds to import)."""
+    """Wrap the policy with trainable LoRA adapters (peft imported here: it costs seconds to import). Targets
+    that name no module of this model (the default names Llama's attention projections) are a one-line error
+    listing the model's own projection names."""
     from peft import LoraConfig, get_peft_model
+    from peft.utils.error import NoMatchingPeftModuleError
 
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+    try:
+        return get_peft_model(model, lora)
+    except NoMatchingPeftModuleError:
+        weights = sorted({name.rsplit(".", 2)[-2] for name, param in model.named_parameters()
+                          if name.endswith(".weight") and param.dim() == 2 and "." in name})
+        raise AlignflowError(f"lora_target_modules {list(cfg.lora_target_modules)}: no such module in "
+                             f"{cfg.policy_path}; its 2-D weights belong to {weights}") from None
 
 
 def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = no_log, *,

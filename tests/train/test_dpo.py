@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline_lib.config import DPOConfig, SFTConfig
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.models import build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.train.common import Dist, NonFiniteLossError, final_metrics
 from pipeline_lib.train.dpo import encode_pairs, logprob_sums, reference_logps, train_dpo
@@ -138,6 +139,15 @@ def test_lora_reference_disables_adapters_and_final_is_merged(tiny, tmp_path, co
     q_proj = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(after[q_proj], before[q_proj])
     load_policy(final, device="cpu")
+
+
+def test_lora_targets_this_model_lacks_are_a_one_line_error_naming_its_own(tiny, tmp_path):
+    """GPT-2 names its attention `c_attn` / `c_proj`: the Llama default must not end in peft's traceback."""
+    cfg = DPOConfig(policy_path=str(tiny), max_steps=1, batch_size=8, lora_r=4, device="cpu",
+                    lora_target_modules=("c_attn", "c_proj"))
+    with pytest.raises(AlignflowError, match=r"^lora_target_modules \['c_attn', 'c_proj'\]: no such module in "
+                                             r".*; its 2-D weights belong to \[.*'q_proj'.*\]$"):
+        train_dpo(cfg, toy_pairs(24), tmp_path / "out")
 
 
 def test_nan_loss_stops_dpo(tiny, tmp_path):
