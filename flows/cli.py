@@ -95,12 +95,14 @@ def ingest(
     format: str = typer.Option("auto", "--format", "-f", help="auto|pairs|hh|chat|ranking|problem"),
     source: Optional[str] = typer.Option(None, "--source", "-s", help="Source name (default: file name)."),
     split: Optional[str] = typer.Option(None, "--split", help="Split for problems (default: train)."),
+    max_record_bytes: int = typer.Option(1_000_000, "--max-record-bytes",
+                                         help="Records larger than this are quarantined."),
 ) -> None:
     """Validate a data file into the store; bad rows go to the quarantine with a reason."""
     from pipeline_lib.config import IngestConfig, validate_config
 
-    cfg = validate_config(IngestConfig, {"path": str(path), "format": format, "source": source, "split": split},
-                          origin="alignflow ingest")
+    cfg = validate_config(IngestConfig, {"path": str(path), "format": format, "source": source, "split": split,
+                                         "max_record_bytes": max_record_bytes}, origin="alignflow ingest")
     if cfg.resolved_path.is_dir():
         fail(f"{path}: is a directory, expected a data file")
     if not cfg.resolved_path.is_file():

@@ -34,6 +34,8 @@ def test_help_everywhere(tmp_path, command):
     (["eval", "--model", "/no/model"], "error: /no/model: no such model dir"),
     (["ingest", str(DATA / "demo" / "pairs.jsonl"), "--format", "xml"], "error: alignflow ingest: field 'format'"),
     (["eval", "--model", str(DATA), "--ks", "1,a"], "error: alignflow eval: field 'ks.1': Input should be a valid integer"),
+    (["ingest", str(DATA / "demo" / "pairs.jsonl"), "--max-record-bytes", "0"],
+     "error: alignflow ingest: field 'max_record_bytes': Input should be greater than or equal to 1"),
     (["run", "pipeline", "--config", "x.yaml", "--force", "sfft"],
      "error: --force 'sfft': expected one of base, sft, rm, sample, rs_sft, dpo, grpo, dapo, ppo, eval"),
     (["run", "sft", "--config", "x.yaml", "--force", "dpo"], "error: --force 'dpo': expected one of sft"),
@@ -83,6 +85,10 @@ def test_ingest_then_stats(tmp_path):
     stats = alignflow("data", "stats", workspace=tmp_path)
     assert stats.returncode == 0
     assert "rankings" in stats.stdout and "600" in stats.stdout
+    small = alignflow("ingest", "data/demo/pairs.jsonl", "--max-record-bytes", "60", workspace=tmp_path)
+    assert small.returncode == 0, small.stderr
+    assert "pairs.jsonl (pairs -> preference_pairs): read 3000 = accepted 0 + duplicates 0 + quarantined 3000" \
+        in small.stdout
 
 
 @pytest.mark.parametrize(("stage", "text", "field", "hint"), [

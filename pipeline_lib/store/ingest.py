@@ -338,14 +338,6 @@ def _json_type(value: object) -> str:
             dict: "an object"}.get(type(value), type(value).__name__)
 
 
-def _size(n_bytes: float) -> str:
-    if n_bytes >= 1e6:
-        return f"{n_bytes / 1e6:.1f} MB"
-    if n_bytes >= 1e3:
-        return f"{n_bytes / 1e3:.1f} KB"
-    return f"{int(n_bytes)} bytes"
-
-
 def _screen(lines: list[bytes], fmt: str, limit: int, pre_bad: dict[int, str]) -> Rows:
     """Parse every record once with orjson (strict JSON and UTF-8, exact types); polars then reads
     only the lines that passed, so its lenient casts (1 -> "1") never see a wrong type. The stdlib
@@ -372,7 +364,7 @@ def _screen(lines: list[bytes], fmt: str, limit: int, pre_bad: dict[int, str]) -
             continue
         if len(line) > limit:
             n_records += 1
-            bad.append((i, f"record is {_size(len(line))} > limit {_size(limit)}"))
+            bad.append((i, f"record is {len(line):,} bytes > max_record_bytes {limit:,}"))
             continue
         try:
             record = loads(line)

@@ -258,7 +258,7 @@ def test_bad_jsonl_lines_are_quarantined_with_reasons(tmp_path, store):
     assert reasons[9] == "chosen identical to rejected"
     assert reasons[10] == "record is a list, expected a JSON object"
     # {"prompt":"p", (14) + "chosen":" (10) + 300 x + ", (2) + "rejected":"b"} (15) = 341 bytes
-    assert reasons[12] == "record is 341 bytes > limit 200 bytes"
+    assert reasons[12] == "record is 341 bytes > max_record_bytes 200"
     assert reasons[13].startswith("malformed JSON: ")
     assert sorted(reasons) == [2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13]
     raw = dict(store.read("quarantine").select("line_no", "raw").iter_rows())
@@ -345,7 +345,7 @@ def test_default_size_limit_is_one_megabyte_and_raw_is_truncated(tmp_path, store
     report = ingest_file(path, store)
     assert (report.quarantined, report.accepted) == (2, 0)
     rows = {r["line_no"]: r for r in store.read("quarantine").to_dicts()}
-    assert rows[1]["reason"] == "record is 1.2 MB > limit 1.0 MB (raw truncated to 10 KB)"
+    assert rows[1]["reason"] == "record is 1,200,041 bytes > max_record_bytes 1,000,000 (raw truncated to 10 KB)"
     assert rows[2]["reason"] == "chosen identical to rejected (raw truncated to 10 KB)"
     assert len(rows[1]["raw"]) == len(rows[2]["raw"]) == 10_000
 
@@ -516,7 +516,7 @@ def test_csv_cell_over_128_kb_is_read_and_the_record_limit_applies(tmp_path, sto
     check_invariant(report)
     assert report.accepted == 1 and len(store.read("preference_pairs")["chosen"][0]) == 200_000
     assert quarantine(store) == {3: "row has 4 fields, the header has 3",
-                                 4: "record is 300.0 KB > limit 250.0 KB (raw truncated to 10 KB)"}
+                                 4: "record is 300,042 bytes > max_record_bytes 250,000 (raw truncated to 10 KB)"}
 
 
 def test_json_array_and_parquet_keep_exact_types(tmp_path, store):
