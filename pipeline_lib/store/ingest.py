@@ -161,6 +161,10 @@ def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], Sequence[int], di
         data = path.read_bytes()
     except OSError as exc:
         raise IngestError(f"{path}: cannot read the file ({exc.strerror or exc})") from None
+    for magic, kind, kind_suffix in ((b"\x1f\x8b", "gzip", ".jsonl.gz"), (b"PAR1", "parquet", ".parquet")):
+        if data.startswith(magic) and suffix != kind_suffix:  # a reader of the named type would only say "invalid"
+            raise IngestError(f"{path}: the content is a {kind} file but the name ends in {suffix}; "
+                              f"name it *{kind_suffix}")
     if suffix == ".jsonl.gz":
         try:
             data = gzip.decompress(data)
@@ -326,6 +330,9 @@ def _detect_format(path: Path, lines: list[bytes], pre_bad: dict[int, str]) -> s
     if all(not line or line.isspace() for line in lines):  # --format would not help here
         raise IngestError(f"{path}: the file holds no records")
     found = f"fields {first_keys}" if first_keys is not None else "no JSON object records"
+    if first_keys is not None and len(first_keys) == 1 and any(sep in first_keys[0] for sep in ";\t|"):
+        raise IngestError(f"{path}: cannot detect the record format (one field {first_keys[0]!r}): "
+                          f"only comma-separated CSV is read; convert the file to commas")
     raise IngestError(
         f"{path}: cannot detect the record format ({found}); pass --format {'|'.join(FORMATS)}"
     )

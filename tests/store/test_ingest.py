@@ -547,6 +547,11 @@ def test_json_array_and_parquet_keep_exact_types(tmp_path, store):
         ("object.json", b'{"data": []}', "expected a JSON array of records, got an object"),
         ("shapeless.jsonl", b'{"text": "a"}\n{"text": "b"}\n', "cannot detect the record format (fields ['text'])"),
         ("garbage.jsonl", b"garbage\n", "cannot detect the record format (no JSON object records)"),
+        ("zipped.jsonl", gzip.compress(b'{"prompt": "p"}\n'),
+         "the content is a gzip file but the name ends in .jsonl; name it *.jsonl.gz"),
+        ("table.json", b"PAR1\x00\x00", "the content is a parquet file but the name ends in .json; name it *.parquet"),
+        ("semicolons.csv", b"prompt;chosen;rejected\np;a;b\n", "cannot detect the record format (one field "
+         "'prompt;chosen;rejected'): only comma-separated CSV is read; convert the file to commas"),
     ],
 )
 def test_unreadable_files_raise_one_line_error(tmp_path, store, name, content, message):
