@@ -7,7 +7,9 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import os
 import typing
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +22,7 @@ from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterId, Task
 from prefect.client.schemas.objects import StateType
 from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
+from prefect.settings import get_current_settings
 from prefect.states import Crashed
 
 from pipeline_lib.workspace import Workspace, host_id, workspace_lock
@@ -59,11 +62,20 @@ def run_model_task(task: Task, *args, refresh: bool, **kwargs) -> str:
     return path
 
 
-UNFINISHED = [StateType.PENDING, StateType.RUNNING]
+# a recorded flow run (or its task run) in one of these states when its process is gone will never leave it:
+# SCHEDULED is AwaitingRetry here (a recorded run had started), CANCELLING and PAUSED wait for that process
+UNFINISHED = [StateType.PENDING, StateType.RUNNING, StateType.SCHEDULED, StateType.CANCELLING, StateType.PAUSED]
 
 
 def _records(workspace: Workspace) -> Path:
     return workspace.prefect_home / "flow-runs"
+
+
+def _api() -> str:
+    """The Prefect API this process records its runs in: PREFECT_API_URL, or the temporary server of PREFECT_HOME
+    (every process of a workspace starts its own on the same database)."""
+    settings = get_current_settings()
+    return str(settings.api.url or f"temporary server of {settings.home}")
 
 
 def _identity(process: psutil.Process) -> list:
@@ -74,7 +86,8 @@ def _identity(process: psutil.Process) -> list:
 def _still_running(identity: list) -> bool:
     pid, started = identity
     try:  # start times are computed from the boot time, which the kernel may report a little differently later
-        return abs(psutil.Process(pid).create_time() - started) < 1.0
+        process = psutil.Process(pid)
+        return abs(process.create_time() - started) < 1.0 and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 
@@ -93,14 +106,17 @@ def _prefect_servers(process: psutil.Process) -> list[psutil.Process]:
 
 @contextmanager
 def on_record(workspace: Workspace, flow_run_id: str) -> Iterator[None]:
-    """While a flow runs, `prefect/flow-runs/<flow run id>.json` names its process and the temporary Prefect
-    server that process started (Prefect starts one per process when no PREFECT_API_URL is set); the file goes
-    when the flow ends, by an exception too. Only a killed process leaves it behind."""
+    """While a flow runs, `prefect/flow-runs/<flow run id>.json` names its process, its Prefect API and the
+    temporary Prefect server that process started (Prefect starts one per process when no PREFECT_API_URL is
+    set); the file goes when the flow ends, by an exception too. Only a killed process leaves it behind."""
     me = psutil.Process()
     path = _records(workspace) / f"{flow_run_id}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"host": host_id(), "process": _identity(me),
-                                "servers": [_identity(server) for server in _prefect_servers(me)]}))
+    record = {"host": host_id(), "api": _api(), "process": _identity(me),
+              "servers": [_identity(server) for server in _prefect_servers(me)]}
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(record))
+    os.replace(partial, path)  # whole or absent: a record is never read half-written
     try:
         yield
     finally:
@@ -109,26 +125,51 @@ def on_record(workspace: Workspace, flow_run_id: str) -> Iterator[None]:
 
 def end_orphaned_flow_runs(workspace: Workspace) -> None:
     """Mark Crashed the flow runs (and their unfinished task runs) of this workspace whose process on this host is
-    gone (SIGKILL, OOM), and stop the temporary Prefect server such a process left running. Called with the run
-    lock held, so no other flow of the workspace is starting meanwhile."""
+    gone (SIGKILL, OOM), after stopping the temporary Prefect server such a process left running. Called with the
+    run lock held, so no other flow of the workspace is starting meanwhile. Best effort: a run it cannot end now
+    is warned about and tried again by the next flow; it never stops the flow that calls it."""
     for path in sorted(_records(workspace).glob("*.json")):
-        record = json.loads(path.read_text())
-        if record["host"] != host_id() or _still_running(record["process"]):
+        try:
+            record = json.loads(path.read_text())
+            ours = record["host"] == host_id() and record["api"] == _api()
+            pid, started = record["process"]
+            servers = list(record["servers"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # not a record this code wrote: it names nothing
+            warnings.warn(f"{path}: unreadable flow-run record ({exc!r}); removed", RuntimeWarning, stacklevel=2)
+            path.unlink(missing_ok=True)
             continue
-        message = f"alignflow process {record['process'][0]} ended without finishing this flow run (killed)"
-        with get_client(sync_client=True) as client:
+        if not ours or _still_running([pid, started]):
+            continue  # another host's, another Prefect API's (ended from there), or still running
+        try:
+            _stop_servers(servers)
+            _crash(path.stem, f"alignflow process {pid} ended without finishing this flow run (killed)")
+            path.unlink()
+        except Exception as exc:  # noqa: BLE001 - cleanup of an earlier run must not fail this one
+            warnings.warn(f"{path}: could not end the flow run of a killed process ({exc!r}); the next flow "
+                          "will try again", RuntimeWarning, stacklevel=2)
+
+
+def _stop_servers(servers: list) -> None:
+    for identity in servers:
+        if _still_running(identity):
+            server = psutil.Process(identity[0])
+            server.terminate()
             try:
-                if client.read_flow_run(path.stem).state_type in UNFINISHED:
-                    client.set_flow_run_state(path.stem, Crashed(message=message), force=True)
-                    task_runs = client.read_task_runs(
-                        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[path.stem])),
-                        task_run_filter=TaskRunFilter(state=TaskRunFilterState(
-                            type=TaskRunFilterStateType(any_=UNFINISHED))))
-                    for task_run in task_runs:
-                        client.set_task_run_state(task_run.id, Crashed(message=message), force=True)
-            except ObjectNotFound:  # a run of another Prefect API than the one this process uses
-                pass
-        for server in record["servers"]:
-            if _still_running(server):
-                psutil.Process(server[0]).terminate()
-        path.unlink()
+                server.wait(timeout=10)
+            except psutil.TimeoutExpired:
+                server.kill()
+
+
+def _crash(flow_run_id: str, message: str) -> None:
+    with get_client(sync_client=True) as client:
+        try:
+            flow_run_state = client.read_flow_run(flow_run_id).state_type
+        except ObjectNotFound:  # a run the database no longer holds (a reset Prefect home): nothing to end
+            return
+        if flow_run_state in UNFINISHED:
+            client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
+        task_runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+            task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=UNFINISHED))))
+        for task_run in task_runs:
+            client.set_task_run_state(task_run.id, Crashed(message=message), force=True)

@@ -15,9 +15,15 @@ from pathlib import Path
 import psutil
 import pytest
 
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import StateType
+from prefect.states import Running
+
+from flows.common import _api, _still_running
 from flows.ingest import ingest_flow
 from pipeline_lib.config import IngestConfig
-from pipeline_lib.workspace import WorkspaceLockedError
+from pipeline_lib.workspace import WorkspaceLockedError, host_id
+from tasks.ingest import ingest_task
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,6 +39,47 @@ def test_stage_flow_refuses_a_workspace_another_process_runs_on(flow_workspace, 
         holder.wait()
     assert ingest_flow(IngestConfig(path=str(ROOT / "data" / "demo" / "pairs.jsonl"), source="demo"))
 
+
+def dead_process() -> list:
+    """[pid, start time] of a process that has exited and been reaped, as a record names it."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    identity = [child.pid, psutil.Process(child.pid).create_time()]
+    child.wait()
+    return identity
+
+
+def test_the_next_flow_crashes_a_dead_processs_runs_and_survives_bad_records(flow_workspace):
+    """Under the test harness's Prefect: a record naming a dead process ends its flow run (and its running task
+    run) Crashed; an unreadable record is removed with a warning; neither stops the flow that finds them."""
+    pairs = IngestConfig(path=str(ROOT / "data" / "demo" / "pairs.jsonl"), source="demo")
+    with get_client(sync_client=True) as client:  # what a SIGKILLed process leaves: both runs Running
+        killed = client.create_flow_run(ingest_flow, parameters={"cfg": pairs.model_dump()}, state=Running())
+        task = client.create_task_run(ingest_task, killed.id, dynamic_key="0", state=Running())
+    records = flow_workspace.prefect_home / "flow-runs"
+    records.mkdir(parents=True)
+    (records / f"{killed.id}.json").write_text(json.dumps({"host": host_id(), "api": _api(),
+                                                           "process": dead_process(), "servers": []}))
+    (records / "0000.json").write_text('{"host": ')  # a record cut short by an older, non-atomic write
+
+    with pytest.warns(RuntimeWarning, match=r"0000\.json: unreadable flow-run record .*; removed"):
+        assert ingest_flow(pairs)["accepted"] == 3000
+
+    with get_client(sync_client=True) as client:
+        flow_run, task_run = client.read_flow_run(killed.id), client.read_task_run(task.id)
+    assert flow_run.state_type == task_run.state_type == StateType.CRASHED
+    assert flow_run.state.message.startswith("alignflow process ") and flow_run.state.message.endswith("(killed)")
+    assert not list(records.iterdir())
+
+
+def test_a_zombie_or_a_reused_pid_is_not_the_recorded_process():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    identity = [child.pid, psutil.Process(child.pid).create_time()]
+    while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:  # exited, not reaped yet by its parent
+        pass
+    assert not _still_running(identity)
+    child.wait()
+    me = psutil.Process()
+    assert _still_running([me.pid, me.create_time()]) and not _still_running([me.pid, me.create_time() - 60])
 
 def alignflow(workspace: Path, *args: str, **popen) -> subprocess.Popen:
     """`alignflow -w workspace args` as a user starts it, on the workspace's own temporary Prefect server."""
