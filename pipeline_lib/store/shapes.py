@@ -141,24 +141,29 @@ def _render(messages: list[dict]) -> str:
     return "\n\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
+def _conversation(prompt: list[dict] | None, messages: list[dict]) -> list[dict]:
+    """The whole conversation of a chosen/rejected list given the record's prompt messages (split_chat)."""
+    if not prompt:
+        return messages
+    k = len(prompt)
+    if any(messages[i:i + k] == prompt for i in range(len(messages) - k + 1)):
+        return messages  # it holds the prompt: a whole conversation (with a system message the prompt lacks)
+    overlap = next((j for j in range(min(k, len(messages)), 0, -1) if prompt[k - j:] == messages[:j]), 0)
+    return prompt + messages[overlap:]
+
+
 def split_chat(record: dict) -> str | tuple[str, str, str, str]:
     """(prompt text, chosen, rejected, messages JSON) of a conversational record, or a reason.
 
-    chosen/rejected hold a reply to `prompt` (a list starting with an assistant message) or a whole
-    conversation; the prompt is the two conversations' longest common message prefix (with `prompt` given as
-    a string and conversations whose system message it lacks, the system message is part of it). After it
-    each side must be exactly one assistant reply: a pair whose sides differ at an earlier turn has no one
-    prompt to train on and is quarantined, not cut to its last reply."""
+    chosen/rejected hold a whole conversation or, with `prompt` (a message list or one user message), a reply
+    to it: a conversation is the prompt + the list, unless the list already holds the prompt's messages (then
+    it is the conversation) or begins with the prompt's last ones (they are joined there: a `prompt` with a
+    system message and conversations that start at the user turn). The prompt is the two conversations'
+    longest common message prefix; after it each side must be exactly one assistant reply: a pair whose sides
+    differ at an earlier turn has no one prompt to train on and is quarantined, not cut to its last reply."""
     prompt = record.get("prompt")
     given = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    conversations = {}
-    for name in ("chosen", "rejected"):
-        messages = record[name]
-        if messages and messages[0]["role"] == "assistant":  # a reply: the conversation is the prompt + it
-            if not given:
-                return "no prompt: 'chosen' and 'rejected' share no first message and there is no 'prompt'"
-            messages = given + messages
-        conversations[name] = messages
+    conversations = {name: _conversation(given, record[name]) for name in ("chosen", "rejected")}
     chosen, rejected = conversations["chosen"], conversations["rejected"]
     if chosen == rejected:
         return "chosen identical to rejected"
@@ -166,7 +171,7 @@ def split_chat(record: dict) -> str | tuple[str, str, str, str]:
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
         n += 1
     if n == 0:
-        return "no prompt: 'chosen' and 'rejected' share no first message"
+        return "no prompt: 'chosen' and 'rejected' share no first message" + ("" if given else " and there is no 'prompt'")
     prompt_messages, completions = chosen[:n], {"chosen": chosen[n:], "rejected": rejected[n:]}
     if not any(m["content"].strip() for m in prompt_messages):
         return "empty field 'prompt'"

@@ -433,7 +433,7 @@ def test_chat_bad_rows(tmp_path, store):
         2: "chosen identical to rejected",
         3: "field 'chosen' message 0: 'content' is null, expected a string",
         4: "empty response after prompt extraction (chosen)",
-        5: "no prompt: 'chosen' and 'rejected' share no first message",  # a user turn starts a conversation
+        5: "'chosen' does not end with an assistant message (role 'user')",
         6: "field 'chosen' message 0: 'content' is a list, expected a string",
         7: "chosen identical to rejected",
     }
@@ -454,6 +454,13 @@ def test_chat_pairs_that_differ_before_their_last_reply_are_quarantined_not_cut(
         # a string prompt and whole conversations with a system message: the system message is in the prompt
         {"prompt": "q3", "chosen": [turn("system", "Answer in French."), turn("user", "q3"), turn("assistant", "Oui")],
          "rejected": [turn("system", "Answer in French."), turn("user", "q3"), turn("assistant", "Yes")]},
+        # a prompt with a system message and conversations that start at its user turn: joined there
+        {"prompt": [turn("system", "Be terse."), turn("user", "q4")], "chosen": [turn("user", "q4"), turn("assistant", "A")],
+         "rejected": [turn("user", "q4"), turn("assistant", "B")]},
+        # a conversation the assistant opens, no prompt: the greeting is part of the prompt
+        {"chosen": [turn("assistant", "Hi!"), turn("user", "q5"), turn("assistant", "good")],
+         "rejected": [turn("assistant", "Hi!"), turn("user", "q5"), turn("assistant", "bad")]},
+        {"prompt": [turn("user", "q6")], "chosen": [], "rejected": [turn("assistant", "x")]},
     ]
     report = ingest_file(write_jsonl(tmp_path / "chat.jsonl", lines), store)
     check_invariant(report)
@@ -462,9 +469,12 @@ def test_chat_pairs_that_differ_before_their_last_reply_are_quarantined_not_cut(
            "a pair needs one shared prompt and one reply each",
         2: "'chosen' and 'rejected' differ before their last reply ('chosen' continues with assistant, assistant): "
            "a pair needs one shared prompt and one reply each",
+        6: "empty response after prompt extraction (chosen)",
     }
-    row = store.read("preference_pairs").row(0, named=True)
-    assert (row["prompt"], row["chosen"], row["rejected"]) == ("system: Answer in French.\n\nuser: q3", "Oui", "Yes")
+    rows = store.read("preference_pairs").select("prompt", "chosen", "rejected").rows()
+    assert sorted(rows) == [("assistant: Hi!\n\nuser: q5", "good", "bad"),
+                            ("system: Answer in French.\n\nuser: q3", "Oui", "Yes"),
+                            ("system: Be terse.\n\nuser: q4", "A", "B")]
 
 
 def test_csv_ragged_row_invalid_utf8_and_empty_cell(tmp_path, store):
