@@ -20,17 +20,23 @@ MAX_ANSWER_CHARS = 1_000
 # Between a repeating value and a decimal (1/3 vs 0.333333) only: |a-b| <= tol * (1 + max(|a|, |b|))
 TOLERANCE = Fraction(1, 10**6)
 
-# One number token: optional sign and `$`, digits with optional thousands commas and decimals (or `.5`),
+# A space inside a number token: any whitespace but a line break (str.splitlines' boundaries), so a number ending
+# one line never joins a markdown bullet or a `/` starting the next (`12\n* 10^2` is 12 and 10^2, not 1200).
+_INLINE_SPACE = r"[^\S\n\r\v\f\x1c-\x1e\x85\u2028\u2029]"
+# One number token: optional sign and `$`, then either a bare power of ten (`10^3`, `10^{-2}`: only base 10, other
+# powers such as `2^10` are never evaluated) or digits with optional thousands commas and decimals (or `.5`) and
 # an optional exponent (`2e3`, or a power of ten: `2 × 10^3`, `2 \times 10^{3}`, `2\cdot10^3`, `2 x 10^3`, braces
-# optional) and an optional `/denominator`. The lookbehind keeps tokens from starting inside a
+# optional); then an optional `/denominator`. The lookbehind keeps tokens from starting inside a
 # word (`x2`) or after a minus that belongs to an expression (`16-3` yields 16 and 3, not -3).
 # Every repetition is over a character class disjoint from what follows it: no catastrophic backtracking.
 _NUMBER = re.compile(
-    r"(?<![\w.])(?P<sign>-)?(?:\$\s?)?"
-    r"(?P<body>\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+    rf"(?<![\w.])(?P<sign>-)?(?:\${_INLINE_SPACE}?)?"
+    r"(?:10\^(?P<ten_brace>\{)?(?P<ten_pow>[-+]?\d+)(?(ten_brace)\})"
+    r"|(?P<body>\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
     r"(?:[eE](?P<exp>[-+]?\d+)"
-    r"|\s?(?:[×·⋅x*]|\\times|\\cdot)\s?10\^(?P<brace>\{)?(?P<pow>[-+]?\d+)(?(brace)\}))?"
-    r"(?:\s?/\s?(?P<den_sign>-)?(?P<den>\d+(?:\.\d+)?))?"
+    rf"|{_INLINE_SPACE}?(?:[×·⋅x*]|\\times|\\cdot){_INLINE_SPACE}?"
+    r"10\^(?P<brace>\{)?(?P<pow>[-+]?\d+)(?(brace)\}))?)"
+    rf"(?:{_INLINE_SPACE}?/{_INLINE_SPACE}?(?P<den_sign>-)?(?P<den>\d+(?:\.\d+)?))?"
 )
 _HASHES = re.compile(r"####")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -73,8 +79,8 @@ def _token_value(match: re.Match[str], max_chars: int = MAX_NUMBER_CHARS) -> tup
     out of range (`1e999999` is rejected before any power is built) or its denominator is zero."""
     if match.end() - match.start() > max_chars:
         return None
-    value = _decimal(match["body"])
-    exponent_text = match["exp"] or match["pow"]  # `2e3` or `2 × 10^3`
+    value = _decimal(match["body"] or "1")  # a bare `10^3` is 1 × 10^3
+    exponent_text = match["exp"] or match["pow"] or match["ten_pow"]  # `2e3`, `2 × 10^3` or `10^3`
     if exponent_text is not None:
         exponent = int(exponent_text)
         if abs(exponent) > MAX_EXPONENT:
@@ -189,7 +195,7 @@ def extract_answer(text: str | None, *, numeric: bool = False) -> str | None:
     `numeric` (the gold answer is a number) drops that text case: `A: Let me think. 5+7 = 12` gives 12.
     Without any usable marker: the last number in the text. Numbers come back
     canonical: commas, `$`, `%`, units and trailing zeros/periods stripped (`$1,234.50` -> `1234.5`,
-    `1{,}000` -> `1000`), powers of ten expanded (`1.2 \\times 10^{3}` -> `1200`), fractions as `p/q`
+    `1{,}000` -> `1000`), powers of ten expanded (`1.2 \\times 10^{3}` -> `1200`, `10^3` -> `1000`), fractions as `p/q`
     (`\\frac{3}{4}` -> `3/4`). Only the last MAX_SCAN_CHARS characters are read."""
     if not isinstance(text, str):
         return None

@@ -211,6 +211,67 @@ def test_is_correct_reads_latex_separators_and_powers_of_ten(completion, gold, e
     assert is_correct(completion, gold) is expected
 
 
+# ---- a number token stays on one line; a bare power of ten (`10^3`) is the number 10**3
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # a number ending one line does not join a markdown bullet (or a `/`) starting the next: the last number wins
+        ("total 12\n* 10^2", "100"),  # 10^2, not 12 × 10^2 = 1200
+        ("total 12\n× 10^3", "1000"),
+        ("4 ×\n10^3", "1000"),
+        ("12\n/ 4", "4"),  # not 12/4
+        ("12 /\n4", "4"),
+        ("$\n5", "5"),  # a `$` ending a line: the number after it reads the same either way
+        ("The answer is 5\n* 10^2 = 100 is unrelated", "5"),
+        # spaces that are not line breaks still join: tabs, no-break and thin spaces
+        ("1.2\t×\t10^3", "1200"),
+        ("1.2\u202f×\u202f10^3", "1200"),
+        ("3\u00a0/\u00a04", "3/4"),
+        # a bare power of ten, braces and a signed exponent optional
+        ("The answer is 10^3", "1000"),
+        (r"\boxed{10^{3}}", "1000"),
+        ("The answer is 10^-2.", "0.01"),
+        (r"\boxed{10^{-2}}", "0.01"),
+        ("#### 10^{+2}", "100"),
+        ("a change of -10^2", "-100"),
+        (r"\boxed{10^6 \text{ cells}}", "1000000"),
+        ("The answer is 10^101", None),  # beyond MAX_EXPONENT: ignored
+        # other powers are not evaluated and read as they did before: the base after a marker, else the last number
+        ("2^10", "10"),
+        ("x^2", "2"),
+        ("The answer is 2^10", "2"),
+        (r"\boxed{2^{10}}", "2^{10}"),  # text
+        (r"\boxed{x^2}", "x^2"),
+        ("110^2", "2"),  # base 110, not 10
+        ("0x10^2", "0"),  # 0 × 10^2
+    ],
+)
+def test_extract_answer_keeps_numbers_on_one_line_and_reads_bare_powers_of_ten(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold", "expected"),
+    [
+        ("The answer is 10^3", "1000", True),
+        ("The answer is 10^3", "10", False),  # read as 10 before: a false positive
+        ("The answer is 10^2", "100", True),  # read as 10 before: a false negative
+        (r"\boxed{10^{3}}", "1000", True),  # read as the text `10^{3}` before
+        (r"\boxed{10^{-3}}", "0.001", True),
+        ("The answer is 1000", "10^3", True),  # a gold answer written as a power of ten
+        ("total 12\n* 10^2", "1200", False),  # two lines are two numbers
+        ("total 12\n* 10^2", "100", True),
+        ("The answer is 2^10", "1024", False),  # only powers of ten are read
+        (r"\boxed{2^{10}}", "2", False),
+        (r"\boxed{2^{10}}", "10", False),
+    ],
+)
+def test_is_correct_reads_bare_powers_of_ten(completion, gold, expected):
+    assert is_correct(completion, gold) is expected
+
+
 # written in at most MAX_NUMBER_CHARS characters, but canonically longer (1e100 is 101 digits)
 LONG_NUMBERS = [
     "1e100",
@@ -222,6 +283,8 @@ LONG_NUMBERS = [
     "1e-100/" + str(2**308),  # the longest canonical text: 410 decimal places
     "1e100/7",  # canonically a 103-character fraction
     r"3 \times 10^{-100}",
+    "10^{100}",
+    "10^-100",
 ]
 
 
@@ -265,6 +328,10 @@ HOSTILE = {
     "long power of ten": "2 × 10^" + "9" * 1_000_000,
     "many powers of ten": "2 x 10^" * 300_000,
     "LaTeX separator groups": "1" + "{,}000" * 1_000_000,
+    "huge bare power of ten": r"\boxed{10^{999999}}",
+    "long bare power of ten": "10^" + "9" * 1_000_000,
+    "unclosed bare powers of ten": "10^{" * 300_000,
+    "line-broken powers of ten": "1\n* 10^" * 300_000,
 }
 
 
@@ -288,6 +355,7 @@ def test_hostile_values_are_rejected_not_computed():
     assert extract_answer("x 1" + "0" * 150) is None
     assert extract_answer("1/0") is None
     assert extract_answer("The answer is 3 × 10^999999") is None
+    assert extract_answer("The answer is 10^999999") is None
     assert not is_correct(r"\boxed{3 \times 10^{999999}}", "3")  # read as text, not as 3
     assert answer_value("9" * 5000) == "9" * 5000  # text, never int(): Python refuses int() of 4300+ digits
 
