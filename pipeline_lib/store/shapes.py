@@ -171,7 +171,8 @@ def split_chat(record: dict) -> str | tuple[str, str, str, str]:
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
         n += 1
     if n == 0:
-        return "no prompt: 'chosen' and 'rejected' share no first message" + ("" if given else " and there is no 'prompt'")
+        missing = "" if given else " and there is no 'prompt'"
+        return f"no prompt: 'chosen' and 'rejected' share no first message{missing}"
     prompt_messages, completions = chosen[:n], {"chosen": chosen[n:], "rejected": rejected[n:]}
     if not any(m["content"].strip() for m in prompt_messages):
         return "empty field 'prompt'"

@@ -455,8 +455,8 @@ def test_chat_pairs_that_differ_before_their_last_reply_are_quarantined_not_cut(
         {"prompt": "q3", "chosen": [turn("system", "Answer in French."), turn("user", "q3"), turn("assistant", "Oui")],
          "rejected": [turn("system", "Answer in French."), turn("user", "q3"), turn("assistant", "Yes")]},
         # a prompt with a system message and conversations that start at its user turn: joined there
-        {"prompt": [turn("system", "Be terse."), turn("user", "q4")], "chosen": [turn("user", "q4"), turn("assistant", "A")],
-         "rejected": [turn("user", "q4"), turn("assistant", "B")]},
+        {"prompt": [turn("system", "Be terse."), turn("user", "q4")],
+         "chosen": [turn("user", "q4"), turn("assistant", "A")], "rejected": [turn("user", "q4"), turn("assistant", "B")]},
         # a conversation the assistant opens, no prompt: the greeting is part of the prompt
         {"chosen": [turn("assistant", "Hi!"), turn("user", "q5"), turn("assistant", "good")],
          "rejected": [turn("assistant", "Hi!"), turn("user", "q5"), turn("assistant", "bad")]},
