@@ -246,8 +246,9 @@ class SFTConfig(TrainLoopConfig):
     """data=best_of_n: drop prompts whose best sample scored below this (1.0 with the verifier keeps only
     verified answers); None keeps the best of every prompt."""
     chat_template: bool = False
-    """Render problem prompts as one user turn with the tokenizer's chat template, as SampleConfig does for
-    instruct models; False trains on the raw text (`12+34=`). Pairs with stored messages always use it."""
+    """Render plain prompts (problems, plain pairs, Best-of-N selections) as one user turn with the tokenizer's
+    chat template, as SampleConfig does for instruct models; False trains on the raw text (`12+34=`). Pairs with
+    stored messages always use it."""
     lr: float = Field(1e-3, gt=0)
     """Peak AdamW learning rate (1e-3 for the tiny demo model; 1e-5..2e-5 for real LMs)."""
     batch_size: int = Field(128, ge=1)

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from pipeline_lib.fingerprint import content_id
 from pipeline_lib.store.db import Store
+from pipeline_lib.store.shapes import split_chat
 
 
 def _require(samples: pl.DataFrame, columns: Sequence[str]) -> None:
@@ -69,6 +70,8 @@ def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n", chat_template
     joined = best.join(worst, on="prompt_id", how="inner", maintain_order="left")
     kept = joined.filter(pl.col("chosen_reward") > pl.col("rejected_reward"))
     rows = kept.to_dicts()
+    for row in rows:  # the prompt text and messages a conversation gets at ingest, so both give one pair_id
+        row["prompt"], row["prompt_messages"] = _chat_form(row) if chat_template else (row["prompt"], None)
     pairs = pl.DataFrame(
         {
             "pair_id": [content_id(r["prompt"], r["chosen"], r["rejected"]) for r in rows],
@@ -76,7 +79,7 @@ def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n", chat_template
             "prompt": [r["prompt"] for r in rows],
             "chosen": [r["chosen"] for r in rows],
             "rejected": [r["rejected"] for r in rows],
-            "prompt_messages": [_conversation(r) if chat_template else None for r in rows],
+            "prompt_messages": [r["prompt_messages"] for r in rows],
             "meta": [
                 json.dumps({
                     "prompt_id": r["prompt_id"],
@@ -94,14 +97,13 @@ def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n", chat_template
     return pairs, joined.height - kept.height
 
 
-def _conversation(pair: dict) -> str:
-    """A pair's prompt as one user turn and its completions as assistant replies, in the form ingest stores
-    conversational pairs (store.shapes.split_chat)."""
-    def turn(role: str, content: str) -> list[dict[str, str]]:
-        return [{"role": role, "content": content}]
-
-    return json.dumps({"prompt": turn("user", pair["prompt"]), "chosen": turn("assistant", pair["chosen"]),
-                       "rejected": turn("assistant", pair["rejected"])}, ensure_ascii=False)
+def _chat_form(pair: dict) -> tuple[str, str]:
+    """(prompt text, prompt_messages JSON) of a pair whose prompt was one user turn and whose completions are
+    assistant replies, exactly as ingest stores such a conversation (store.shapes.split_chat)."""
+    prompt_text, _, _, messages = split_chat({"prompt": pair["prompt"],
+                                              "chosen": [{"role": "assistant", "content": pair["chosen"]}],
+                                              "rejected": [{"role": "assistant", "content": pair["rejected"]}]})
+    return prompt_text, messages
 
 
 def _group_correct_counts(is_correct: Tensor | Sequence[bool], group_size: int) -> Tensor:

@@ -98,17 +98,21 @@ def test_west_of_n_pairs_distinct_texts_and_never_an_empty_completion():
 
 
 def test_west_of_n_pairs_of_a_chat_template_run_are_conversations():
-    """Pairs of a run that sampled with the chat template are stored as ingest stores conversations, so DPO and
-    the reward model condition on the prompt the completions were sampled from."""
+    """Pairs of a run that sampled with the chat template are stored as ingest stores that conversation (the same
+    prompt text, messages and pair_id), so DPO and the reward model condition on the prompt the completions were
+    sampled from."""
     from pipeline_lib.store.shapes import split_chat
 
     pairs, _ = west_of_n(samples_frame({"mixed": GROUPS["mixed"]}), chat_template=True)
     pair = pairs.row(0, named=True)
-    conversation = json.loads(pair["prompt_messages"])
-    assert conversation == {"prompt": [{"role": "user", "content": "prompt mixed"}],
-                            "chosen": [{"role": "assistant", "content": "mixed-1"}],
-                            "rejected": [{"role": "assistant", "content": "mixed-3"}]}
-    assert json.loads(split_chat(conversation)[3]) == conversation  # what ingesting the conversation stores
+    conversation = {"prompt": [{"role": "user", "content": "prompt mixed"}],
+                    "chosen": [{"role": "assistant", "content": "mixed-1"}],
+                    "rejected": [{"role": "assistant", "content": "mixed-3"}]}
+    prompt_text, chosen, rejected, messages = split_chat(conversation)  # what ingesting it stores
+    assert (pair["prompt"], pair["chosen"], pair["rejected"]) == (prompt_text, chosen, rejected) == (
+        "user: prompt mixed", "mixed-1", "mixed-3")
+    assert json.loads(pair["prompt_messages"]) == json.loads(messages) == conversation
+    assert pair["pair_id"] == content_id(prompt_text, chosen, rejected)
 
 
 def test_dynamic_sampling_uses_correctness_not_shaped_rewards():

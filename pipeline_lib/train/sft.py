@@ -64,9 +64,11 @@ def sft_rows(frame: pl.DataFrame, data: str, *, chat_template: bool = False) -> 
     if "prompt_messages" in frame.columns:
         keep.append(pl.col("prompt_messages"))
     rows = frame.select(keep)
-    if chat_template and "prompt_messages" not in rows.columns:
-        turns = [json.dumps([{"role": "user", "content": prompt}]) for prompt in rows["prompt"].to_list()]
-        rows = rows.with_columns(pl.Series("prompt_messages", turns, dtype=pl.Utf8))
+    if chat_template:  # plain prompts (all, or the plain pairs beside conversations) become one user turn
+        turns = pl.Series([json.dumps([{"role": "user", "content": prompt}]) for prompt in rows["prompt"].to_list()],
+                          dtype=pl.Utf8)
+        messages = rows["prompt_messages"].fill_null(turns) if "prompt_messages" in rows.columns else turns
+        rows = rows.with_columns(messages.alias("prompt_messages"))
     return rows
 
 
@@ -80,7 +82,7 @@ def load_sft_data(store: Store, cfg: SFTConfig) -> tuple[pl.DataFrame, pl.DataFr
             return rows, None
         return rows, sft_rows(held, "problems", chat_template=cfg.chat_template)
     if cfg.data == "pairs":
-        return sft_rows(store.read("preference_pairs", **source), "pairs"), None
+        return sft_rows(store.read("preference_pairs", **source), "pairs", chat_template=cfg.chat_template), None
     selected = best_of_n(store.read("samples", run_id=cfg.samples_run_id))
     if cfg.min_reward is not None:
         selected = selected.filter(pl.col("reward") >= cfg.min_reward)

@@ -51,6 +51,9 @@ def test_sft_rows_from_each_source():
     pairs = pl.DataFrame({"prompt": ["q"], "chosen": ["good"], "rejected": ["bad"], "prompt_messages": [messages]})
     assert sft_rows(pairs, "pairs").to_dicts() == [
         {"prompt": "q", "completion": "good", "prompt_messages": messages}]
+    mixed = pl.concat([pairs, pairs.with_columns(prompt=pl.lit("plain"), prompt_messages=pl.lit(None, pl.String))])
+    assert sft_rows(mixed, "pairs", chat_template=True)["prompt_messages"].to_list() == [
+        messages, '[{"role": "user", "content": "plain"}]']  # a plain pair beside conversations: one user turn
     samples = pl.DataFrame({"prompt_id": ["a", "a", "b"], "sample_idx": [0, 1, 0], "prompt": ["1+1=", "1+1=", "2+2="],
                             "completion": ["3", "2", "4"], "reward": [0.0, 1.0, 1.0]})
     assert sft_rows(best_of_n(samples), "best_of_n").to_dicts() == [
