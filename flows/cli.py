@@ -301,16 +301,15 @@ def serve(
     os.environ.setdefault("PREFECT_API_URL", PREFECT_URL)
     api = os.environ["PREFECT_API_URL"]
     cfg = load_config(PipelineConfig, config)
-    from flows.deployments import build_deployments, check_cron
+    from flows.deployments import build_deployments
 
-    check_cron(cfg.schedule_cron, origin=str(config))  # a config mistake first, server or not
+    deployments = build_deployments(cfg, origin=str(config))  # a config mistake first, server or not
     try:
         httpx.get(f"{api}/health", timeout=5).raise_for_status()
     except httpx.HTTPError:
         fail(f"no Prefect server at {api}; start one with `alignflow ui` (or set PREFECT_API_URL)")
     from prefect import serve as prefect_serve
 
-    deployments = build_deployments(cfg, origin=str(config))
     typer.echo(f"serving {len(deployments)} deployments on {api}: " + ", ".join(d.name for d in deployments))
     prefect_serve(*deployments, print_starting_message=False)
 

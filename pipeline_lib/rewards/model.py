@@ -11,11 +11,13 @@ from transformers import PreTrainedTokenizerBase
 
 def text_ids(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
     """Token ids of whole texts (prompt + response) as a reward model reads them, in training and scoring: with
-    the tokenizer's own special tokens, once: a chat-rendered prompt that already starts with the bos token
-    (Llama, Mistral and Gemma templates write it) does not get a second one."""
+    the tokenizer's own special tokens, once: where the tokenizer adds a bos, a chat-rendered prompt that
+    already starts with it (Llama, Mistral and Gemma templates write it) does not get a second one."""
     ids = tokenizer(list(texts))["input_ids"]
     bos = tokenizer.bos_token_id
-    return [row[1:] if bos is not None and row[:2] == [bos, bos] else row for row in ids]
+    if bos is None or tokenizer("")["input_ids"][:1] != [bos]:  # GPT-2 adds none: its text keeps every token
+        return ids
+    return [row[1:] if row[:2] == [bos, bos] else row for row in ids]
 
 
 class RewardModelScorer:

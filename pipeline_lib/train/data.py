@@ -52,7 +52,7 @@ def _prompt_messages(raw: str | list | dict, row: int) -> list[dict]:
 
 def require_chat_template(tokenizer: PreTrainedTokenizerBase, model_path: str, chat_template: bool) -> None:
     """A stage with `chat_template: true` needs a tokenizer that has one (else it would train on raw prompts)."""
-    if chat_template and getattr(tokenizer, "chat_template", None) is None:
+    if chat_template and not getattr(tokenizer, "chat_template", None):
         raise TrainDataError(f"chat_template=True but the tokenizer in {model_path} has no chat template")
 
 

@@ -142,17 +142,16 @@ def add_lora(model: nn.Module, cfg: DPOConfig) -> nn.Module:
     that name no module of this model (the default names Llama's attention projections) are a one-line error
     listing the model's own projection names."""
     from peft import LoraConfig, get_peft_model
-    from peft.utils.error import NoMatchingPeftModuleError
 
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
     try:
         return get_peft_model(model, lora)
-    except NoMatchingPeftModuleError:
+    except ValueError as exc:  # peft's "Target modules {...} not found in the base model"
         weights = sorted({name.rsplit(".", 2)[-2] for name, param in model.named_parameters()
-                          if name.endswith(".weight") and param.dim() == 2 and "." in name})
-        raise AlignflowError(f"lora_target_modules {list(cfg.lora_target_modules)}: no such module in "
-                             f"{cfg.policy_path}; its 2-D weights belong to {weights}") from None
+                          if name.endswith(".weight") and param.dim() == 2})
+        raise AlignflowError(f"lora_target_modules {list(cfg.lora_target_modules)}: {str(exc).splitlines()[0]} "
+                             f"({cfg.policy_path}); its 2-D weights belong to {weights}") from None
 
 
 def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = no_log, *,

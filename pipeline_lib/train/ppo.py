@@ -108,9 +108,9 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
     texts, templated = render_prompts(tokenizer, prompts)
     answers = prompts["answer"].cast(pl.Utf8).to_list() if "answer" in prompts.columns else None
     if any(templated) and not all(templated):  # one tokenization for every prompt: no row may lose its bos
-        raise AlignflowError(f"ppo: the prompts mix {sum(templated)} conversations (chat template) and "
-                             f"{templated.count(False)} plain texts; set chat_template: true to render every prompt "
-                             "as a conversation, or select one kind with problems_source")
+        raise AlignflowError(f"ppo: the prompts mix conversations ({sum(templated)}, chat template) and plain "
+                             f"texts ({templated.count(False)}); set chat_template: true to render every prompt as a "
+                             "conversation, or select one kind with problems_source")
     add_special_tokens = not any(templated)  # a chat-rendered prompt already holds its special tokens
     if len(texts) < cfg.prompts_per_step:
         raise AlignflowError(f"ppo: {len(texts)} prompts, fewer than prompts_per_step {cfg.prompts_per_step}")

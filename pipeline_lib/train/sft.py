@@ -59,7 +59,8 @@ def sft_rows(frame: pl.DataFrame, data: str, *, chat_template: bool = False) -> 
     require_columns(frame, ["prompt", column], f"sft data={data}")
     completion = pl.col(column).cast(pl.Utf8)
     if data == "problems" and "meta" in frame.columns:
-        completion = pl.coalesce(pl.col("meta").str.json_path_match("$.solution"), completion)
+        solution = pl.col("meta").str.json_path_match("$.solution")
+        completion = pl.when(solution.str.strip_chars() != "").then(solution).otherwise(completion)
     keep = [pl.col("prompt"), completion.alias("completion")]
     if "prompt_messages" in frame.columns:
         keep.append(pl.col("prompt_messages"))

@@ -91,3 +91,5 @@ def test_a_text_that_starts_with_the_bos_token_gets_no_second_one():
     assert encode_texts(tokenizer, ["<s>12"], max_length=8).prompt_ids == [plain]
     model = LastTokenLength()
     assert RewardModelScorer(model, tokenizer)(["<s>12"]) == [expected(tokenizer, "12")]
+    plain = build_tokenizer(["0123456789+="])  # adds no bos: a text's own leading bos tokens are all kept
+    assert text_ids(plain, ["<s><s>12"]) == [[bos, bos, *plain("12")["input_ids"]]]

@@ -145,8 +145,8 @@ def test_lora_targets_this_model_lacks_are_a_one_line_error_naming_its_own(tiny,
     """GPT-2 names its attention `c_attn` / `c_proj`: the Llama default must not end in peft's traceback."""
     cfg = DPOConfig(policy_path=str(tiny), max_steps=1, batch_size=8, lora_r=4, device="cpu",
                     lora_target_modules=("c_attn", "c_proj"))
-    with pytest.raises(AlignflowError, match=r"^lora_target_modules \['c_attn', 'c_proj'\]: no such module in "
-                                             r".*; its 2-D weights belong to \[.*'q_proj'.*\]$"):
+    with pytest.raises(AlignflowError, match=r"^lora_target_modules \['c_attn', 'c_proj'\]: Target modules .* not "
+                                             r"found in the base model.*; its 2-D weights belong to \[.*'q_proj'.*\]$"):
         train_dpo(cfg, toy_pairs(24), tmp_path / "out")
 
 

@@ -129,8 +129,8 @@ def test_reward_settings_fail_fast(tiny, reward_model, problems, tmp_path):
     turn = json.dumps([{"role": "user", "content": "1+1="}])
     mixed = problems.select("prompt").with_columns(
         pl.Series("prompt_messages", [turn] + [None] * (problems.height - 1), dtype=pl.String))
-    with pytest.raises(AlignflowError, match="ppo: the prompts mix 1 conversations .chat template. and 63 plain texts; "
-                                             "set chat_template: true"):
+    with pytest.raises(AlignflowError, match=r"ppo: the prompts mix conversations \(1, chat template\) and plain "
+                                             r"texts \(63\); set chat_template: true"):
         train_ppo(small_config(tiny, reward_model), mixed, tmp_path / "mixed")
 
 

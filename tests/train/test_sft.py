@@ -41,12 +41,13 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def test_sft_rows_from_each_source():
-    problems = pl.DataFrame({"problem_id": ["p", "g"], "prompt": ["1+1=", "Two apples and one more?"],
-                             "answer": ["2", "3"], "split": ["train"] * 2,
-                             "meta": [None, '{"solution":"2 + 1 = <<2+1=3>>3\\n#### 3"}']})
+    problems = pl.DataFrame({"problem_id": ["p", "g", "e"], "prompt": ["1+1=", "Two apples and one more?", "2+2="],
+                             "answer": ["2", "3", "4"], "split": ["train"] * 3,
+                             "meta": [None, '{"solution":"2 + 1 = <<2+1=3>>3\\n#### 3"}', '{"solution":" "}']})
     assert sft_rows(problems, "problems").to_dicts() == [  # GSM8K: the worked solution, not the bare number
         {"prompt": "1+1=", "completion": "2"},
-        {"prompt": "Two apples and one more?", "completion": "2 + 1 = <<2+1=3>>3\n#### 3"}]
+        {"prompt": "Two apples and one more?", "completion": "2 + 1 = <<2+1=3>>3\n#### 3"},
+        {"prompt": "2+2=", "completion": "4"}]  # a blank solution is no solution
     messages = '[{"role": "user", "content": "q"}]'
     pairs = pl.DataFrame({"prompt": ["q"], "chosen": ["good"], "rejected": ["bad"], "prompt_messages": [messages]})
     assert sft_rows(pairs, "pairs").to_dicts() == [
