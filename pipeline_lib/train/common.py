@@ -22,6 +22,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from torch import Tensor, nn
 
+from pipeline_lib.config import ConfigError
 from pipeline_lib.errors import AlignflowError, first_line
 from pipeline_lib.logfns import LogFn
 
@@ -135,6 +136,13 @@ class Dist:
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()
+
+
+def check_batch_split(ctx: Dist, batch_size: int, grad_accum_steps: int) -> None:
+    """The global batch splits evenly over ranks and micro-batches, else one ConfigError line (every rank)."""
+    if batch_size % (ctx.world_size * grad_accum_steps):
+        raise ConfigError(f"batch_size {batch_size}: expected a multiple of world size {ctx.world_size} x "
+                          f"grad_accum_steps {grad_accum_steps}")
 
 
 def mean_over_ranks(ctx: Dist, values: dict[str, Tensor]) -> dict[str, float]:

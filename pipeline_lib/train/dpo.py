@@ -26,6 +26,7 @@ from pipeline_lib.train.common import (
     Dist,
     autocast,
     batches,
+    check_batch_split,
     check_finite,
     check_in_sync,
     clip_gradients,
@@ -175,9 +176,7 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     model.train(not cfg.disable_dropout)  # eval mode: dropout off, as the cached reference log-probs were taken
     encoded = encode_pairs(tokenizer, pairs, max_length=cfg.max_length)
     train_ids, eval_ids = holdout_split(pairs["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
-    if cfg.batch_size % (ctx.world_size * cfg.grad_accum_steps):
-        raise ValueError(f"batch_size {cfg.batch_size}: expected a multiple of world size {ctx.world_size} "
-                         f"x grad_accum_steps {cfg.grad_accum_steps}")
+    check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)
     pad_id = tokenizer.pad_token_id
     ref = reference_logps(model, encoded, policy_path=cfg.policy_path, cache_dir=Path(cache_dir or out_dir / "cache"),
                           pad_id=pad_id, device=device, batch_size=cfg.ref_batch_size, ctx=ctx)  # (2N,)

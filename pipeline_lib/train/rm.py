@@ -20,6 +20,7 @@ from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
     autocast,
     batches,
+    check_batch_split,
     check_finite,
     check_in_sync,
     clip_gradients,
@@ -98,6 +99,9 @@ def load_rm_data(store: Store, cfg: RMConfig) -> pl.DataFrame:
     return store.read("preference_pairs" if cfg.loss == "bradley_terry" else "rankings", **source)
 
 
+PAIR_STATS = ("rewards/accuracies", "rewards/margins")
+
+
 def group_scores(model: torch.nn.Module, groups: Groups, ids: list[int], *, pad_id: int,
                  device: torch.device) -> tuple[Tensor, Tensor]:
     """r(x, y) of every response of groups `ids` in one forward: scores (B, K) best first, and their mask."""
@@ -148,9 +152,7 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
     groups = build_groups(tokenizer, data, cfg.loss, max_length=cfg.max_length)
     model.chat_prompts = groups.chat_prompts
     train_ids, eval_ids = holdout_split(data["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
-    if cfg.batch_size % (ctx.world_size * cfg.grad_accum_steps):
-        raise ValueError(f"batch_size {cfg.batch_size}: expected a multiple of world size {ctx.world_size} "
-                         f"x grad_accum_steps {cfg.grad_accum_steps}")
+    check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)
     pad_id = tokenizer.pad_token_id
     optimizer = make_optimizer(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
@@ -168,7 +170,8 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
         # ---- batch: this rank's share of the global batch of groups, in micro-batches
         local = [train_ids[p] for p in ctx.shard(positions)]
         chunks = micro_batches(local, cfg.grad_accum_steps)
-        step_stats: dict[str, Tensor] = {}
+        step_stats: dict[str, Tensor] = {}  # each stat summed with its weight: rankings, or adjacent pairs
+        weights: dict[str, Tensor] = {}
         for k, micro in enumerate(chunks):
             sync = nullcontext() if k == len(chunks) - 1 or not ctx.enabled else ddp_model.no_sync()
             with sync:
@@ -181,9 +184,15 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
                 # a mean over this micro-batch; weighted so that the DDP average over ranks of the sum over
                 # micro-batches is the mean over the global batch
                 (loss * len(micro) / len(positions) * ctx.world_size).backward()
+            # pair stats are means over a micro-batch's adjacent pairs, whose number varies with K (Plackett-Luce):
+            # weighted by it, the logged value is the global batch's whatever its split into micro-batches/ranks
+            pairs = (mask[:, 1:] & mask[:, :-1]).sum().float()
             for key, value in {"train/loss": loss, **stats}.items():
-                step_stats[key] = step_stats.get(key, 0.0) + value.detach() / len(chunks)
-        reduced = mean_over_ranks(ctx, step_stats)
+                weight = pairs if key in PAIR_STATS else torch.tensor(float(len(micro)), device=pairs.device)
+                step_stats[key] = step_stats.get(key, 0.0) + value.detach() * weight
+                weights[key] = weights.get(key, 0.0) + weight
+        sums = mean_over_ranks(ctx, {**step_stats, **{f"{key} weight": w for key, w in weights.items()}})
+        reduced = {key: sums[key] / sums[f"{key} weight"] for key in step_stats}
         check_finite(torch.tensor(reduced["train/loss"]), step)
 
         # ---- update

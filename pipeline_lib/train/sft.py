@@ -19,6 +19,7 @@ from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
     autocast,
     batches,
+    check_batch_split,
     check_finite,
     check_in_sync,
     clip_gradients,
@@ -131,9 +132,7 @@ def train_sft(cfg: SFTConfig, rows: pl.DataFrame, out_dir: Path, log: LogFn = no
     train_set = encode_frame(tokenizer, rows, "completion", max_length=cfg.max_length)
     eval_set = encode_frame(tokenizer, eval_rows, "completion", max_length=cfg.max_length) \
         if eval_rows is not None and eval_rows.height else None
-    if cfg.batch_size % (ctx.world_size * cfg.grad_accum_steps):
-        raise ValueError(f"batch_size {cfg.batch_size}: expected a multiple of world size {ctx.world_size} "
-                         f"x grad_accum_steps {cfg.grad_accum_steps}")
+    check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)
     pad_id = tokenizer.pad_token_id
     optimizer = make_optimizer(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,

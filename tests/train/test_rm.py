@@ -139,6 +139,21 @@ def test_plackett_luce_on_rankings_of_different_sizes(tiny, tmp_path):
     assert RewardModel.from_pretrained(final, device="cpu").pooling == "last_two_layers"
 
 
+def test_plackett_luce_pair_stats_do_not_depend_on_the_micro_batch_split(tiny, tmp_path, collect):
+    """Micro-batches of rankings with 2 to 5 responses hold 1 to 4 adjacent pairs: the logged pair accuracy and
+    margin are those of the whole batch, not a mean of the micro-batches' ratios."""
+    rankings = pl.DataFrame({"prompt": [f"{i:02d}+01=" for i in range(20)],
+                             "responses": [[str(i + j) for j in range(2 + i % 4)] for i in range(20)]})
+    base = dict(model_path=str(tiny), loss="plackett_luce", max_steps=1, batch_size=8, lr=1e-3, device="cpu")
+    runs = []
+    for accum in (1, 4):
+        logged, log = collect()
+        train_rm(RMConfig(**base, grad_accum_steps=accum), rankings, tmp_path / f"accum{accum}", log=log)
+        runs.append(next(metrics for _, metrics in logged if "train/loss" in metrics))
+    for key in ("train/loss", "rewards/accuracies", "rewards/margins", "rewards/top"):
+        assert runs[1][key] == pytest.approx(runs[0][key], rel=1e-5, abs=1e-6), key
+
+
 def test_nan_loss_stops_the_reward_model(tiny, tmp_path):
     """lr 1e30 blows the weights up within a few steps; the error names the first bad step, which is the
     step the last checkpoint (written after every finished step) resumes at."""

@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline_lib.config import SFTConfig
+from pipeline_lib.config import ConfigError, SFTConfig
 from pipeline_lib.filters import best_of_n
 from pipeline_lib.models import build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.rewards.math import is_correct
 from pipeline_lib.sampling.hf import HFSampler
-from pipeline_lib.train.common import FINAL_MARKER, NonFiniteLossError, batches
+from pipeline_lib.train.common import FINAL_MARKER, Dist, NonFiniteLossError, batches, check_batch_split
 from pipeline_lib.train.data import TrainDataError, collate, encode_frame
 from pipeline_lib.train.sft import sft_rows, train_sft
 
@@ -121,6 +121,13 @@ def test_nan_loss_stops_with_the_step_and_no_final_model(tiny, tmp_path):
     with pytest.raises(NonFiniteLossError, match=r"train/loss is (nan|inf) at step 1; stopping"):
         train_sft(cfg, arithmetic_rows(16), tmp_path / "out")
     assert not (tmp_path / "out" / "final").exists() and not (tmp_path / "out" / ".final.tmp").exists()
+
+
+def test_a_batch_that_does_not_split_over_ranks_is_a_config_error():
+    """A ConfigError (an AlignflowError): under torchrun every rank prints one line, not a traceback."""
+    check_batch_split(Dist(world_size=2), 8, 2)
+    with pytest.raises(ConfigError, match=r"^batch_size 6: expected a multiple of world size 2 x grad_accum_steps 2$"):
+        check_batch_split(Dist(world_size=2), 6, 2)
 
 
 def test_chat_template_without_one_in_the_tokenizer_is_a_one_line_error(tmp_path):
