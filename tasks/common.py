@@ -10,6 +10,7 @@ from prefect.runtime import flow_run
 
 from pipeline_lib import alignflow_version
 from pipeline_lib.errors import AlignflowError
+from pipeline_lib.sampling.vllm import VLLMServerError
 from pipeline_lib.workspace import Workspace, resolve_workspace
 
 
@@ -53,4 +54,16 @@ def retry_on_io(task, task_run, state) -> bool:
         return "in use by another" in str(exc)  # the store is briefly locked by another process
     except Exception:
         return True
+    return False
+
+
+def retry_on_server_or_io(task, task_run, state) -> bool:
+    """retry_on_io, and a vLLM server that went away or failed on its side (VLLMServerError.transient); a 4xx
+    answer (a prompt over the model's context) or a config error would fail the same way again."""
+    try:
+        state.result()
+    except VLLMServerError as exc:
+        return exc.transient
+    except BaseException:  # noqa: BLE001 - the I/O rule decides
+        return retry_on_io(task, task_run, state)
     return False

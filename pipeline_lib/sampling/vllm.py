@@ -31,11 +31,14 @@ CONNECT_RETRIES = 3
 
 
 class VLLMServerError(SamplingError, RuntimeError):
-    """The vLLM server could not start, died, or answered with an error (`status`: its HTTP status)."""
+    """The vLLM server could not start, died, or answered with an error (`status`: its HTTP status).
+    `transient`: the server went away or failed on its side (5xx), so a retry with a new server may pass; a 4xx
+    (a prompt over the context, say) would only fail again."""
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, transient: bool = False):
         super().__init__(message)
         self.status = status
+        self.transient = transient
 
 
 def find_vllm_python() -> Path | None:
@@ -87,11 +90,12 @@ class VLLMSampler:
                 break
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 if attempt == CONNECT_RETRIES - 1:
-                    raise VLLMServerError(f"vLLM server {self.base_url}: cannot connect ({exc})") from None
+                    raise VLLMServerError(f"vLLM server {self.base_url}: cannot connect ({exc})",
+                                          transient=True) from None
                 time.sleep(2**attempt)
             except httpx.TransportError as exc:
                 raise VLLMServerError(f"vLLM server {self.base_url}{path}: no complete answer ({type(exc).__name__}: "
-                                      f"{exc}); the server stopped, crashed or stalled") from None
+                                      f"{exc}); the server stopped, crashed or stalled", transient=True) from None
         if response.status_code >= 400:
             try:
                 detail = response.json()
@@ -101,7 +105,7 @@ class VLLMSampler:
                 detail = response.text
             first_line = str(detail).strip().splitlines()[0] if str(detail).strip() else ""
             raise VLLMServerError(f"vLLM server {self.base_url}{path}: HTTP {response.status_code}: {first_line}",
-                                  status=response.status_code)
+                                  status=response.status_code, transient=response.status_code >= 500)
         return response
 
     def _served_model(self) -> str:

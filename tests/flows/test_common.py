@@ -17,12 +17,14 @@ import pytest
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
-from prefect.states import Running
+from prefect.states import Failed, Running
 
 from flows.common import _api, _still_running
 from flows.ingest import ingest_flow
-from pipeline_lib.config import IngestConfig
+from pipeline_lib.config import ConfigError, IngestConfig
+from pipeline_lib.sampling.vllm import VLLMServerError
 from pipeline_lib.workspace import WorkspaceLockedError, host_id
+from tasks.common import retry_on_server_or_io
 from tasks.ingest import ingest_task
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,3 +143,14 @@ def test_the_next_run_crashes_the_flow_runs_of_a_killed_process_and_stops_its_pr
     ]
     assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
     assert not list(records.glob("*.json"))
+
+
+@pytest.mark.parametrize(("error", "retried"), [
+    (VLLMServerError("vLLM server http://127.0.0.1:1: cannot connect (...)", transient=True), True),
+    (VLLMServerError("vLLM server ...: HTTP 503: overloaded", status=503, transient=True), True),
+    (VLLMServerError("vLLM server ...: HTTP 400: prompt too long", status=400), False),  # the same again
+    (OSError("disk hiccup"), True),
+    (ConfigError("max_new_tokens: ..."), False),
+])
+def test_sampling_retries_a_server_that_went_away_not_a_request_it_refused(error, retried):
+    assert retry_on_server_or_io(None, None, Failed(data=error)) is retried
