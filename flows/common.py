@@ -108,7 +108,9 @@ def _prefect_servers(process: psutil.Process) -> list[psutil.Process]:
 def on_record(workspace: Workspace, flow_run_id: str) -> Iterator[None]:
     """While a flow runs, `prefect/flow-runs/<flow run id>.json` names its process, its Prefect API and the
     temporary Prefect server that process started (Prefect starts one per process when no PREFECT_API_URL is
-    set); the file goes when the flow ends, by an exception too. Only a killed process leaves it behind."""
+    set); the file goes when the flow returns or raises an error. A killed process leaves it behind, and so
+    does a signal (SIGTERM, Ctrl-C) ending the flow: its process is on its way out and may leave that server
+    running; the next flow ends what is left once the process is gone."""
     me = psutil.Process()
     path = _records(workspace) / f"{flow_run_id}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,8 +121,10 @@ def on_record(workspace: Workspace, flow_run_id: str) -> Iterator[None]:
     os.replace(partial, path)  # whole or absent: a record is never read half-written
     try:
         yield
-    finally:
+    except Exception:
         path.unlink(missing_ok=True)
+        raise
+    path.unlink(missing_ok=True)
 
 
 def end_orphaned_flow_runs(workspace: Workspace) -> None:

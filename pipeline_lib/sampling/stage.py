@@ -6,9 +6,11 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import polars as pl
 from tqdm.auto import tqdm
@@ -16,6 +18,7 @@ from tqdm.auto import tqdm
 from pipeline_lib import alignflow_version
 from pipeline_lib.config import SampleConfig
 from pipeline_lib.fingerprint import model_fingerprint
+from pipeline_lib.models.loading import resolve_model_dir
 from pipeline_lib.rewards.math import is_correct
 from pipeline_lib.rewards.registry import build_reward
 from pipeline_lib.sampling.base import Sampler, SamplingError
@@ -236,6 +239,10 @@ def open_sampler(cfg: SampleConfig) -> Iterator[Sampler]:
 
     if cfg.vllm_url:
         sampler = VLLMSampler(cfg.vllm_url, add_special_tokens=add_special_tokens)
+        if sampler.model_root is not None and Path(sampler.model_root).resolve() != resolve_model_dir(cfg.model_path):
+            warnings.warn(f"vLLM server {cfg.vllm_url} serves {sampler.model_root}, not model_path {cfg.model_path}: "
+                          "its samples are recorded as model_path's (run id, policy); point vllm_url at a server of "
+                          "model_path or set model_path to the model it serves", UserWarning, stacklevel=2)
         try:
             yield sampler
         finally:

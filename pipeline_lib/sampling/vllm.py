@@ -10,6 +10,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -28,6 +29,16 @@ DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
 # Measured on CPU (ENVIRONMENT.md): 1 GiB of KV cache is plenty for small models; no telemetry; offline.
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 CONNECT_RETRIES = 3
+
+
+# Run before the server's own command (Linux): the kernel sends the server SIGTERM, on which it stops its engine
+# processes, when the thread that started it ends, however it ends (SIGKILL, OOM). Exits if that parent is
+# already gone by then.
+DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
+                   "ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+                   "if os.getppid() != int(sys.argv[1]):\n"
+                   "    sys.exit(1)\n"
+                   "os.execv(sys.argv[2], sys.argv[2:])\n")
 
 
 class VLLMServerError(SamplingError, RuntimeError):
@@ -76,7 +87,7 @@ class VLLMSampler:
         self.concurrency = concurrency
         self.http = httpx.Client(base_url=self.base_url, timeout=timeout,
                                  limits=httpx.Limits(max_connections=concurrency))
-        self.model_name = model_name or self._served_model()
+        self.model_name, self.model_root = (model_name, None) if model_name else self._served_model()
 
     def close(self) -> None:
         self.http.close()
@@ -108,11 +119,12 @@ class VLLMSampler:
                                   status=response.status_code, transient=response.status_code >= 500)
         return response
 
-    def _served_model(self) -> str:
+    def _served_model(self) -> tuple[str, str | None]:
+        """(name, root) of the model the server serves: root is the path (or hub id) it loaded."""
         models = self._request("GET", "/v1/models").json().get("data", [])
         if not models:
             raise VLLMServerError(f"vLLM server {self.base_url}: /v1/models lists no model")
-        return models[0]["id"]
+        return models[0]["id"], models[0].get("root")
 
     def generate(
         self,
@@ -294,8 +306,11 @@ class VLLMServer:
         if self.cuda_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cuda_devices  # the server's GPUs, apart from the trainer's
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = self.command()
+        if sys.platform == "linux":  # a SIGKILLed parent runs no atexit: the kernel then stops the server
+            command = [command[0], "-c", DIE_WITH_PARENT, str(os.getpid()), *command]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         atexit.register(self.stop)
         try:

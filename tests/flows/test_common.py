@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -17,9 +18,10 @@ import pytest
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
+from prefect.exceptions import TerminationSignal
 from prefect.states import Failed, Running
 
-from flows.common import _api, _still_running
+from flows.common import _api, _still_running, on_record
 from flows.ingest import ingest_flow
 from pipeline_lib.config import ConfigError, IngestConfig
 from pipeline_lib.sampling.vllm import VLLMServerError
@@ -71,6 +73,19 @@ def test_the_next_flow_crashes_a_dead_processs_runs_and_survives_bad_records(flo
     assert flow_run.state_type == task_run.state_type == StateType.CRASHED
     assert flow_run.state.message.startswith("alignflow process ") and flow_run.state.message.endswith("(killed)")
     assert not list(records.iterdir())
+
+
+def test_a_record_goes_with_the_flow_but_stays_when_a_signal_ends_it(workspace):
+    """A flow that returns or fails removes its record; one ended by SIGTERM (Prefect's TerminationSignal) or
+    Ctrl-C keeps it, so the next flow stops the temporary Prefect server the dying process may leave."""
+    records = workspace.prefect_home / "flow-runs"
+    with on_record(workspace, "returned"):
+        assert json.loads((records / "returned.json").read_text())["process"][0] == os.getpid()
+    with pytest.raises(ValueError), on_record(workspace, "failed"):
+        raise ValueError("a stage error")
+    with pytest.raises(TerminationSignal), on_record(workspace, "terminated"):
+        raise TerminationSignal(signal.SIGTERM)
+    assert [path.name for path in records.iterdir()] == ["terminated.json"]
 
 
 def test_a_zombie_or_a_reused_pid_is_not_the_recorded_process():

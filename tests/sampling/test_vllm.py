@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import warnings
 
 import httpx
 import psutil
@@ -97,11 +98,24 @@ def test_seeded_per_prompt(client):
 def test_stage_through_a_server_url(client, server, store, served_dir):
     cfg = SampleConfig(model_path=str(served_dir), backend="vllm", vllm_url=server.url, max_problems=4, n=3,
                        max_new_tokens=6, batch_size=2)
-    report = run_sample_stage(cfg, store, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the server serves model_path: nothing to warn about
+        report = run_sample_stage(cfg, store, progress=False)
     rows = store.read("samples", run_id=report.run_id)
     assert rows.height == 12 and rows.select("prompt_id", "sample_idx").unique().height == 12
     assert set(rows["finish_reason"]) <= {"stop", "length"} and rows["n_tokens"].max() <= 6
     assert run_sample_stage(cfg, store, progress=False).rows_written_now == 0
+
+
+@pytest.mark.vllm
+@requires_vllm_env
+def test_a_server_of_another_model_than_model_path_is_warned_about(server, store, served_dir, tiny_model_dir):
+    """Its samples would be recorded as model_path's (run id, policy column): never silently."""
+    cfg = SampleConfig(model_path=str(tiny_model_dir), backend="vllm", vllm_url=server.url, max_problems=1, n=1,
+                       max_new_tokens=2)
+    with pytest.warns(UserWarning, match=f"serves {served_dir}, not model_path {tiny_model_dir}: its samples are "
+                                         "recorded as model_path's"):
+        run_sample_stage(cfg, store, progress=False)
 
 
 @pytest.mark.vllm

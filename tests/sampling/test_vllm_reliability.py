@@ -1,6 +1,6 @@
 """The vLLM server SIGKILLed while the sampling stage runs with the vllm backend (issue #8): the stage stops
 within seconds with one VLLMServerError line, the store keeps whole batches only, and a rerun resumes to
-exactly n samples per prompt, none duplicated (marked `vllm`: needs `make vllm-env`; slow: two server starts,
+exactly n samples per prompt, none duplicated; the stage SIGKILLed instead: its server stops too (marked `vllm`: needs `make vllm-env`; slow: two server starts,
 ~40 s each on 2 cores). Without vLLM: a server that drops or stalls a request gives the same one-line error."""
 
 from __future__ import annotations
@@ -72,24 +72,28 @@ def sample_counts(store_path: Path) -> pl.DataFrame:
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(find_vllm_python() is None, reason=f"no vLLM env: run `make vllm-env` or set ${PYTHON_ENV}")
-def test_server_sigkilled_mid_sampling_stops_in_one_line_and_the_rerun_resumes_without_duplicates(
-        tiny_model_dir, demo_problems, tmp_path):
-    store_path = tmp_path / "store.duckdb"
+def start_sampling(store_path: Path, model_dir: Path, demo_problems: pl.DataFrame) -> tuple[list[str], dict,
+                                                                                          subprocess.Popen, psutil.Process]:
+    """(command, env, the running stage, its API server) once the server is up and two batches are in the store."""
     rows = demo_problems.filter(pl.col("split") == "test").head(N_PROBLEMS)
     with open_store(store_path) as store:
         store.insert_new("problems", rows.select(
             pl.format("p-{}", pl.int_range(pl.len()).cast(pl.String).str.zfill(2)).alias("problem_id"),
             pl.lit("demo").alias("source"), "split", "prompt", "answer"))
-    command = [sys.executable, "-c", RUNNER, str(store_path), str(tiny_model_dir)]
+    command = [sys.executable, "-c", RUNNER, str(store_path), str(model_dir)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-
     runner = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     server = api_server(runner)
-    for line in runner.stdout:  # the server is up and two batches are in the store
+    for line in runner.stdout:
         if line.startswith("batch 1"):
-            break
-    else:
-        pytest.fail(f"the stage ended before sampling: {runner.stderr.read()[-2000:]}")
+            return command, env, runner, server
+    pytest.fail(f"the stage ended before sampling: {runner.stderr.read()[-2000:]}")
+
+
+def test_server_sigkilled_mid_sampling_stops_in_one_line_and_the_rerun_resumes_without_duplicates(
+        tiny_model_dir, demo_problems, tmp_path):
+    store_path = tmp_path / "store.duckdb"
+    command, env, runner, server = start_sampling(store_path, tiny_model_dir, demo_problems)
     server_group = server.pid
     killed_at = time.monotonic()
     server.send_signal(signal.SIGKILL)
@@ -115,6 +119,20 @@ def test_server_sigkilled_mid_sampling_stops_in_one_line_and_the_rerun_resumes_w
     assert after["run_id"].n_unique() == 1 and after.height == N_PROBLEMS
     assert (after["n"] == N).all() and (after["distinct_idx"] == N).all()  # no (run, prompt, idx) twice
     assert (after["lo"] == 0).all() and (after["hi"] == N - 1).all()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(find_vllm_python() is None, reason=f"no vLLM env: run `make vllm-env` or set ${PYTHON_ENV}")
+def test_the_server_stops_when_the_process_that_started_it_is_sigkilled(tiny_model_dir, demo_problems, tmp_path):
+    """SIGKILL runs no atexit: the kernel's parent-death signal stops the server and its engine processes."""
+    _, _, runner, server = start_sampling(tmp_path / "store.duckdb", tiny_model_dir, demo_problems)
+    runner.kill()
+    runner.communicate(timeout=60)
+    deadline = time.monotonic() + 60
+    while [p for p in psutil.process_iter(["pid"]) if _in_group(p, server.pid)] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in psutil.process_iter(["pid"]) if _in_group(p, server.pid)], "the server outlived its parent"
 
 
 def _in_group(process: psutil.Process, pgid: int) -> bool:
