@@ -6,7 +6,10 @@ prefect is imported only after the workspace has set PREFECT_HOME and the offlin
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
+import threading
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Optional
@@ -63,8 +66,27 @@ def echo_result(stage: str, result) -> None:
 
 def run_lock() -> AbstractContextManager[None]:
     """The workspace's run lock for this command: a second run on the same workspace fails at once, in one
-    line naming this process (pipeline_lib.workspace.workspace_lock)."""
+    line naming this process (pipeline_lib.workspace.workspace_lock). Ctrl-C ends it within seconds
+    (exit_soon_after_ctrl_c)."""
+    exit_soon_after_ctrl_c()
     return workspace_lock(resolve_workspace(), " ".join(["alignflow", *sys.argv[1:]]))
+
+
+def exit_soon_after_ctrl_c(grace_s: float = 10.0) -> None:
+    """Ctrl-C raises KeyboardInterrupt as usual, so the stage stops the way Python stops (its vLLM server, an
+    atomic checkpoint write). But the terminal's SIGINT also stops Prefect's temporary server, which shares this
+    process group, and Prefect's client then retries that dead server for minutes. So the process exits by
+    itself `grace_s` after the first Ctrl-C, and at once on a second (exit code 130); the next run in the
+    workspace ends the MLflow and Prefect runs it left open."""
+
+    def on_ctrl_c(signum, frame) -> None:
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+        deadline = threading.Timer(grace_s, os._exit, args=(130,))
+        deadline.daemon = True
+        deadline.start()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
 
 
 class DropUserErrorTracebacks(logging.Filter):

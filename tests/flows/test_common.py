@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
@@ -123,7 +124,7 @@ def prefect_flow_runs(workspace: Path) -> list[tuple[str, str, str | None, set[s
     return [(name, state, message, set(tasks)) for name, state, message, tasks in json.loads(out.splitlines()[-1])]
 
 
-@pytest.mark.slow  # four processes, each starting Prefect's temporary server: ~90 s on 2 cores
+@pytest.mark.slow  # seven processes, each starting Prefect's temporary server: ~150 s on 2 cores
 def test_the_next_run_crashes_the_flow_runs_of_a_killed_process_and_stops_its_prefect_server(tmp_path):
     workspace = tmp_path / "ws"
     prepare = tmp_path / "prepare.yaml"
@@ -157,6 +158,22 @@ def test_the_next_run_crashes_the_flow_runs_of_a_killed_process_and_stops_its_pr
         ("prepare", "COMPLETED", None, {"COMPLETED"}),
     ]
     assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
+    assert not list(records.glob("*.json"))
+
+    # Ctrl-C in a terminal: SIGINT to the whole process group, so Prefect's temporary server stops too and its
+    # client would retry it for minutes; the CLI exits within its grace period instead
+    again = alignflow(workspace, "run", "sft", "--config", str(tmp_path / "sft.yaml"), stderr=subprocess.PIPE,
+                      start_new_session=True)
+    while "step " not in again.stderr.readline():
+        assert again.poll() is None
+    interrupted = time.monotonic()
+    os.killpg(again.pid, signal.SIGINT)
+    assert again.wait(timeout=120) == 130
+    assert time.monotonic() - interrupted < 30
+    again.stderr.close()
+    assert alignflow(workspace, "run", "prepare", "--config", str(prepare)).wait(timeout=300) == 0
+    assert [(name, state) for name, state, _, _ in prefect_flow_runs(workspace)][-2:] == [
+        ("sft", "CRASHED"), ("prepare", "COMPLETED")]
     assert not list(records.glob("*.json"))
 
 
