@@ -119,23 +119,42 @@ def validate_config(model: type[M], data: object, origin: str = "config") -> M:
         raise ConfigError(format_validation_error(exc, origin, model)) from None
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key repeated in one mapping (PyYAML keeps the last one silently, so a second
-    `dpo:` section would replace the first). Keys merged in with `<<: *anchor` may still be overridden."""
-
-    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
-        if isinstance(node, yaml.MappingNode):
-            first_lines = {}
-            for key_node, _ in node.value:  # the mapping's own keys, before flatten_mapping adds merged ones
+def _refuse_repeated_keys(root: yaml.Node | None) -> None:
+    """A key repeated among one mapping's own keys is a YAML error (PyYAML keeps the last one silently, so a second
+    `dpo:` section would replace the first). Checked on the composed document, before construction: merging an
+    anchor (`<<: *defaults`) rewrites the anchored mapping in place, so a key it merged in and then overrides
+    would look repeated there. Merge keys are not own keys, so a mapping may override what it merged."""
+    stack, seen = [root] if root is not None else [], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:  # an alias: checked where it was anchored
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            first_lines: dict[tuple[str, str], int] = {}
+            for key_node, value_node in node.value:
+                stack.append(value_node)
                 if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
                     continue
-                key = self.construct_object(key_node)
+                key = (key_node.tag, key_node.value)
                 if key in first_lines:
                     raise yaml.constructor.ConstructorError(
                         "while constructing a mapping", node.start_mark,
-                        f"repeated key {key!r} (first at line {first_lines[key]})", key_node.start_mark)
+                        f"repeated key {key_node.value!r} (first at line {first_lines[key]})", key_node.start_mark)
                 first_lines[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
+
+
+def _safe_load_unique(text: str) -> object:
+    """yaml.safe_load, refusing repeated keys (_refuse_repeated_keys)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        _refuse_repeated_keys(root)
+        return loader.construct_document(root) if root is not None else None
+    finally:
+        loader.dispose()
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -145,7 +164,7 @@ def load_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        data = _safe_load_unique(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     except yaml.YAMLError as exc:

@@ -220,6 +220,9 @@ def test_merge_keys_still_let_a_mapping_override_what_it_merged(tmp_path):
     data = load_yaml(path)
     assert data["sft"] == {"max_steps": 7, "lr": 0.01, "model_path": "from:base"}
     assert data["rm"] == {"max_steps": 5, "lr": 0.01, "model_path": "from:sft"}
+    nested = tmp_path / "nested.yaml"  # an anchor that itself overrides a merged key, merged before it is built
+    nested.write_text("defaults:\n  train: &train\n    <<: {lr: 1.0, epochs: 1}\n    lr: 2.0\nsft:\n  <<: *train\n")
+    assert load_yaml(nested) == {"defaults": {"train": {"lr": 2.0, "epochs": 1}}, "sft": {"lr": 2.0, "epochs": 1}}
 
 
 def test_a_missing_ingest_file_is_reported_when_the_preset_loads(tmp_path):
