@@ -25,7 +25,7 @@ from prefect.runtime import flow_run
 from prefect.settings import get_current_settings
 from prefect.states import Crashed
 
-from pipeline_lib.workspace import Workspace, host_id, workspace_lock
+from pipeline_lib.workspace import Workspace, host_id, process_alive, workspace_lock
 from tasks.common import current_workspace
 
 R = typing.TypeVar("R")
@@ -83,15 +83,6 @@ def _identity(process: psutil.Process) -> list:
     return [process.pid, process.create_time()]
 
 
-def _still_running(identity: list) -> bool:
-    pid, started = identity
-    try:  # start times are computed from the boot time, which the kernel may report a little differently later
-        process = psutil.Process(pid)
-        return abs(process.create_time() - started) < 1.0 and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _prefect_servers(process: psutil.Process) -> list[psutil.Process]:
     """The temporary Prefect API servers `process` started."""
     servers = []
@@ -142,7 +133,7 @@ def end_orphaned_flow_runs(workspace: Workspace) -> None:
             warnings.warn(f"{path}: unreadable flow-run record ({exc!r}); removed", RuntimeWarning, stacklevel=2)
             path.unlink(missing_ok=True)
             continue
-        if not ours or _still_running([pid, started]):
+        if not ours or process_alive(pid, started):
             continue  # another host's, another Prefect API's (ended from there), or still running
         try:
             _stop_servers(servers)
@@ -155,7 +146,7 @@ def end_orphaned_flow_runs(workspace: Workspace) -> None:
 
 def _stop_servers(servers: list) -> None:
     for identity in servers:
-        if _still_running(identity):
+        if process_alive(*identity):
             server = psutil.Process(identity[0])
             server.terminate()
             try:

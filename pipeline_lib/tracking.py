@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from pipeline_lib import alignflow_version
 from pipeline_lib.errors import first_line
 from pipeline_lib.logfns import LogFn, print_log
-from pipeline_lib.workspace import Workspace, host_id
+from pipeline_lib.workspace import Workspace, host_id, process_alive
 
 EXPERIMENT = "alignflow"
 PARENT_ENV = "ALIGNFLOW_PARENT_RUN_ID"  # set by the pipeline flow so stage runs nest under it
@@ -171,7 +171,8 @@ def _end_stale_runs(experiment_id: str) -> None:
     client = MlflowClient()
     for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'"):
         pid = run.data.tags.get("alignflow.pid")
-        if run.data.tags.get("alignflow.host") != host_id() or not pid or int(pid) == os.getpid() or _alive(int(pid)):
+        ours = run.data.tags.get("alignflow.host") == host_id()
+        if not ours or not pid or int(pid) == os.getpid() or process_alive(int(pid)):
             continue
         client.set_terminated(run.info.run_id, status="KILLED")
         client.set_tag(run.info.run_id, "alignflow.error", f"process {pid} ended without closing the run")
@@ -188,16 +189,6 @@ def _killed_run_to_resume(experiment_id: str, stage: str, params: Mapping[str, s
                                          filter_string=f"tags.`alignflow.resumes` = '{run.info.run_id}'")
             return None if resumed else run.info.run_id
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        pass
-    return True
 
 
 def _end_failed(exc: BaseException) -> None:

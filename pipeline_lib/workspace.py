@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from pipeline_lib.errors import AlignflowError
 
 # Offline/quiet defaults measured on these machines (ENVIRONMENT.md): without HF_HUB_OFFLINE a
@@ -91,6 +93,18 @@ def host_id() -> str:
     except OSError:  # no /proc (macOS)
         return socket.gethostname()
     return f"{socket.gethostname()} {namespace}"
+
+
+def process_alive(pid: int, started: float | None = None) -> bool:
+    """Whether process `pid` on this host runs (a zombie, exited but not reaped, does not); with `started` (its
+    psutil create_time), only if it is that same process and not a later one the system gave its pid to."""
+    try:
+        process = psutil.Process(pid)
+        # start times are computed from the boot time, which the kernel may report a little differently later
+        same = started is None or abs(process.create_time() - started) < 1.0
+        return same and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def apply_environment(workspace: Workspace) -> Workspace:

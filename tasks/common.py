@@ -47,23 +47,15 @@ def artifact_key(*names: str) -> str:
 
 
 def retry_on_io(task, task_run, state) -> bool:
-    """Retry transient I/O failures only: a user error (bad file, bad config) fails at once."""
-    try:
-        state.result()
-    except AlignflowError as exc:
-        return "in use by another" in str(exc)  # the store is briefly locked by another process
-    except Exception:
-        return True
-    return False
-
-
-def retry_on_server_or_io(task, task_run, state) -> bool:
-    """retry_on_io, and a vLLM server that went away or failed on its side (VLLMServerError.transient); a 4xx
-    answer (a prompt over the model's context) or a config error would fail the same way again."""
+    """Retry transient failures only: I/O, a store briefly locked by another process, a vLLM server that went
+    away or failed on its side (VLLMServerError.transient). A user error (bad file, bad config) or a request the
+    server refused (4xx: a prompt over the model's context) would fail the same way again."""
     try:
         state.result()
     except VLLMServerError as exc:
         return exc.transient
-    except BaseException:  # noqa: BLE001 - the I/O rule decides
-        return retry_on_io(task, task_run, state)
+    except AlignflowError as exc:
+        return "in use by another" in str(exc)  # the store is briefly locked by another process
+    except Exception:
+        return True
     return False

@@ -12,7 +12,7 @@ from pipeline_lib import tracking
 from pipeline_lib.config import EvalConfig
 from pipeline_lib.evaluation import plot_curves, plot_histograms, run_eval_stage
 from pipeline_lib.store.db import open_store
-from tasks.common import CACHED, artifact_key, current_workspace, retry_on_server_or_io, run_tags
+from tasks.common import CACHED, artifact_key, current_workspace, retry_on_io, run_tags
 
 
 def model_label(cfg: EvalConfig) -> str:
@@ -27,7 +27,7 @@ def model_label(cfg: EvalConfig) -> str:
 
 # cached on the config and the inputs (the problems, the model's content); retries: sampling resumes where a
 # failed try stopped
-@task(name="evaluate", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_on_server_or_io, **CACHED)
+@task(name="evaluate", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_on_io, **CACHED)
 def eval_task(cfg: EvalConfig, inputs_fingerprint: str) -> list[dict]:
     workspace = current_workspace()
     name = model_label(cfg)

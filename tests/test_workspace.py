@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 
 import duckdb
+import psutil
 import pytest
 import yaml
 
 from pipeline_lib.store.db import TABLE_KEYS, TABLES, open_store
-from pipeline_lib.workspace import WorkspaceLockedError, workspace_lock
+from pipeline_lib.workspace import WorkspaceLockedError, process_alive, workspace_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "data" / "demo"
@@ -143,3 +144,14 @@ def test_second_pipeline_run_on_a_busy_workspace_fails_at_once_and_the_store_sta
     stats = subprocess.run([sys.executable, "-m", "flows.cli", "data", "stats"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=120)
     assert stats.returncode == 0 and "samples" in stats.stdout, stats.stderr  # the workspace is free again
+
+
+def test_a_zombie_or_a_reused_pid_is_not_the_recorded_process():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    identity = [child.pid, psutil.Process(child.pid).create_time()]
+    while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:  # exited, not reaped yet by its parent
+        pass
+    assert not process_alive(*identity)
+    child.wait()
+    me = psutil.Process()
+    assert process_alive(me.pid, me.create_time()) and not process_alive(me.pid, me.create_time() - 60)
