@@ -1,6 +1,6 @@
 """In-process sampling with transformers `generate`: one batched, KV-cached, left-padded call per request, n samples
-per prompt drawn from one prompt pass (its cache copied n times), seeded without disturbing the caller's RNG;
-CPU or CUDA."""
+per prompt drawn from one prompt pass (its cache copied n times into buffers that decode steps write in place),
+seeded without disturbing the caller's RNG; CPU or CUDA."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import Cache, DynamicLayer
 
 from pipeline_lib.models.logprobs import position_ids_from_mask
 from pipeline_lib.sampling.base import Completion, SamplingError, check_sampling_args
@@ -62,19 +63,26 @@ class HFSampler:
             kwargs.update(stop_strings=list(stop), tokenizer=self.tokenizer)
         return kwargs
 
-    def _inputs_with_prompt_cache(self, batch, n: int) -> dict:
+    def _inputs_with_prompt_cache(self, batch, n: int, max_new_tokens: int) -> dict:
         """generate() inputs for n samples of each prompt. `num_return_sequences=n` would copy every prompt n
         times and run each copy; here the prompts but their last token run once, their KV cache is copied n
         times, and generate starts from it. Rows come out in the same order (p0 x n, p1 x n, ...) and draw
-        the same random numbers, so a seed gives the samples num_return_sequences gives."""
+        the same random numbers, so a seed gives the samples num_return_sequences gives.
+
+        The copies go into growing buffers (`_ReservedLayer`), so a decode step writes its keys/values in place
+        instead of concatenating every cached one into a new tensor."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        if n == 1 or ids.shape[1] < 2:
+        if ids.shape[1] < 2:
             return {**batch, "num_return_sequences": n}
         cache = DynamicCache(config=self.model.config)
         head, head_mask = ids[:, :-1], mask[:, :-1]  # (B, P-1)
         self.model(input_ids=head, attention_mask=head_mask, position_ids=position_ids_from_mask(head_mask),
                    cache=cache, use_cache=True, logits_to_keep=1)
-        cache.batch_repeat_interleave(n)
+        if all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers):
+            # generate feeds the last prompt token, then max_new_tokens - 1 sampled ones
+            cache = Cache(layers=[_ReservedLayer(layer, n, room=max_new_tokens) for layer in cache.layers])
+        else:  # sliding-window or other layer kinds: their own copy
+            cache.batch_repeat_interleave(n)
         return {"input_ids": ids.repeat_interleave(n, dim=0), "attention_mask": mask.repeat_interleave(n, dim=0),
                 "cache": cache, "num_return_sequences": 1}
 
@@ -114,7 +122,7 @@ class HFSampler:
                 torch.manual_seed(seed)
             out = self.model.generate(
                 # greedy rejects num_return_sequences > 1: decode once, copy below
-                **self._inputs_with_prompt_cache(batch, n if temperature > 0 else 1),
+                **self._inputs_with_prompt_cache(batch, n if temperature > 0 else 1, max_new_tokens),
                 max_new_tokens=max_new_tokens,
                 use_cache=True,
                 return_dict_in_generate=True,
@@ -155,6 +163,49 @@ class HFSampler:
             if any(s in text for s in stop):
                 return k
         return None
+
+
+class _ReservedLayer(DynamicLayer):
+    """A prefilled `DynamicLayer` copied n times (rows p0 x n, p1 x n, ...) into buffers that grow by doubling, up
+    to its length + `room` positions.
+
+    `update` writes new keys/values into the buffers and returns views of the filled part: `DynamicLayer`
+    concatenates the whole cache into new tensors at every decode step, traffic quadratic in the length; here it
+    is linear, and memory stays within twice the filled part (no allocation for a room generation never uses).
+    Should generate replace `keys` (a batch reorder), `update` falls back to concatenation."""
+
+    def __init__(self, prefilled: DynamicLayer, n: int, *, room: int):
+        super().__init__()
+        keys, values = prefilled.keys, prefilled.values  # (B, H, L, D)
+        rows, heads, length = keys.shape[:3]
+        self._limit = length + room
+        capacity = min(self._limit, 2 * length)
+        self._key_buffer = keys.new_empty((rows * n, heads, capacity, keys.shape[-1]))
+        self._value_buffer = values.new_empty((rows * n, heads, capacity, values.shape[-1]))
+        for buffer, prefix in ((self._key_buffer, keys), (self._value_buffer, values)):
+            buffer.view(rows, n, *buffer.shape[1:])[:, :, :, :length] = prefix.unsqueeze(1)  # n copies per row
+        self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+        self.device, self.is_initialized = keys.device, True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if self.keys.data_ptr() != self._key_buffer.data_ptr() or self.keys.shape[0] != self._key_buffer.shape[0]:
+            return super().update(key_states, value_states, *args, **kwargs)
+        start = self.keys.shape[-2]
+        end = start + key_states.shape[-2]
+        if end > self._key_buffer.shape[-2]:
+            self._grow(start, capacity=max(end, min(self._limit, 2 * self._key_buffer.shape[-2])))
+        self._key_buffer[:, :, start:end] = key_states
+        self._value_buffer[:, :, start:end] = value_states
+        self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def _grow(self, filled: int, *, capacity: int) -> None:
+        """New buffers of `capacity` positions holding the first `filled` ones of the old."""
+        for name in ("_key_buffer", "_value_buffer"):
+            old = getattr(self, name)
+            new = old.new_empty((*old.shape[:2], capacity, old.shape[-1]))
+            new[:, :, :filled] = old[:, :, :filled]
+            setattr(self, name, new)
 
 
 def _chosen_logprobs(step_logits: tuple[Tensor, ...], generated: Tensor) -> Tensor:

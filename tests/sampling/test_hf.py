@@ -8,7 +8,9 @@ import torch
 
 from pipeline_lib.models import load_tokenizer
 from pipeline_lib.sampling.base import Completion, SamplingError
-from pipeline_lib.sampling.hf import HFSampler
+from transformers.cache_utils import DynamicLayer
+
+from pipeline_lib.sampling.hf import HFSampler, _ReservedLayer
 
 PROMPTS = ["12+34=", "5+6=", "97+70="]  # different lengths: exercises left padding
 
@@ -61,6 +63,42 @@ def test_prompt_cache_draws_the_samples_of_num_return_sequences(hf_sampler):
                                **hf_sampler._generation_kwargs(1.0, 1.0, ()))[:, batch["input_ids"].shape[1]:]
     for row, completion in enumerate(c for group in out for c in group):
         assert completion.token_ids == plain[row, :completion.n_tokens].tolist()
+
+
+def test_one_sample_per_prompt_draws_the_samples_of_plain_generate(hf_sampler):
+    """n = 1 also starts from the prefilled prompt cache (in buffers with room for the generation)."""
+    model, tok = hf_sampler.model, hf_sampler.tokenizer
+    out = hf_sampler.generate(PROMPTS, n=1, max_new_tokens=8, seed=4, logprobs=True)
+    batch = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    with torch.random.fork_rng(devices=[]), torch.inference_mode():
+        torch.manual_seed(4)
+        plain = model.generate(**batch, max_new_tokens=8, use_cache=True,
+                               **hf_sampler._generation_kwargs(1.0, 1.0, ()))[:, batch["input_ids"].shape[1]:]
+    for row, (completion,) in enumerate(out):
+        assert completion.token_ids == plain[row, :completion.n_tokens].tolist()
+
+
+def test_reserved_cache_layer_writes_in_place_grows_and_falls_back_to_concatenation():
+    prefilled = DynamicLayer()
+    keys, values = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5)
+    prefilled.update(keys, values)
+    layer = _ReservedLayer(prefilled, 2, room=6)
+    expected_keys, expected_values = keys.repeat_interleave(2, dim=0), values.repeat_interleave(2, dim=0)
+    assert torch.equal(layer.keys, expected_keys) and layer._key_buffer.shape[2] == 8  # twice the prompt
+    for step in range(6):
+        new_keys, new_values = torch.randn(4, 3, 1, 5), torch.randn(4, 3, 1, 5)
+        got_keys, got_values = layer.update(new_keys, new_values)
+        expected_keys = torch.cat([expected_keys, new_keys], dim=2)
+        expected_values = torch.cat([expected_values, new_values], dim=2)
+        assert torch.equal(got_keys, expected_keys) and torch.equal(got_values, expected_values)
+        assert got_keys.data_ptr() == layer._key_buffer.data_ptr()  # a view of the buffer, written in place
+        assert layer._key_buffer.shape[2] == (8 if step < 4 else 10)  # grown once, to the limit 4 + 6
+    got_keys, _ = layer.update(new_keys, new_values)  # past the room: grows to what is needed
+    assert got_keys.shape[2] == 11 and torch.equal(got_keys[:, :, -1:], new_keys)
+    layer.batch_select_indices(torch.tensor([3, 0]))  # generate reordering rows: no longer the buffer
+    got_keys, _ = layer.update(new_keys[:2], new_values[:2])  # concatenates
+    assert got_keys.shape == (2, 3, 12, 5) and torch.equal(got_keys[:, :, -1:], new_keys[:2])
+    assert torch.equal(got_keys[:, :, :4], keys[[1, 0]])
 
 
 def _greedy_reference(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
