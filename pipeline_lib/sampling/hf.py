@@ -4,13 +4,17 @@ seeded without disturbing the caller's RNG; CPU or CUDA."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from pipeline_lib.models.logprobs import position_ids_from_mask
 from pipeline_lib.sampling.base import Completion, SamplingError, check_sampling_args
@@ -63,28 +67,41 @@ class HFSampler:
             kwargs.update(stop_strings=list(stop), tokenizer=self.tokenizer)
         return kwargs
 
-    def _inputs_with_prompt_cache(self, batch, n: int, max_new_tokens: int) -> dict:
-        """generate() inputs for n samples of each prompt. `num_return_sequences=n` would copy every prompt n
-        times and run each copy; here the prompts but their last token run once, their KV cache is copied n
-        times, and generate starts from it. Rows come out in the same order (p0 x n, p1 x n, ...) and draw
-        the same random numbers, so a seed gives the samples num_return_sequences gives.
+    def _inputs_with_prompt_cache(self, batch, n: int, max_new_tokens: int) -> tuple[dict, bool]:
+        """generate() inputs for n samples of each prompt, and whether they need shared-prefix attention.
 
-        The copies go into growing buffers (`_ReservedLayer`), so a decode step writes its keys/values in place
-        instead of concatenating every cached one into a new tensor."""
+        `num_return_sequences=n` would copy every prompt n times and run each copy; here the prompts but their
+        last token run once and generate starts from their KV cache. Rows come out in the same order (p0 x n,
+        p1 x n, ...) and draw the same random numbers, so a seed gives the samples num_return_sequences gives.
+        Decode steps write their keys/values into growing buffers instead of concatenating the whole cache into
+        a new tensor at every step. On CPU, where a decode step's attention costs the reading of the cache, the
+        n rows of a prompt read its one cached prefix (`_SharedPrefixLayer`, `shared_prefix_attention`);
+        elsewhere, or for a model outside transformers' attention interface, each row gets its own copy
+        (`_ReservedLayer`)."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
         if ids.shape[1] < 2:
-            return {**batch, "num_return_sequences": n}
+            return {**batch, "num_return_sequences": n}, False
         cache = DynamicCache(config=self.model.config)
         head, head_mask = ids[:, :-1], mask[:, :-1]  # (B, P-1)
         self.model(input_ids=head, attention_mask=head_mask, position_ids=position_ids_from_mask(head_mask),
                    cache=cache, use_cache=True, logits_to_keep=1)
+        shared = False
         if all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers):
             # generate feeds the last prompt token, then max_new_tokens - 1 sampled ones
-            cache = Cache(layers=[_ReservedLayer(layer, n, room=max_new_tokens) for layer in cache.layers])
+            shared = n > 1 and self._can_share_prefix()
+            layer_kind = _SharedPrefixLayer if shared else _ReservedLayer
+            cache = Cache(layers=[layer_kind(layer, n, room=max_new_tokens) for layer in cache.layers])
         else:  # sliding-window or other layer kinds: their own copy
             cache.batch_repeat_interleave(n)
-        return {"input_ids": ids.repeat_interleave(n, dim=0), "attention_mask": mask.repeat_interleave(n, dim=0),
-                "cache": cache, "num_return_sequences": 1}
+        inputs = {"input_ids": ids.repeat_interleave(n, dim=0), "attention_mask": mask.repeat_interleave(n, dim=0),
+                  "cache": cache, "num_return_sequences": 1}
+        return inputs, shared
+
+    def _can_share_prefix(self) -> bool:
+        config = self.model.config
+        return (self.model.device.type == "cpu" and config._attn_implementation in ("sdpa", "eager")
+                and getattr(config, "attn_logit_softcapping", None) is None
+                and self.model._can_set_attn_implementation())
 
     @torch.inference_mode()
     def generate(
@@ -120,15 +137,17 @@ class HFSampler:
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)
-            out = self.model.generate(
-                # greedy rejects num_return_sequences > 1: decode once, copy below
-                **self._inputs_with_prompt_cache(batch, n if temperature > 0 else 1, max_new_tokens),
-                max_new_tokens=max_new_tokens,
-                use_cache=True,
-                return_dict_in_generate=True,
-                output_logits=logprobs,
-                **self._generation_kwargs(temperature, top_p, stop),
-            )
+            # greedy rejects num_return_sequences > 1: decode once, copy below
+            inputs, shared = self._inputs_with_prompt_cache(batch, n if temperature > 0 else 1, max_new_tokens)
+            with shared_prefix_attention(self.model) if shared else nullcontext():
+                out = self.model.generate(
+                    **inputs,
+                    max_new_tokens=max_new_tokens,
+                    use_cache=True,
+                    return_dict_in_generate=True,
+                    output_logits=logprobs,
+                    **self._generation_kwargs(temperature, top_p, stop),
+                )
         generated = out.sequences[:, prompt_len:]  # (B*n, T) rows grouped by prompt: p0 x n, p1 x n, ...
         token_logps = _chosen_logprobs(out.logits, generated) if logprobs else None  # (B*n, T)
         generated = generated.cpu()  # one device sync, not one per row
@@ -206,6 +225,97 @@ class _ReservedLayer(DynamicLayer):
             new = old.new_empty((*old.shape[:2], capacity, old.shape[-1]))
             new[:, :, :filled] = old[:, :, :filled]
             setattr(self, name, new)
+
+
+class _SharedPrefixLayer(_ReservedLayer):
+    """A prefilled `DynamicLayer` kept once for n rows each: rows p0 x n, p1 x n, ... share their prompt's cached
+    prefix, and only the keys/values after it are per row (in growing buffers).
+
+    `update` returns the per-row part, so the model must attend through `shared_prefix_attention`, which reads
+    the prefix this layer publishes right before its attention call."""
+
+    def __init__(self, prefilled: DynamicLayer, n: int, *, room: int):
+        self.prefix_keys, self.prefix_values = prefilled.keys, prefilled.values  # (B, H, L, D)
+        empty = DynamicLayer()
+        empty.update(prefilled.keys[:, :, :0], prefilled.values[:, :, :0])
+        super().__init__(empty, n, room=room)
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        _current_prefix.set((self.prefix_keys, self.prefix_values))
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self) -> int:
+        return self.prefix_keys.shape[-2] + self.keys.shape[-2]
+
+    def _refuse(self, *args, **kwargs):
+        raise NotImplementedError("shared-prefix cache: rows cannot be reordered, repeated or cropped")
+
+    batch_select_indices = batch_repeat_interleave = crop = reorder_cache = _refuse
+
+
+SHARED_PREFIX_ATTENTION = "alignflow_shared_prefix"
+_current_prefix: ContextVar[tuple[Tensor, Tensor] | None] = ContextVar("alignflow_current_prefix", default=None)
+
+
+def _shared_prefix_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                                     attention_mask: Tensor | None, dropout: float = 0.0,
+                                     scaling: float | None = None, **kwargs) -> tuple[Tensor, None]:
+    """Attention of rows r = u * n + j (sample j of prompt u) over [prompt u's cached prefix, row r's own keys].
+
+    query (N, H, q, D); key/value (N, Hkv, t, D), the row's own part; the prefix (U, Hkv, L, D) comes from the
+    cache layer updated just before. Scores against the prefix are one matmul per prompt for its n x H/Hkv
+    queries, so the prefix is read once per prompt instead of once per row; the softmax runs over both parts
+    together (float32); attention_mask (N, 1, q, L + t) is transformers' sdpa mask (True = attend) or None.
+    Outside a shared-prefix generation, or with options this does not implement, it is sdpa on full rows."""
+    prefix = _current_prefix.get()
+    if prefix is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    prefix_keys, prefix_values = prefix
+    rows, heads, q_len, dim = query.shape
+    prompts, kv_heads, prefix_len = prefix_keys.shape[:3]
+    n, groups, own_len = rows // prompts, heads // kv_heads, key.shape[2]
+    unsupported = dropout > 0 or any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "sliding_window"))
+    if unsupported or (attention_mask is not None and attention_mask.dtype != torch.bool):
+        full_keys = torch.cat([prefix_keys.repeat_interleave(n, dim=0), key], dim=2)
+        full_values = torch.cat([prefix_values.repeat_interleave(n, dim=0), value], dim=2)
+        return sdpa_attention_forward(module, query, full_keys, full_values, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    scaling = dim ** -0.5 if scaling is None else scaling
+    # (U, n, Hkv, G, q, D) -> (U, Hkv, n G q, D): a prompt's queries against its prefix in one matmul
+    by_prompt = query.reshape(prompts, n, kv_heads, groups, q_len, dim).transpose(1, 2)
+    by_prompt = by_prompt.reshape(prompts, kv_heads, n * groups * q_len, dim)
+    prefix_scores = (by_prompt @ prefix_keys.transpose(-1, -2)).view(prompts, kv_heads, n, groups, q_len, prefix_len)
+    prefix_scores = prefix_scores.transpose(1, 2).reshape(rows, heads, q_len, prefix_len)
+    own_scores = query.reshape(rows, kv_heads, groups * q_len, dim) @ key.transpose(-1, -2)
+    scores = torch.cat([prefix_scores, own_scores.view(rows, heads, q_len, own_len)], dim=-1).float() * scaling
+    if attention_mask is None:  # no padding: causal among the row's own positions (the prefix precedes them)
+        attention_mask = torch.ones(q_len, prefix_len + own_len, dtype=torch.bool, device=query.device)
+        attention_mask[:, prefix_len:] = torch.ones(q_len, own_len, dtype=torch.bool,
+                                                    device=query.device).tril(own_len - q_len)
+    probs = torch.softmax(scores.masked_fill(~attention_mask, float("-inf")), dim=-1).to(value.dtype)
+    prefix_probs = probs[..., :prefix_len].reshape(prompts, n, kv_heads, groups * q_len, prefix_len).transpose(1, 2)
+    prefix_out = prefix_probs.reshape(prompts, kv_heads, n * groups * q_len, prefix_len) @ prefix_values
+    prefix_out = prefix_out.view(prompts, kv_heads, n, groups * q_len, dim).transpose(1, 2)
+    own_out = probs[..., prefix_len:].reshape(rows, kv_heads, groups * q_len, own_len) @ value
+    out = (prefix_out.reshape(rows, kv_heads, groups * q_len, dim) + own_out).view(rows, heads, q_len, dim)
+    return out.transpose(1, 2).contiguous(), None  # (N, q, H, D), as transformers' attention functions return
+
+
+AttentionInterface.register(SHARED_PREFIX_ATTENTION, _shared_prefix_attention_forward)
+AttentionMaskInterface.register(SHARED_PREFIX_ATTENTION, sdpa_mask)
+
+
+@contextmanager
+def shared_prefix_attention(model: PreTrainedModel) -> Iterator[None]:
+    """`model` attends through `_shared_prefix_attention_forward` inside the block, then as before."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(SHARED_PREFIX_ATTENTION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        _current_prefix.set(None)
 
 
 def _chosen_logprobs(step_logits: tuple[Tensor, ...], generated: Tensor) -> Tensor:

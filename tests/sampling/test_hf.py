@@ -8,8 +8,11 @@ import torch
 
 from pipeline_lib.models import load_tokenizer
 from pipeline_lib.sampling.base import Completion, SamplingError
+from transformers import AttentionInterface
 from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from pipeline_lib.sampling import hf as hf_module
 from pipeline_lib.sampling.hf import HFSampler, _ReservedLayer
 
 PROMPTS = ["12+34=", "5+6=", "97+70="]  # different lengths: exercises left padding
@@ -99,6 +102,55 @@ def test_reserved_cache_layer_writes_in_place_grows_and_falls_back_to_concatenat
     got_keys, _ = layer.update(new_keys[:2], new_values[:2])  # concatenates
     assert got_keys.shape == (2, 3, 12, 5) and torch.equal(got_keys[:, :, -1:], new_keys[:2])
     assert torch.equal(got_keys[:, :, :4], keys[[1, 0]])
+
+
+@pytest.mark.parametrize("heads, kv_heads, q_len, padded", [(4, 4, 1, True), (4, 2, 1, False), (6, 2, 3, True),
+                                                           (2, 1, 2, False)])
+def test_shared_prefix_attention_equals_sdpa_on_rows_holding_their_own_prefix_copy(heads, kv_heads, q_len, padded):
+    """Rows u * n + j (sample j of prompt u) attending to [prompt u's prefix, own keys] through one prefix per
+    prompt give sdpa's output on full rows; grouped-query heads, several queries (causal among the row's own
+    positions when there is no mask) and left-padded prefixes included."""
+    prompts, n, prefix_len, own_len, dim = 3, 4, 5, 4, 8
+    torch.manual_seed(0)
+    prefix_keys, prefix_values = torch.randn(2, prompts, kv_heads, prefix_len, dim).unbind(0)
+    keys, values = torch.randn(2, prompts * n, kv_heads, own_len, dim).unbind(0)
+    # transformers hands attention a transposed (N, q, H, D) projection: a non-contiguous query
+    query = torch.randn(prompts * n, q_len, heads, dim).transpose(1, 2)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+    allowed = torch.ones(prompts * n, 1, q_len, prefix_len + own_len, dtype=torch.bool)
+    allowed[:, :, :, prefix_len:] = torch.ones(q_len, own_len, dtype=torch.bool).tril(own_len - q_len)
+    if padded:
+        allowed[:n, :, :, :2] = False  # prompt 0 is left-padded by two positions
+    expected, _ = sdpa_attention_forward(
+        module, query, torch.cat([prefix_keys.repeat_interleave(n, dim=0), keys], dim=2),
+        torch.cat([prefix_values.repeat_interleave(n, dim=0), values], dim=2), allowed)
+    token = hf_module._current_prefix.set((prefix_keys, prefix_values))
+    try:  # without padding transformers passes no mask
+        got, _ = hf_module._shared_prefix_attention_forward(module, query, keys, values, allowed if padded else None)
+    finally:
+        hf_module._current_prefix.reset(token)
+    assert got.shape == expected.shape == (prompts * n, q_len, heads, dim)
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_shared_prefix_sampling_is_used_on_cpu_and_the_model_attends_as_before_afterwards(hf_sampler):
+    model = hf_sampler.model
+    before = model.config._attn_implementation
+    calls = []
+
+    def counting(module, query, *args, **kwargs):
+        calls.append(hf_module._current_prefix.get() is not None)
+        return hf_module._shared_prefix_attention_forward(module, query, *args, **kwargs)
+
+    AttentionInterface.register(hf_module.SHARED_PREFIX_ATTENTION, counting)
+    try:
+        hf_sampler.generate(PROMPTS, n=2, max_new_tokens=3, seed=0)
+    finally:
+        AttentionInterface.register(hf_module.SHARED_PREFIX_ATTENTION, hf_module._shared_prefix_attention_forward)
+    assert calls and all(calls)  # every decode-step attention read the shared prefix
+    assert model.config._attn_implementation == before
+    assert hf_module._current_prefix.get() is None
 
 
 def _greedy_reference(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
