@@ -67,41 +67,44 @@ class HFSampler:
             kwargs.update(stop_strings=list(stop), tokenizer=self.tokenizer)
         return kwargs
 
-    def _inputs_with_prompt_cache(self, batch, n: int, max_new_tokens: int) -> tuple[dict, bool]:
-        """generate() inputs for n samples of each prompt, and whether they need shared-prefix attention.
+    def _inputs_with_prompt_cache(self, batch, n: int, max_new_tokens: int, *, share: bool) -> dict:
+        """generate() inputs for n samples of each prompt.
 
         `num_return_sequences=n` would copy every prompt n times and run each copy; here the prompts but their
         last token run once and generate starts from their KV cache. Rows come out in the same order (p0 x n,
         p1 x n, ...) and draw the same random numbers, so a seed gives the samples num_return_sequences gives.
         Decode steps write their keys/values into growing buffers instead of concatenating the whole cache into
-        a new tensor at every step. On CPU, where a decode step's attention costs the reading of the cache, the
-        n rows of a prompt read its one cached prefix (`_SharedPrefixLayer`, `shared_prefix_attention`);
-        elsewhere, or for a model outside transformers' attention interface, each row gets its own copy
-        (`_ReservedLayer`)."""
+        a new tensor at every step. With `share` (inside `shared_prefix_attention`), when the prompt pass shows
+        that every layer attends to exactly the keys/values it caches, the n rows of a prompt read its one
+        cached prefix (`_SharedPrefixLayer`); otherwise each row gets its own copy (`_ReservedLayer`)."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
         if ids.shape[1] < 2:
-            return {**batch, "num_return_sequences": n}, False
+            return {**batch, "num_return_sequences": n}
         cache = DynamicCache(config=self.model.config)
         head, head_mask = ids[:, :-1], mask[:, :-1]  # (B, P-1)
-        self.model(input_ids=head, attention_mask=head_mask, position_ids=position_ids_from_mask(head_mask),
-                   cache=cache, use_cache=True, logits_to_keep=1)
-        shared = False
+        calls: list[tuple[Tensor, Tensor, bool]] = []
+        token = _attention_calls.set(calls)
+        try:
+            self.model(input_ids=head, attention_mask=head_mask, position_ids=position_ids_from_mask(head_mask),
+                       cache=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            _attention_calls.reset(token)
         if all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers):
             # generate feeds the last prompt token, then max_new_tokens - 1 sampled ones
-            shared = n > 1 and self._can_share_prefix()
+            shared = share and _attends_to_its_cache(calls, cache)
             layer_kind = _SharedPrefixLayer if shared else _ReservedLayer
             cache = Cache(layers=[layer_kind(layer, n, room=max_new_tokens) for layer in cache.layers])
         else:  # sliding-window or other layer kinds: their own copy
             cache.batch_repeat_interleave(n)
-        inputs = {"input_ids": ids.repeat_interleave(n, dim=0), "attention_mask": mask.repeat_interleave(n, dim=0),
-                  "cache": cache, "num_return_sequences": 1}
-        return inputs, shared
+        return {"input_ids": ids.repeat_interleave(n, dim=0), "attention_mask": mask.repeat_interleave(n, dim=0),
+                "cache": cache, "num_return_sequences": 1}
 
     def _can_share_prefix(self) -> bool:
-        config = self.model.config
-        return (self.model.device.type == "cpu" and config._attn_implementation in ("sdpa", "eager")
-                and getattr(config, "attn_logit_softcapping", None) is None
-                and self.model._can_set_attn_implementation())
+        """Shared-prefix attention is exact where it replaces sdpa on a float32 CPU model of transformers'
+        attention interface (bfloat16 would round the prefix scores differently from sdpa)."""
+        model = self.model
+        return (model.device.type == "cpu" and model.dtype == torch.float32
+                and model.config._attn_implementation == "sdpa" and model._can_set_attn_implementation())
 
     @torch.inference_mode()
     def generate(
@@ -137,9 +140,10 @@ class HFSampler:
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)
-            # greedy rejects num_return_sequences > 1: decode once, copy below
-            inputs, shared = self._inputs_with_prompt_cache(batch, n if temperature > 0 else 1, max_new_tokens)
-            with shared_prefix_attention(self.model) if shared else nullcontext():
+            rows_per_prompt = n if temperature > 0 else 1  # greedy rejects num_return_sequences > 1: copy below
+            share = rows_per_prompt > 1 and self._can_share_prefix()
+            with shared_prefix_attention(self.model) if share else nullcontext():
+                inputs = self._inputs_with_prompt_cache(batch, rows_per_prompt, max_new_tokens, share=share)
                 out = self.model.generate(
                     **inputs,
                     max_new_tokens=max_new_tokens,
@@ -255,6 +259,18 @@ class _SharedPrefixLayer(_ReservedLayer):
 
 SHARED_PREFIX_ATTENTION = "alignflow_shared_prefix"
 _current_prefix: ContextVar[tuple[Tensor, Tensor] | None] = ContextVar("alignflow_current_prefix", default=None)
+_attention_calls: ContextVar[list[tuple[Tensor, Tensor, bool]] | None] = ContextVar("alignflow_attention_calls",
+                                                                                     default=None)
+_OPTIONS_NOT_SHARED = ("softcap", "s_aux", "sliding_window")
+
+
+def _attends_to_its_cache(calls: list[tuple[Tensor, Tensor, bool]], cache: DynamicCache) -> bool:
+    """Whether the prompt pass's attention calls, one per cache layer in order, each took the very keys/values
+    its layer caches, with no option the shared-prefix attention lacks. A model that caches something else (a
+    compressed latent it expands after the cache update, as DeepSeek's MLA does) fails this."""
+    return len(calls) == len(cache.layers) and all(
+        plain and keys is layer.keys and values is layer.values
+        for (keys, values, plain), layer in zip(calls, cache.layers))
 
 
 def _shared_prefix_attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -266,21 +282,18 @@ def _shared_prefix_attention_forward(module: torch.nn.Module, query: Tensor, key
     cache layer updated just before. Scores against the prefix are one matmul per prompt for its n x H/Hkv
     queries, so the prefix is read once per prompt instead of once per row; the softmax runs over both parts
     together (float32); attention_mask (N, 1, q, L + t) is transformers' sdpa mask (True = attend) or None.
-    Outside a shared-prefix generation, or with options this does not implement, it is sdpa on full rows."""
+    Outside a shared-prefix decode step it is sdpa, and records the call when a prompt pass is being checked
+    (`_attends_to_its_cache`)."""
     prefix = _current_prefix.get()
     if prefix is None:
+        if (calls := _attention_calls.get()) is not None:
+            calls.append((key, value, dropout == 0 and all(kwargs.get(name) is None for name in _OPTIONS_NOT_SHARED)))
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     prefix_keys, prefix_values = prefix
     rows, heads, q_len, dim = query.shape
     prompts, kv_heads, prefix_len = prefix_keys.shape[:3]
     n, groups, own_len = rows // prompts, heads // kv_heads, key.shape[2]
-    unsupported = dropout > 0 or any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "sliding_window"))
-    if unsupported or (attention_mask is not None and attention_mask.dtype != torch.bool):
-        full_keys = torch.cat([prefix_keys.repeat_interleave(n, dim=0), key], dim=2)
-        full_values = torch.cat([prefix_values.repeat_interleave(n, dim=0), value], dim=2)
-        return sdpa_attention_forward(module, query, full_keys, full_values, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
     scaling = dim ** -0.5 if scaling is None else scaling
     # (U, n, Hkv, G, q, D) -> (U, Hkv, n G q, D): a prompt's queries against its prefix in one matmul
     by_prompt = query.reshape(prompts, n, kv_heads, groups, q_len, dim).transpose(1, 2)
@@ -293,12 +306,14 @@ def _shared_prefix_attention_forward(module: torch.nn.Module, query: Tensor, key
         attention_mask = torch.ones(q_len, prefix_len + own_len, dtype=torch.bool, device=query.device)
         attention_mask[:, prefix_len:] = torch.ones(q_len, own_len, dtype=torch.bool,
                                                     device=query.device).tril(own_len - q_len)
-    probs = torch.softmax(scores.masked_fill(~attention_mask, float("-inf")), dim=-1).to(value.dtype)
+    scores = scores.masked_fill(~attention_mask, float("-inf")) if attention_mask.dtype == torch.bool \
+        else scores + attention_mask  # an additive mask
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
     prefix_probs = probs[..., :prefix_len].reshape(prompts, n, kv_heads, groups * q_len, prefix_len).transpose(1, 2)
     prefix_out = prefix_probs.reshape(prompts, kv_heads, n * groups * q_len, prefix_len) @ prefix_values
     prefix_out = prefix_out.view(prompts, kv_heads, n, groups * q_len, dim).transpose(1, 2)
     own_out = probs[..., prefix_len:].reshape(rows, kv_heads, groups * q_len, own_len) @ value
-    out = (prefix_out.reshape(rows, kv_heads, groups * q_len, dim) + own_out).view(rows, heads, q_len, dim)
+    out = (prefix_out.reshape(rows, kv_heads, groups * q_len, dim) + own_out).reshape(rows, heads, q_len, dim)
     return out.transpose(1, 2).contiguous(), None  # (N, q, H, D), as transformers' attention functions return
 
 

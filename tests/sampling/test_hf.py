@@ -8,7 +8,7 @@ import torch
 
 from pipeline_lib.models import load_tokenizer
 from pipeline_lib.sampling.base import Completion, SamplingError
-from transformers import AttentionInterface
+from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -104,13 +104,15 @@ def test_reserved_cache_layer_writes_in_place_grows_and_falls_back_to_concatenat
     assert torch.equal(got_keys[:, :, :4], keys[[1, 0]])
 
 
-@pytest.mark.parametrize("heads, kv_heads, q_len, padded", [(4, 4, 1, True), (4, 2, 1, False), (6, 2, 3, True),
-                                                           (2, 1, 2, False)])
-def test_shared_prefix_attention_equals_sdpa_on_rows_holding_their_own_prefix_copy(heads, kv_heads, q_len, padded):
+@pytest.mark.parametrize("prompts, heads, kv_heads, q_len, padded", [
+    (3, 4, 4, 1, True), (3, 4, 2, 1, False), (3, 6, 2, 3, True), (3, 2, 1, 2, False), (1, 4, 2, 1, False),
+    (1, 6, 2, 2, True)])
+def test_shared_prefix_attention_equals_sdpa_on_rows_holding_their_own_prefix_copy(prompts, heads, kv_heads, q_len,
+                                                                                   padded):
     """Rows u * n + j (sample j of prompt u) attending to [prompt u's prefix, own keys] through one prefix per
-    prompt give sdpa's output on full rows; grouped-query heads, several queries (causal among the row's own
-    positions when there is no mask) and left-padded prefixes included."""
-    prompts, n, prefix_len, own_len, dim = 3, 4, 5, 4, 8
+    prompt give sdpa's output on full rows; grouped-query heads, one prompt, several queries (causal among the
+    row's own positions when there is no mask) and left-padded prefixes included."""
+    n, prefix_len, own_len, dim = 4, 5, 4, 8
     torch.manual_seed(0)
     prefix_keys, prefix_values = torch.randn(2, prompts, kv_heads, prefix_len, dim).unbind(0)
     keys, values = torch.randn(2, prompts * n, kv_heads, own_len, dim).unbind(0)
@@ -134,6 +136,37 @@ def test_shared_prefix_attention_equals_sdpa_on_rows_holding_their_own_prefix_co
     assert torch.allclose(got, expected, atol=1e-5)
 
 
+def test_one_prompt_on_a_grouped_query_model_draws_the_samples_of_num_return_sequences(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    sampler = HFSampler(LlamaForCausalLM(config), tok)
+    out = sampler.generate(PROMPTS[:1], n=4, max_new_tokens=6, seed=3)
+    batch = tok(PROMPTS[:1], return_tensors="pt")
+    with torch.random.fork_rng(devices=[]), torch.inference_mode():
+        torch.manual_seed(3)
+        plain = sampler.model.generate(**batch, max_new_tokens=6, num_return_sequences=4, use_cache=True,
+                                       **sampler._generation_kwargs(1.0, 1.0, ()))[:, batch["input_ids"].shape[1]:]
+    for row, completion in enumerate(out[0]):
+        assert completion.token_ids == plain[row, :completion.n_tokens].tolist()
+
+
+def test_a_prompt_pass_that_attends_to_other_keys_than_it_caches_does_not_share_its_prefix():
+    layers = [DynamicLayer(), DynamicLayer()]
+    for layer in layers:
+        layer.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+    cache = DynamicCache()
+    cache.layers = layers
+    cached = [(layer.keys, layer.values, True) for layer in layers]
+    assert hf_module._attends_to_its_cache(cached, cache)
+    # e.g. a compressed latent cached, then expanded into the keys attention gets (DeepSeek's MLA)
+    assert not hf_module._attends_to_its_cache([cached[0], (layers[1].keys.clone(), layers[1].values, True)], cache)
+    assert not hf_module._attends_to_its_cache([cached[0], (layers[1].keys, layers[1].values, False)], cache)  # sinks
+    assert not hf_module._attends_to_its_cache(cached[:1], cache)
+
+
 def test_shared_prefix_sampling_is_used_on_cpu_and_the_model_attends_as_before_afterwards(hf_sampler):
     model = hf_sampler.model
     before = model.config._attn_implementation
@@ -148,7 +181,9 @@ def test_shared_prefix_sampling_is_used_on_cpu_and_the_model_attends_as_before_a
         hf_sampler.generate(PROMPTS, n=2, max_new_tokens=3, seed=0)
     finally:
         AttentionInterface.register(hf_module.SHARED_PREFIX_ATTENTION, hf_module._shared_prefix_attention_forward)
-    assert calls and all(calls)  # every decode-step attention read the shared prefix
+    layers = model.config.num_hidden_layers
+    # the prompt pass (checked, plain sdpa), then 3 decode steps whose every attention read the shared prefix
+    assert calls == [False] * layers + [True] * 3 * layers
     assert model.config._attn_implementation == before
     assert hf_module._current_prefix.get() is None
 
