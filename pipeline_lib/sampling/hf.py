@@ -93,7 +93,8 @@ class HFSampler:
             # generate feeds the last prompt token, then max_new_tokens - 1 sampled ones
             shared = share and _attends_to_its_cache(calls, cache)
             layer_kind = _SharedPrefixLayer if shared else _ReservedLayer
-            cache = Cache(layers=[layer_kind(layer, n, room=max_new_tokens) for layer in cache.layers])
+            cache = Cache(layers=[layer_kind(layer.keys, layer.values, n, room=max_new_tokens)
+                                  for layer in cache.layers])
         else:  # sliding-window or other layer kinds: their own copy
             cache.batch_repeat_interleave(n)
         return {"input_ids": ids.repeat_interleave(n, dim=0), "attention_mask": mask.repeat_interleave(n, dim=0),
@@ -189,18 +190,17 @@ class HFSampler:
 
 
 class _ReservedLayer(DynamicLayer):
-    """A prefilled `DynamicLayer` copied n times (rows p0 x n, p1 x n, ...) into buffers that grow by doubling, up
-    to its length + `room` positions.
+    """A layer's prefilled keys/values copied n times (rows p0 x n, p1 x n, ...) into buffers that grow by
+    doubling, up to their length + `room` positions.
 
     `update` writes new keys/values into the buffers and returns views of the filled part: `DynamicLayer`
     concatenates the whole cache into new tensors at every decode step, traffic quadratic in the length; here it
     is linear, and memory stays within twice the filled part (no allocation for a room generation never uses).
     Should generate replace `keys` (a batch reorder), `update` falls back to concatenation."""
 
-    def __init__(self, prefilled: DynamicLayer, n: int, *, room: int):
+    def __init__(self, keys: Tensor, values: Tensor, n: int, *, room: int):
         super().__init__()
-        keys, values = prefilled.keys, prefilled.values  # (B, H, L, D)
-        rows, heads, length = keys.shape[:3]
+        rows, heads, length = keys.shape[:3]  # (B, H, L, D)
         self._limit = length + room
         capacity = min(self._limit, 2 * length)
         self._key_buffer = keys.new_empty((rows * n, heads, capacity, keys.shape[-1]))
@@ -232,17 +232,15 @@ class _ReservedLayer(DynamicLayer):
 
 
 class _SharedPrefixLayer(_ReservedLayer):
-    """A prefilled `DynamicLayer` kept once for n rows each: rows p0 x n, p1 x n, ... share their prompt's cached
-    prefix, and only the keys/values after it are per row (in growing buffers).
+    """A layer's prefilled keys/values kept once for n rows each: rows p0 x n, p1 x n, ... share their prompt's
+    cached prefix, and only the keys/values after it are per row (in growing buffers, empty at first).
 
     `update` returns the per-row part, so the model must attend through `shared_prefix_attention`, which reads
     the prefix this layer publishes right before its attention call."""
 
-    def __init__(self, prefilled: DynamicLayer, n: int, *, room: int):
-        self.prefix_keys, self.prefix_values = prefilled.keys, prefilled.values  # (B, H, L, D)
-        empty = DynamicLayer()
-        empty.update(prefilled.keys[:, :, :0], prefilled.values[:, :, :0])
-        super().__init__(empty, n, room=room)
+    def __init__(self, keys: Tensor, values: Tensor, n: int, *, room: int):
+        super().__init__(keys[:, :, :0], values[:, :, :0], n, room=room)
+        self.prefix_keys, self.prefix_values = keys, values  # (B, H, L, D)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         _current_prefix.set((self.prefix_keys, self.prefix_values))

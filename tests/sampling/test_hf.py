@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline_lib.models import load_tokenizer
-from pipeline_lib.sampling.base import Completion, SamplingError
 from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from pipeline_lib.models import load_tokenizer
 from pipeline_lib.sampling import hf as hf_module
+from pipeline_lib.sampling.base import Completion, SamplingError
 from pipeline_lib.sampling.hf import HFSampler, _ReservedLayer
 
 PROMPTS = ["12+34=", "5+6=", "97+70="]  # different lengths: exercises left padding
@@ -54,38 +54,37 @@ def test_seeded_call_leaves_the_callers_rng_alone(hf_sampler):
     assert torch.equal(torch.rand(3), expected)
 
 
+def _plain_generate(sampler: HFSampler, prompts: list[str], *, n: int, max_new_tokens: int, seed: int) -> torch.Tensor:
+    """The generated ids (rows p0 x n, p1 x n, ...) of transformers' own generate with num_return_sequences=n
+    (every prompt copy run n times, DynamicCache) under the sampler's settings, seeded like the sampler."""
+    batch = sampler.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    with torch.random.fork_rng(devices=[]), torch.inference_mode():
+        torch.manual_seed(seed)
+        out = sampler.model.generate(**batch, max_new_tokens=max_new_tokens, num_return_sequences=n, use_cache=True,
+                                     **sampler._generation_kwargs(1.0, 1.0, ()))
+    return out[:, batch["input_ids"].shape[1]:]
+
+
 def test_prompt_cache_draws_the_samples_of_num_return_sequences(hf_sampler):
     """Each prompt runs once and its cache is copied n times; the same seed then draws exactly the tokens that
     generate's own num_return_sequences=n (every prompt copy run n times) draws."""
-    model, tok = hf_sampler.model, hf_sampler.tokenizer
     out = hf_sampler.generate(PROMPTS, n=4, max_new_tokens=6, seed=11)
-    batch = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
-    with torch.random.fork_rng(devices=[]), torch.inference_mode():
-        torch.manual_seed(11)
-        plain = model.generate(**batch, max_new_tokens=6, num_return_sequences=4, use_cache=True,
-                               **hf_sampler._generation_kwargs(1.0, 1.0, ()))[:, batch["input_ids"].shape[1]:]
+    plain = _plain_generate(hf_sampler, PROMPTS, n=4, max_new_tokens=6, seed=11)
     for row, completion in enumerate(c for group in out for c in group):
         assert completion.token_ids == plain[row, :completion.n_tokens].tolist()
 
 
 def test_one_sample_per_prompt_draws_the_samples_of_plain_generate(hf_sampler):
-    """n = 1 also starts from the prefilled prompt cache (in buffers with room for the generation)."""
-    model, tok = hf_sampler.model, hf_sampler.tokenizer
+    """n = 1 also starts from the prefilled prompt cache (in growing buffers)."""
     out = hf_sampler.generate(PROMPTS, n=1, max_new_tokens=8, seed=4, logprobs=True)
-    batch = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
-    with torch.random.fork_rng(devices=[]), torch.inference_mode():
-        torch.manual_seed(4)
-        plain = model.generate(**batch, max_new_tokens=8, use_cache=True,
-                               **hf_sampler._generation_kwargs(1.0, 1.0, ()))[:, batch["input_ids"].shape[1]:]
+    plain = _plain_generate(hf_sampler, PROMPTS, n=1, max_new_tokens=8, seed=4)
     for row, (completion,) in enumerate(out):
         assert completion.token_ids == plain[row, :completion.n_tokens].tolist()
 
 
 def test_reserved_cache_layer_writes_in_place_grows_and_falls_back_to_concatenation():
-    prefilled = DynamicLayer()
     keys, values = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5)
-    prefilled.update(keys, values)
-    layer = _ReservedLayer(prefilled, 2, room=6)
+    layer = _ReservedLayer(keys, values, 2, room=6)
     expected_keys, expected_values = keys.repeat_interleave(2, dim=0), values.repeat_interleave(2, dim=0)
     assert torch.equal(layer.keys, expected_keys) and layer._key_buffer.shape[2] == 8  # twice the prompt
     for step in range(6):
@@ -144,11 +143,7 @@ def test_one_prompt_on_a_grouped_query_model_draws_the_samples_of_num_return_seq
                          pad_token_id=tok.pad_token_id)
     sampler = HFSampler(LlamaForCausalLM(config), tok)
     out = sampler.generate(PROMPTS[:1], n=4, max_new_tokens=6, seed=3)
-    batch = tok(PROMPTS[:1], return_tensors="pt")
-    with torch.random.fork_rng(devices=[]), torch.inference_mode():
-        torch.manual_seed(3)
-        plain = sampler.model.generate(**batch, max_new_tokens=6, num_return_sequences=4, use_cache=True,
-                                       **sampler._generation_kwargs(1.0, 1.0, ()))[:, batch["input_ids"].shape[1]:]
+    plain = _plain_generate(sampler, PROMPTS[:1], n=4, max_new_tokens=6, seed=3)
     for row, completion in enumerate(out[0]):
         assert completion.token_ids == plain[row, :completion.n_tokens].tolist()
 
