@@ -153,7 +153,7 @@ def broken_server(behaviour: str) -> tuple[str, threading.Event]:
 
     def serve() -> None:
         connection, _ = listener.accept()
-        connection.recv(65536)
+        read_whole_request(connection)  # data left unread would make close() send a reset, not an end of stream
         if behaviour == "stall":
             release.wait(30)
         connection.close()
@@ -161,6 +161,18 @@ def broken_server(behaviour: str) -> tuple[str, threading.Event]:
 
     threading.Thread(target=serve, daemon=True).start()
     return f"http://127.0.0.1:{listener.getsockname()[1]}", release
+
+
+def read_whole_request(connection: socket.socket) -> None:
+    """Reads the HTTP request's head and its Content-Length body, or until the client closes."""
+    received, length = b"", None
+    while length is None or len(received.split(b"\r\n\r\n", 1)[1]) < length:
+        chunk = connection.recv(65536)
+        if not chunk:
+            return
+        received += chunk
+        if length is None and b"\r\n\r\n" in received:
+            length = int(re.search(rb"(?i)content-length: *(\d+)", received).group(1))
 
 
 @pytest.mark.parametrize(("behaviour", "cause"), [("drop", "RemoteProtocolError: Server disconnected without "
