@@ -1,11 +1,13 @@
 """Answer extraction and equivalence for verifiable problems (GSM8K, arithmetic), with regexes and Fraction only.
 
-Model text is never evaluated. Every scan is bounded: only the last MAX_SCAN_CHARS characters are read,
+Model text is never evaluated: a number token's own power (`2^10`) is computed from its digits, nothing else.
+Every scan is bounded: only the last MAX_SCAN_CHARS characters are read,
 a number longer than MAX_NUMBER_CHARS characters (MAX_ANSWER_CHARS in an extracted or gold answer, whose
-canonical text can be longer) or with an exponent beyond ±MAX_EXPONENT is ignored."""
+canonical text can be longer) or with a power or exponent beyond 10**±MAX_EXPONENT is ignored."""
 
 from __future__ import annotations
 
+import math
 import re
 from fractions import Fraction
 from functools import lru_cache
@@ -23,21 +25,25 @@ TOLERANCE = Fraction(1, 10**6)
 # A space inside a number token: any whitespace but a line break (str.splitlines' boundaries), so a number ending
 # one line never joins a markdown bullet or a `/` starting the next (`12\n* 10^2` is 12 and 10^2, not 1200).
 _INLINE_SPACE = r"[^\S\n\r\v\f\x1c-\x1e\x85\u2028\u2029]"
-# One number token: optional sign and `$`, then either a bare power of ten (`10^3`, `10^{-2}`: only base 10, other
-# powers such as `2^10` are never evaluated) or digits with optional thousands commas and decimals (or `.5`) and
-# an optional exponent (`2e3`, or a power of ten: `2 × 10^3`, `2 \times 10^{3}`, `2\cdot10^3`, `2 x 10^3`, braces
-# optional); then an optional `/denominator`. The lookbehind keeps tokens from starting inside a
-# word (`x2`) or after a minus that belongs to an expression (`16-3` yields 16 and 3, not -3).
+# One number token: optional sign and `$`; digits with optional thousands separators (commas, or spaces between
+# groups of three: `1 000 000`, one kind per number) and decimals (or `.5`); then an optional integer power
+# (`2^10`, `10^{-2}`) or exponent (`2e3`, or a power of ten: `2 × 10^3`, `2 \times 10^{3}`, `2\cdot10^3`,
+# `2 x 10^3`, braces optional); then an optional `/denominator`, itself with an optional power. The lookbehind
+# keeps tokens from starting inside a word (`x2`), in an exponent (`x^2`) or after a minus that belongs to an
+# expression (`16-3` yields 16 and 3, not -3). The token is atomic and may not be followed by `^`: a power it
+# cannot read (`2^x`, `2^10^2`) leaves no number behind, not its base.
 # Every repetition is over a character class disjoint from what follows it: no catastrophic backtracking.
+_POWER = rf"{_INLINE_SPACE}?\^{_INLINE_SPACE}?(?P<{{0}}_brace>\{{{{)?(?P<{{0}}>[-+]?\d+)(?({{0}}_brace)\}}}})"
 _NUMBER = re.compile(
-    rf"(?<![\w.])(?P<sign>-)?(?:\${_INLINE_SPACE}?)?"
-    r"(?:10\^(?P<ten_brace>\{)?(?P<ten_pow>[-+]?\d+)(?(ten_brace)\})"
-    r"|(?P<body>\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
-    r"(?:[eE](?P<exp>[-+]?\d+)"
-    rf"|{_INLINE_SPACE}?(?:[×·⋅x*]|\\times|\\cdot){_INLINE_SPACE}?"
-    r"10\^(?P<brace>\{)?(?P<pow>[-+]?\d+)(?(brace)\}))?)"
-    rf"(?:{_INLINE_SPACE}?/{_INLINE_SPACE}?(?P<den_sign>-)?(?P<den>\d+(?:\.\d+)?))?"
+    rf"(?<![\w.^])(?P<sign>-)?(?:\${_INLINE_SPACE}?)?"
+    r"(?>(?P<body>\d{1,3}(?P<group>[, \u00a0\u2009\u202f])\d{3}(?:(?P=group)\d{3})*(?!\d)(?:\.\d+)?"
+    r"|\d+(?:\.\d+)?|\.\d+)"
+    rf"(?:{_POWER.format('body_pow')}|[eE](?P<exp>[-+]?\d+)"
+    rf"|{_INLINE_SPACE}?(?:[×·⋅x*]|\\times|\\cdot){_INLINE_SPACE}?10{_POWER.format('pow')})?"
+    rf"(?:{_INLINE_SPACE}?/{_INLINE_SPACE}?(?P<den_sign>-)?(?P<den>\d+(?:\.\d+)?)(?:{_POWER.format('den_pow')})?)?)"
+    rf"(?!{_INLINE_SPACE}?\^)"
 )
+_GROUP_SEPARATORS = re.compile("[, \u00a0\u2009\u202f]")
 _HASHES = re.compile(r"####")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_IS = re.compile(r"\banswer\s{0,10}(?:is\b|:|=)", re.IGNORECASE)
@@ -68,29 +74,45 @@ def _strip_latex(text: str) -> str:
 
 
 def _decimal(digits: str) -> Fraction:
-    """'1234.50' -> 2469/2, built from ints (the caller has bounded the length)."""
-    whole, _, frac = digits.replace(",", "").partition(".")
+    """'1,234.50' or '1 234.50' -> 2469/2, built from ints (the caller has bounded the length)."""
+    whole, _, frac = _GROUP_SEPARATORS.sub("", digits).partition(".")
     scale = 10 ** len(frac)
     return Fraction(int(whole or "0") * scale + int(frac or "0"), scale)
 
 
+def _power(base: Fraction, exponent_text: str | None) -> Fraction | None:
+    """base ** exponent, or None when the exponent is beyond ±MAX_EXPONENT, the result beyond 10**±MAX_EXPONENT or
+    its numerator or denominator longer than 4 * MAX_EXPONENT digits (`1.0001^100` has 400 decimal places: its
+    canonical text stays within MAX_ANSWER_CHARS), or it divides by zero. All checked before any power is built."""
+    if exponent_text is None:
+        return base
+    exponent = int(exponent_text)
+    if base == 0:
+        return None if exponent < 0 else Fraction(exponent == 0)
+    digits = len(str(max(abs(base.numerator), base.denominator)))
+    magnitude = math.log10(abs(base.numerator)) - math.log10(base.denominator)
+    if abs(exponent) > MAX_EXPONENT or abs(exponent) * digits > 4 * MAX_EXPONENT or \
+            abs(exponent * magnitude) > MAX_EXPONENT:
+        return None
+    return base**exponent
+
+
 def _token_value(match: re.Match[str], max_chars: int = MAX_NUMBER_CHARS) -> tuple[Fraction, bool] | None:
-    """(value, written_as_fraction) of a number token, or None when it is longer than `max_chars`, its exponent is
-    out of range (`1e999999` is rejected before any power is built) or its denominator is zero."""
+    """(value, written_as_fraction) of a number token, or None when it is longer than `max_chars`, a power or
+    exponent is out of range or its denominator is zero."""
     if match.end() - match.start() > max_chars:
         return None
-    value = _decimal(match["body"] or "1")  # a bare `10^3` is 1 × 10^3
-    exponent_text = match["exp"] or match["pow"] or match["ten_pow"]  # `2e3`, `2 × 10^3` or `10^3`
-    if exponent_text is not None:
-        exponent = int(exponent_text)
-        if abs(exponent) > MAX_EXPONENT:
-            return None
-        value *= Fraction(10) ** exponent
-    if match["den"] is not None:
-        denominator = _decimal(match["den"])
-        if denominator == 0:
+    value = _power(_decimal(match["body"]), match["body_pow"])  # `2^10`
+    if value is not None and (match["exp"] or match["pow"]) is not None:  # `2e3` or `2 × 10^3`
+        scale = _power(Fraction(10), match["exp"] or match["pow"])
+        value = None if scale is None else value * scale
+    if value is not None and match["den"] is not None:
+        denominator = _power(_decimal(match["den"]), match["den_pow"])
+        if not denominator:  # out of range, or zero
             return None
         value /= -denominator if match["den_sign"] else denominator
+    if value is None:
+        return None
     return (-value if match["sign"] else value), match["den"] is not None
 
 
@@ -195,8 +217,8 @@ def extract_answer(text: str | None, *, numeric: bool = False) -> str | None:
     `numeric` (the gold answer is a number) drops that text case: `A: Let me think. 5+7 = 12` gives 12.
     Without any usable marker: the last number in the text. Numbers come back
     canonical: commas, `$`, `%`, units and trailing zeros/periods stripped (`$1,234.50` -> `1234.5`,
-    `1{,}000` -> `1000`), powers of ten expanded (`1.2 \\times 10^{3}` -> `1200`, `10^3` -> `1000`), fractions as `p/q`
-    (`\\frac{3}{4}` -> `3/4`). Only the last MAX_SCAN_CHARS characters are read."""
+    `1{,}000` and `1 000` -> `1000`), powers evaluated (`1.2 \\times 10^{3}` -> `1200`, `2^10` -> `1024`),
+    fractions as `p/q` (`\\frac{3}{4}` -> `3/4`). Only the last MAX_SCAN_CHARS characters are read."""
     if not isinstance(text, str):
         return None
     if len(text) > MAX_SCAN_CHARS:

@@ -211,7 +211,7 @@ def test_is_correct_reads_latex_separators_and_powers_of_ten(completion, gold, e
     assert is_correct(completion, gold) is expected
 
 
-# ---- a number token stays on one line; a bare power of ten (`10^3`) is the number 10**3
+# ---- a number token stays on one line; a power (`10^3`, `2^10`) is evaluated
 
 
 @pytest.mark.parametrize(
@@ -238,17 +238,29 @@ def test_is_correct_reads_latex_separators_and_powers_of_ten(completion, gold, e
         ("a change of -10^2", "-100"),
         (r"\boxed{10^6 \text{ cells}}", "1000000"),
         ("The answer is 10^101", None),  # beyond MAX_EXPONENT: ignored
-        # other powers are not evaluated and read as they did before: the base after a marker, else the last number
-        ("2^10", "10"),
-        ("x^2", "2"),
-        ("The answer is 2^10", "2"),
-        (r"\boxed{2^{10}}", "2^{10}"),  # text
-        (r"\boxed{x^2}", "x^2"),
-        ("110^2", "2"),  # base 110, not 10
+        # any integer power is evaluated, within 10^±MAX_EXPONENT; a power that cannot be read leaves no number
+        ("2^10", "1024"),
+        ("The answer is 2^10", "1024"),  # read as 2 before: a false positive against gold 2
+        (r"\boxed{2^{10}}", "1024"),
+        ("2 ^ 10", "1024"),
+        ("1.5^2", "2.25"),
+        ("-2^2", "-4"),  # the power binds before the sign
+        ("2^-2", "0.25"),
+        ("1/2^3", "1/8"),  # a power on the denominator
+        ("110^2", "12100"),  # base 110, not 10
         ("0x10^2", "0"),  # 0 × 10^2
+        ("0^-1", None),
+        ("9^999999", None),  # beyond MAX_EXPONENT: refused before any power is built
+        ("99^100", None),  # beyond 10^MAX_EXPONENT
+        ("1.00001^100", None),  # 500 decimal places
+        ("x^2", None),  # an exponent is not a number of its own
+        ("2^x", None),
+        ("2^10^2", None),
+        ("The total is 5, so 2^x", "5"),
+        (r"\boxed{x^2}", "x^2"),
     ],
 )
-def test_extract_answer_keeps_numbers_on_one_line_and_reads_bare_powers_of_ten(text, expected):
+def test_extract_answer_keeps_numbers_on_one_line_and_reads_powers(text, expected):
     assert extract_answer(text) == expected
 
 
@@ -263,12 +275,14 @@ def test_extract_answer_keeps_numbers_on_one_line_and_reads_bare_powers_of_ten(t
         ("The answer is 1000", "10^3", True),  # a gold answer written as a power of ten
         ("total 12\n* 10^2", "1200", False),  # two lines are two numbers
         ("total 12\n* 10^2", "100", True),
-        ("The answer is 2^10", "1024", False),  # only powers of ten are read
+        ("The answer is 2^10", "1024", True),
+        ("The answer is 2^10", "2", False),  # read as 2 before: a false positive
+        ("The answer is 2^10", "10", False),
         (r"\boxed{2^{10}}", "2", False),
-        (r"\boxed{2^{10}}", "10", False),
+        (r"\boxed{2^{10}}", "1024", True),
     ],
 )
-def test_is_correct_reads_bare_powers_of_ten(completion, gold, expected):
+def test_is_correct_reads_powers(completion, gold, expected):
     assert is_correct(completion, gold) is expected
 
 
@@ -285,6 +299,11 @@ LONG_NUMBERS = [
     r"3 \times 10^{-100}",
     "10^{100}",
     "10^-100",
+    "1.001^100",  # 300 decimal places
+    "0.5^100",
+    "1/7^{100}",
+    "-2.5e-98/7^100",
+    "2^-100",
 ]
 
 
@@ -399,3 +418,21 @@ def test_malicious_completion_is_read_as_text_never_run(name, tmp_path, monkeypa
     assert ran == [] and not (tmp_path / "ran").exists()
     assert total == [expected]
     assert seconds < 1.0
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("The answer is 1 000 000.", "1000000"),  # read as 1 before
+        ("1 000 000", "1000000"),  # read as 0 (the last group) before
+        ("#### 12\u202f345", "12345"),
+        ("\\boxed{2\u00a0500}", "2500"),
+        ("1\u2009000.5", "1000.5"),
+        ("The answer is 1 000,000", "1000"),  # one kind of separator per number
+        ("1 0001", "1"),  # not a group of three
+        ("answers 12 and 345", "345"),
+        ("16 - 3 = 13", "13"),
+    ],
+)
+def test_extract_answer_reads_space_separated_thousands(text, expected):
+    assert extract_answer(text) == expected
