@@ -4,6 +4,7 @@ DAPO dynamic sampling (keep groups with 0 < #correct < G), over `samples`-shaped
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 
 import polars as pl
@@ -172,17 +173,31 @@ def dynamic_sampling(
 # ---- the filter stages over a sampling run in the store
 
 
-def run_west_of_n_stage(store: Store, *, run_id: str, source: str = "west_of_n", chat_template: bool = False
-                        ) -> dict[str, int]:
-    """West-of-N pairs of a sampling run into preference_pairs (idempotent: content-hash ids); `chat_template`:
-    the run sampled with it (SampleConfig.chat_template), so the pairs are conversations."""
+def run_west_of_n_stage(store: Store, *, run_id: str, source: str = "west_of_n") -> dict[str, int]:
+    """West-of-N pairs of a sampling run into preference_pairs (idempotent: content-hash ids); the pairs of a run
+    that sampled with the chat template are conversations."""
     samples = store.read("samples", run_id=run_id)
     if samples.height == 0:
         raise ValueError(f"samples: no rows for run_id {run_id!r}; run the sampling stage first")
+    chat_template = sampled_with_chat_template(samples, run_id)
     pairs, skipped = west_of_n(samples, source=source, chat_template=chat_template)
     inserted = store.insert_new("preference_pairs", pairs)
     return {"filter/prompts": samples["prompt_id"].n_unique(), "filter/pairs": pairs.height,
-            "filter/pairs_inserted": inserted, "filter/skipped_ties": skipped}
+            "filter/pairs_inserted": inserted, "filter/skipped_ties": skipped,
+            "filter/chat_template": int(chat_template)}
+
+
+def sampled_with_chat_template(samples: pl.DataFrame, run_id: str) -> bool:
+    """Whether a sampling run's prompts went through the chat template, as its rows record. Rows of a store
+    before schema v2 have no record (NULL): read as plain prompts, with a warning."""
+    flags = set(samples["chat_template"].drop_nulls())
+    if len(flags) > 1:
+        raise ValueError(f"samples: run_id {run_id!r} has rows sampled with and without the chat template "
+                         "(a run_id reused with another chat_template); sample into a new run_id")
+    if samples["chat_template"].null_count():
+        warnings.warn(f"samples: run_id {run_id!r} was sampled before alignflow recorded the chat template; its "
+                      "West-of-N pairs are plain prompts", stacklevel=2)
+    return flags == {True}
 
 
 def run_best_of_n_stage(store: Store, *, run_id: str) -> dict[str, float]:

@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 import torch
 
-from pipeline_lib.filters import best_of_n, dynamic_sampling, informative_groups, west_of_n
+from pipeline_lib.filters import best_of_n, dynamic_sampling, informative_groups, sampled_with_chat_template, west_of_n
 from pipeline_lib.fingerprint import content_id
 
 
@@ -95,6 +95,16 @@ def test_west_of_n_pairs_distinct_texts_and_never_an_empty_completion():
     assert json.loads(pairs["meta"][0])["chosen_reward"] == pytest.approx(0.6)
     assert pairs["prompt_messages"].to_list() == [None, None]
     assert best_of_n(frame).filter(pl.col("prompt_id") == "empty")["completion"].to_list() == ["empty-1"]
+
+
+def test_a_runs_rows_say_whether_it_sampled_with_the_chat_template():
+    frame = samples_frame({"p": [(1.0, True), (0.0, False)]})
+    assert sampled_with_chat_template(frame.with_columns(chat_template=True), "r") is True
+    assert sampled_with_chat_template(frame.with_columns(chat_template=False), "r") is False
+    with pytest.raises(ValueError, match="run_id 'r' has rows sampled with and without the chat template"):
+        sampled_with_chat_template(frame.with_columns(chat_template=pl.Series([True, False])), "r")
+    with pytest.warns(UserWarning, match="run_id 'r' was sampled before alignflow recorded the chat template"):
+        assert sampled_with_chat_template(frame.with_columns(chat_template=pl.lit(None, pl.Boolean)), "r") is False
 
 
 def test_west_of_n_pairs_of_a_chat_template_run_are_conversations():

@@ -29,7 +29,7 @@ RewardFn = Callable[..., list[float]]
 SAMPLE_SCHEMA = {
     "run_id": pl.String, "prompt_id": pl.String, "sample_idx": pl.Int32, "prompt": pl.String,
     "completion": pl.String, "n_tokens": pl.Int32, "finish_reason": pl.String, "reward": pl.Float64,
-    "is_correct": pl.Boolean, "policy": pl.String,
+    "is_correct": pl.Boolean, "policy": pl.String, "chat_template": pl.Boolean,
 }
 # Fields that change where or how fast samples are made, not which samples: left out of the run id.
 # settings that do not change what is sampled; max_problems does (the hf backend's random stream follows the
@@ -111,7 +111,8 @@ def sample_problems(
     is written in one INSERT, so a crash loses at most that batch, and a rerun skips the prompts already in
     `run_id`: the resumed run holds the same rows as an uninterrupted one. `render` maps a problem's
     prompt to the text sent to the model (chat template); rewards score that text + the completion (a reward
-    model trained on chat-rendered pairs reads the same form) and the table keeps the problem's own prompt."""
+    model trained on chat-rendered pairs reads the same form) and the table keeps the problem's own prompt, with
+    `chat_template` true (West-of-N then stores its pairs as that conversation)."""
     missing = {"problem_id", "prompt", "answer"} - set(problems.columns)
     if missing:
         raise SamplingError(f"problems: missing column(s) {sorted(missing)}")
@@ -155,6 +156,7 @@ def sample_problems(
             "reward": rewards,
             "is_correct": correct,
             "policy": [policy_name] * len(rows),
+            "chat_template": [render is not None] * len(rows),
         }, schema=SAMPLE_SCHEMA)
         written += store.insert_new("samples", frame)
         sampled += len(todo)

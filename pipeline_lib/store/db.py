@@ -11,7 +11,7 @@ import polars as pl
 
 from pipeline_lib.errors import AlignflowError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Column lists are the schema of DESIGN.md; `*_id` columns are content hashes (idempotent ingest).
 # Keys are kept unique by insert_new's anti-join, not by a PRIMARY KEY: its index made inserting
@@ -65,6 +65,7 @@ TABLES: dict[str, dict[str, str]] = {
         "is_correct": "BOOLEAN",
         "policy": "VARCHAR",
         "created_at": "TIMESTAMP DEFAULT current_timestamp",
+        "chat_template": "BOOLEAN",  # the prompts went through the chat template (v2; NULL in older runs)
     },
     "eval_results": {
         "run_id": "VARCHAR NOT NULL",
@@ -85,6 +86,12 @@ TABLE_KEYS = {
     "eval_results": ["run_id", "model", "dataset", "k"],
     # re-ingesting a file must not repeat its quarantine rows either
     "quarantine": ["source", "file", "line_no", "raw", "reason"],
+}
+
+
+# What a store of schema v(k-1) runs to become v(k): columns added at the end, as in TABLES, so both agree.
+MIGRATIONS: dict[int, list[str]] = {
+    2: ["ALTER TABLE samples ADD COLUMN IF NOT EXISTS chat_template BOOLEAN"],
 }
 
 
@@ -132,6 +139,12 @@ class Store:
             self._run(f"CREATE TABLE IF NOT EXISTS {table} ({cols})")
         if version is None:
             self._run("INSERT INTO schema_info VALUES (?)", [SCHEMA_VERSION])
+        elif version < SCHEMA_VERSION:
+            with self.transaction():  # all steps or none: a failed migration leaves the old version intact
+                for step in range(version + 1, SCHEMA_VERSION + 1):
+                    for sql in MIGRATIONS[step]:
+                        self._run(sql)
+                self._run("INSERT INTO schema_info VALUES (?)", [SCHEMA_VERSION])
 
     def schema_version(self) -> int:
         return self._run("SELECT max(version) FROM schema_info")[0][0]

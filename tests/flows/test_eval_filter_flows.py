@@ -26,6 +26,7 @@ SAMPLES = pl.DataFrame({
     "completion": ["2", "3", "2", "5", "4", "4", "4", "4", "1", "2", "9", "8"],
     "reward": [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0],
     "is_correct": [True, False, True, False, True, True, True, True, False, False, False, False],
+    "chat_template": False,
 })
 
 
@@ -86,7 +87,8 @@ def test_filter_flows_on_a_sampling_run(flow_workspace, the_run, prefect_run):
         store.insert_new("samples", SAMPLES)
     state = filter_flow("west_of_n", "r1", return_state=True)
     won = state.result()
-    assert won == {"filter/prompts": 3, "filter/pairs": 1, "filter/pairs_inserted": 1, "filter/skipped_ties": 2}
+    assert won == {"filter/prompts": 3, "filter/pairs": 1, "filter/pairs_inserted": 1, "filter/skipped_ties": 2,
+                   "filter/chat_template": 0}
     with open_store(flow_workspace.store_path) as store:
         read = frame_fingerprint(store.read("samples", run_id="r1"))
     assert the_run(flow_workspace, "west_of_n")[0].data.tags["data.fingerprint"] == read  # the rows it filtered
@@ -111,12 +113,12 @@ def test_filter_flows_on_a_sampling_run(flow_workspace, the_run, prefect_run):
 
 def test_west_of_n_of_a_chat_template_run_stores_conversations(flow_workspace, the_run):
     with open_store(flow_workspace.store_path) as store:
-        store.insert_new("samples", SAMPLES.with_columns(run_id=pl.lit("c1")))
-    assert filter_flow("west_of_n", "c1", chat_template=True)["filter/pairs_inserted"] == 1
+        store.insert_new("samples", SAMPLES.with_columns(run_id=pl.lit("c1"), chat_template=True))
+    assert filter_flow("west_of_n", "c1")["filter/pairs_inserted"] == 1  # the samples say how they were made
     with open_store(flow_workspace.store_path) as store:
         pair = store.read("preference_pairs").row(0, named=True)
     assert json.loads(pair["prompt_messages"])["prompt"] == [{"role": "user", "content": "1+1="}]
-    assert the_run(flow_workspace, "west_of_n")[0].data.params["chat_template"] == "True"
+    assert the_run(flow_workspace, "west_of_n")[0].data.metrics["filter/chat_template"] == 1
 
 
 def test_a_sampling_run_that_gained_rows_is_filtered_again(flow_workspace):

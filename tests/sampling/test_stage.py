@@ -142,6 +142,9 @@ def test_chat_template_renders_prompts_and_keeps_the_raw_prompt(store, tiny_mode
     report = run_sample_stage(cfg, store, progress=False)
     rows = store.read("samples", run_id=report.run_id)
     assert set(rows["prompt"]) == {"97+70=", "36+31="}
+    assert rows["chat_template"].to_list() == [True] * 4  # what West-of-N reads to store conversations
+    plain = run_sample_stage(cfg.model_copy(update={"chat_template": False}), store, progress=False)
+    assert store.read("samples", run_id=plain.run_id)["chat_template"].to_list() == [False] * 4
 
 
 def test_rewards_score_the_text_the_model_read(store, problems):

@@ -39,6 +39,26 @@ def test_newer_schema_is_refused(tmp_path):
                 pass
 
 
+def test_a_v1_store_is_migrated_in_place_and_keeps_its_rows(tmp_path):
+    """v2 added samples.chat_template; a v1 file (as v1 created it) gains the column, its rows read NULL."""
+    path = tmp_path / "store.duckdb"
+    v1_samples = {name: kind for name, kind in TABLES["samples"].items() if name != "chat_template"}
+    with duckdb.connect(str(path)) as con:
+        con.execute("CREATE TABLE schema_info (version INTEGER NOT NULL)")
+        con.execute("INSERT INTO schema_info VALUES (1)")
+        for table, columns in (TABLES | {"samples": v1_samples}).items():
+            con.execute(f"CREATE TABLE {table} ({', '.join(f'{n} {k}' for n, k in columns.items())})")
+        con.execute("INSERT INTO samples (run_id, prompt_id, sample_idx, completion) VALUES ('r', 'p', 0, 'c')")
+    with open_store(path, read_only=True) as store:  # a reader neither migrates nor fails
+        assert store.schema_version() == 1 and "chat_template" not in store.read("samples").columns
+    with open_store(path) as store:
+        assert store.schema_version() == SCHEMA_VERSION == 2
+        assert [row[0] for row in store._run("DESCRIBE samples")] == list(TABLES["samples"])
+        assert store.read("samples").select("completion", "chat_template").rows() == [("c", None)]
+    with open_store(path) as store:  # migrated once
+        assert store._run("SELECT version FROM schema_info ORDER BY version") == [(1,), (2,)]
+
+
 def test_insert_new_skips_known_keys(tmp_path):
     with open_store(tmp_path / "s.duckdb") as store:
         assert store.insert_new("preference_pairs", pairs_frame(["a", "b"])) == 2
