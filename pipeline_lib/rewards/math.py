@@ -25,25 +25,31 @@ TOLERANCE = Fraction(1, 10**6)
 # A space inside a number token: any whitespace but a line break (str.splitlines' boundaries), so a number ending
 # one line never joins a markdown bullet or a `/` starting the next (`12\n* 10^2` is 12 and 10^2, not 1200).
 _INLINE_SPACE = r"[^\S\n\r\v\f\x1c-\x1e\x85\u2028\u2029]"
-# One number token: optional sign and `$`; digits with optional thousands separators (commas, or spaces between
-# groups of three: `1 000 000`, one kind per number) and decimals (or `.5`); then an optional integer power
-# (`2^10`, `10^{-2}`) or exponent (`2e3`, or a power of ten: `2 × 10^3`, `2 \times 10^{3}`, `2\cdot10^3`,
-# `2 x 10^3`, braces optional); then an optional `/denominator`, itself with an optional power. The lookbehind
-# keeps tokens from starting inside a word (`x2`), in an exponent (`x^2`) or after a minus that belongs to an
-# expression (`16-3` yields 16 and 3, not -3). The token is atomic and may not be followed by `^`: a power it
-# cannot read (`2^x`, `2^10^2`) leaves no number behind, not its base.
-# Every repetition is over a character class disjoint from what follows it: no catastrophic backtracking.
-_POWER = rf"{_INLINE_SPACE}?\^{_INLINE_SPACE}?(?P<{{0}}_brace>\{{{{)?(?P<{{0}}>[-+]?\d+)(?({{0}}_brace)\}}}})"
+# One number token: optional sign and `$`; digits with optional thousands separators (commas, or the no-break,
+# thin and narrow no-break spaces of `1 000 000`, one kind per number; a plain space is not one: `2 100-dollar
+# bills` are 2) and decimals (or `.5`); then an optional integer power (`2^10`, `10^{-2}`) or exponent (`2e3`, or
+# a power of ten: `2 × 10^3`, `2 \times 10^{3}`, `2\cdot10^3`, `2 x 10^3`, braces optional); then an optional
+# `/denominator`, itself with an optional power. An exponent the token cannot read (`2^x`, `4^0.5`, `(3/2)^2`,
+# `2^10^2`) is captured as `unread`: the token is then no number, and the scan goes on after it. An exponent with
+# no number before it (`cm^{2}`, `x^-2`, `e^{10}`) is matched whole (no `body`), so its digits are never a
+# number. The lookbehind keeps tokens from starting inside a word (`x2`) or after a minus that belongs to an
+# expression (`16-3` yields 16 and 3, not -3). Every repetition is over a character class disjoint from what
+# follows it and no lookahead rejects a whole token: no catastrophic backtracking, one pass over the text.
+# A readable power: an integer exponent, in braces or not followed by a decimal part or a letter (`4^0.5`, `2^10x`).
+_POWER = (rf"{_INLINE_SPACE}?\^{_INLINE_SPACE}?"
+          r"(?P<{0}_brace>\{{)?(?P<{0}>[-+]?\d+)(?({0}_brace)\}}|(?!\.\d|\w))")
+_EXPONENT = rf"{_INLINE_SPACE}?\^{_INLINE_SPACE}?(?:\{{[^{{}}]*\}}|\([^()]*\)|[-+]?[\w.]+)"
 _NUMBER = re.compile(
     rf"(?<![\w.^])(?P<sign>-)?(?:\${_INLINE_SPACE}?)?"
-    r"(?>(?P<body>\d{1,3}(?P<group>[, \u00a0\u2009\u202f])\d{3}(?:(?P=group)\d{3})*(?!\d)(?:\.\d+)?"
+    r"(?P<body>\d{1,3}(?P<group>[,\u00a0\u2009\u202f])\d{3}(?:(?P=group)\d{3})*(?!\d)(?:\.\d+)?"
     r"|\d+(?:\.\d+)?|\.\d+)"
     rf"(?:{_POWER.format('body_pow')}|[eE](?P<exp>[-+]?\d+)"
     rf"|{_INLINE_SPACE}?(?:[×·⋅x*]|\\times|\\cdot){_INLINE_SPACE}?10{_POWER.format('pow')})?"
-    rf"(?:{_INLINE_SPACE}?/{_INLINE_SPACE}?(?P<den_sign>-)?(?P<den>\d+(?:\.\d+)?)(?:{_POWER.format('den_pow')})?)?)"
-    rf"(?!{_INLINE_SPACE}?\^)"
+    rf"(?:{_INLINE_SPACE}?/{_INLINE_SPACE}?(?P<den_sign>-)?(?P<den>\d+(?:\.\d+)?)(?:{_POWER.format('den_pow')})?)?"
+    rf"(?P<unread>[)\]]?{_EXPONENT})?"
+    rf"|{_EXPONENT}"
 )
-_GROUP_SEPARATORS = re.compile("[, \u00a0\u2009\u202f]")
+_GROUP_SEPARATORS = re.compile("[,\u00a0\u2009\u202f]")
 _HASHES = re.compile(r"####")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_IS = re.compile(r"\banswer\s{0,10}(?:is\b|:|=)", re.IGNORECASE)
@@ -82,8 +88,8 @@ def _decimal(digits: str) -> Fraction:
 
 def _power(base: Fraction, exponent_text: str | None) -> Fraction | None:
     """base ** exponent, or None when the exponent is beyond ±MAX_EXPONENT, the result beyond 10**±MAX_EXPONENT or
-    its numerator or denominator longer than 4 * MAX_EXPONENT digits (`1.0001^100` has 400 decimal places: its
-    canonical text stays within MAX_ANSWER_CHARS), or it divides by zero. All checked before any power is built."""
+    its numerator or denominator longer than 4 * MAX_EXPONENT digits (`1.001^100` has 300 decimal places, and
+    `1.0001^100` is refused), or it divides by zero. All checked before any power is built."""
     if exponent_text is None:
         return base
     exponent = int(exponent_text)
@@ -98,9 +104,10 @@ def _power(base: Fraction, exponent_text: str | None) -> Fraction | None:
 
 
 def _token_value(match: re.Match[str], max_chars: int = MAX_NUMBER_CHARS) -> tuple[Fraction, bool] | None:
-    """(value, written_as_fraction) of a number token, or None when it is longer than `max_chars`, a power or
-    exponent is out of range or its denominator is zero."""
-    if match.end() - match.start() > max_chars:
+    """(value, written_as_fraction) of a number token, or None when it is no number (an exponent alone, or a
+    number with an exponent it cannot read), longer than `max_chars`, a power or exponent is out of range, its
+    denominator is zero, or its canonical text would be longer than MAX_ANSWER_CHARS (so it reads back)."""
+    if match["body"] is None or match["unread"] is not None or match.end() - match.start() > max_chars:
         return None
     value = _power(_decimal(match["body"]), match["body_pow"])  # `2^10`
     if value is not None and (match["exp"] or match["pow"]) is not None:  # `2e3` or `2 × 10^3`
@@ -108,10 +115,8 @@ def _token_value(match: re.Match[str], max_chars: int = MAX_NUMBER_CHARS) -> tup
         value = None if scale is None else value * scale
     if value is not None and match["den"] is not None:
         denominator = _power(_decimal(match["den"]), match["den_pow"])
-        if not denominator:  # out of range, or zero
-            return None
-        value /= -denominator if match["den_sign"] else denominator
-    if value is None:
+        value = None if not denominator else value / (-denominator if match["den_sign"] else denominator)
+    if value is None or len(format_number(value, match["den"] is not None)) > MAX_ANSWER_CHARS:
         return None
     return (-value if match["sign"] else value), match["den"] is not None
 
@@ -217,8 +222,9 @@ def extract_answer(text: str | None, *, numeric: bool = False) -> str | None:
     `numeric` (the gold answer is a number) drops that text case: `A: Let me think. 5+7 = 12` gives 12.
     Without any usable marker: the last number in the text. Numbers come back
     canonical: commas, `$`, `%`, units and trailing zeros/periods stripped (`$1,234.50` -> `1234.5`,
-    `1{,}000` and `1 000` -> `1000`), powers evaluated (`1.2 \\times 10^{3}` -> `1200`, `2^10` -> `1024`),
-    fractions as `p/q` (`\\frac{3}{4}` -> `3/4`). Only the last MAX_SCAN_CHARS characters are read."""
+    `1{,}000` and `1 000` with a thin or no-break space -> `1000`), powers evaluated (`1.2 \\times 10^{3}` ->
+    `1200`, `2^10` -> `1024`), fractions as `p/q` (`\\frac{3}{4}` -> `3/4`). Only the last MAX_SCAN_CHARS
+    characters are read."""
     if not isinstance(text, str):
         return None
     if len(text) > MAX_SCAN_CHARS:

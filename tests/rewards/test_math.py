@@ -243,6 +243,7 @@ def test_is_correct_reads_latex_separators_and_powers_of_ten(completion, gold, e
         ("The answer is 2^10", "1024"),  # read as 2 before: a false positive against gold 2
         (r"\boxed{2^{10}}", "1024"),
         ("2 ^ 10", "1024"),
+        ("2^10.", "1024"),
         ("1.5^2", "2.25"),
         ("-2^2", "-4"),  # the power binds before the sign
         ("2^-2", "0.25"),
@@ -253,9 +254,23 @@ def test_is_correct_reads_latex_separators_and_powers_of_ten(completion, gold, e
         ("9^999999", None),  # beyond MAX_EXPONENT: refused before any power is built
         ("99^100", None),  # beyond 10^MAX_EXPONENT
         ("1.00001^100", None),  # 500 decimal places
-        ("x^2", None),  # an exponent is not a number of its own
+        ("The answer is 1.0000001^-50/1.0000003^50", None),  # a canonical text over MAX_ANSWER_CHARS
+        # an exponent is never a number of its own, and a number with an exponent it cannot read is none
+        ("x^2", None),
+        ("x^{2}", None),
+        ("x^ 2", None),
+        ("x^-2", None),
+        ("e^{10}", None),
+        ("The area is 16 cm^{2}.", "16"),
         ("2^x", None),
+        ("2^(10)", None),
         ("2^10^2", None),
+        ("the answer is 2^{10}^{2}", None),
+        ("The answer is 4^0.5", None),  # read as 1 (4^0) by a first draft: a false positive
+        ("10^2.5", None),
+        ("Final: (-2)^2", None),
+        (r"\left(\frac{3}{2}\right)^2", None),
+        ("Total: 20 ^^", "20"),  # a caret without an exponent
         ("The total is 5, so 2^x", "5"),
         (r"\boxed{x^2}", "x^2"),
     ],
@@ -351,6 +366,14 @@ HOSTILE = {
     "long bare power of ten": "10^" + "9" * 1_000_000,
     "unclosed bare powers of ten": "10^{" * 300_000,
     "line-broken powers of ten": "1\n* 10^" * 300_000,
+    "grouped thousands then a caret": "1" + "\u202f000" * 300_000 + "^",
+    "comma groups then a caret": "1" + ",000" * 300_000 + "^x",
+    "power towers": "2^" * 500_000,
+    "unclosed exponent braces": "x^{" * 300_000,
+    "unclosed exponent parentheses": "x^(" * 300_000,
+    "powers on denominators": "1/2^" * 300_000,
+    "huge power": "The answer is 9^999999",
+    "long exponent": "2^" + "9" * 1_000_000,
 }
 
 
@@ -423,14 +446,16 @@ def test_malicious_completion_is_read_as_text_never_run(name, tmp_path, monkeypa
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("The answer is 1 000 000.", "1000000"),  # read as 1 before
-        ("1 000 000", "1000000"),  # read as 0 (the last group) before
-        ("#### 12\u202f345", "12345"),
+        ("#### 12\u202f345", "12345"),  # narrow no-break, no-break and thin spaces group thousands
         ("\\boxed{2\u00a0500}", "2500"),
         ("1\u2009000.5", "1000.5"),
-        ("The answer is 1 000,000", "1000"),  # one kind of separator per number
-        ("1 0001", "1"),  # not a group of three
-        ("answers 12 and 345", "345"),
+        ("The answer is 1\u202f000\u202f000.", "1000000"),  # read as 1 before
+        ("The answer is 1\u202f000,000", "1000"),  # one kind of separator per number
+        ("1\u202f0001", "1"),  # not a group of three
+        # a plain space is not a thousands separator: it separates a count from a compound unit or a list's items
+        ("The answer is 2 100-dollar bills.", "2"),
+        ("He bought 2 250-gram packs of butter.", "250"),
+        ("The list is 100 200 300", "300"),
         ("16 - 3 = 13", "13"),
     ],
 )
