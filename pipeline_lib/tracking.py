@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 from pydantic import BaseModel
 
 from pipeline_lib import alignflow_version
-from pipeline_lib.errors import first_line
+from pipeline_lib.errors import AlignflowError, first_line
 from pipeline_lib.logfns import LogFn, print_log
 from pipeline_lib.workspace import Workspace, host_id, process_alive
 
@@ -32,6 +32,11 @@ EXPERIMENT = "alignflow"
 PARENT_ENV = "ALIGNFLOW_PARENT_RUN_ID"  # set by the pipeline flow so stage runs nest under it
 MAX_PARAM_CHARS = 500  # MLflow's param value limit is 6000; keep the UI readable
 TRUNCATED = "...[truncated]"
+# A model dir is copied into its run whole up to this many MiB ($ALIGNFLOW_MLFLOW_MODEL_MIB); a larger one (a 7B
+# model is ~14 GiB a stage) keeps its big files in the workspace only, as HF's MLflow callback logs no weights.
+MODEL_COPY_ENV = "ALIGNFLOW_MLFLOW_MODEL_MIB"
+DEFAULT_MODEL_COPY_MIB = 1024
+SMALL_FILE_BYTES = 64 * 2**20  # config, tokenizer, metrics: copied whatever the model's size
 
 
 def configure(workspace: Workspace, experiment: str = EXPERIMENT) -> str:
@@ -99,6 +104,7 @@ def stage_run(
 
     Logs the flattened config as params and as `config.json`; yields `log(metrics, step)`.
     An exception marks the run FAILED and propagates."""
+    model_copy_limit()  # a bad setting fails before the stage trains, not when it logs its model
     experiment_id = configure(workspace)
     params = flatten_params(config) if config is not None else {}
     _end_stale_runs(experiment_id)
@@ -205,12 +211,33 @@ def log_figure(figure: Any, artifact_file: str, *, run_id: str | None = None) ->
         mlflow.log_figure(figure, artifact_file)
 
 
-def log_artifact(path: str | Path, artifact_path: str | None = None) -> None:
-    path = Path(path)
-    if path.is_dir():
-        mlflow.log_artifacts(str(path), artifact_path)
-    else:
-        mlflow.log_artifact(str(path), artifact_path)
+def log_model(path: str | Path) -> None:
+    """A stage's model dir into the active run under `model/`, and the tag `alignflow.model_path` naming it.
+    Up to $ALIGNFLOW_MLFLOW_MODEL_MIB MiB (default 1024) the whole dir is copied; above it, its files of at most
+    64 MiB are, and `model/not_copied.json` lists the others (weights) with their sizes and the dir they are in."""
+    path = Path(path).resolve()
+    files = {file: file.stat().st_size for file in sorted(path.rglob("*")) if file.is_file()}
+    mlflow.set_tag("alignflow.model_path", str(path))
+    if sum(files.values()) <= model_copy_limit() * 2**20:
+        mlflow.log_artifacts(str(path), "model")
+        return
+    not_copied = {}
+    for file, size in files.items():
+        relative = file.relative_to(path)
+        if size <= SMALL_FILE_BYTES:
+            mlflow.log_artifact(str(file), str(Path("model", relative.parent)))
+        else:
+            not_copied[relative.as_posix()] = size
+    mlflow.log_dict({"model_path": str(path), "bytes": not_copied}, "model/not_copied.json")
+
+
+def model_copy_limit() -> int:
+    """$ALIGNFLOW_MLFLOW_MODEL_MIB as a whole number of MiB (default 1024), else a one-line error."""
+    text = os.environ.get(MODEL_COPY_ENV, str(DEFAULT_MODEL_COPY_MIB))
+    if not text.strip().isdigit():
+        raise AlignflowError(f"${MODEL_COPY_ENV}: expected a whole number of MiB (0 copies only the small files), "
+                             f"got {text!r}")
+    return int(text)
 
 
 def log_dict(value: Mapping[str, Any], artifact_file: str, *, run_id: str | None = None) -> None:

@@ -24,5 +24,5 @@ def build_tiny_model_task(cfg: TinyModelConfig, data_fingerprint: str) -> str:
         path = build_tiny_model(out_dir, corpus, **cfg.model_dump(exclude={"corpus_sources"}))
         parameters = sum(tensor.numel() for file in path.glob("*.safetensors") for tensor in load_file(file).values())
         log({"model/parameters": float(parameters), "data/corpus_texts": float(len(corpus))}, 0)
-        tracking.log_artifact(path, "model")
+        tracking.log_model(path)
     return str(path)

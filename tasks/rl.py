@@ -38,7 +38,7 @@ def run_rl_stage(stage: str, cfg: BaseModel, load: Callable, train: Callable, cu
     history: list[tuple[int, dict[str, float]]] = []
     with tracking.stage_run(workspace, stage, cfg, tags=run_tags(inputs_fingerprint)) as log:
         final = train(cfg, data, out_dir, log=recording(log, history))
-        tracking.log_artifact(final, "model")
+        tracking.log_model(final)
         log_curves(history, curves, f"{stage}_curves.png")
     shown = [key for key in curves + ["train/seconds"] if key in final_metrics(final)]
     create_markdown_artifact(result_table(f"{stage.upper()} -> {final}", final_metrics(final), shown),

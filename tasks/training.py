@@ -95,7 +95,7 @@ def sft_task(cfg: SFTConfig, inputs_fingerprint: str = "", force: bool = False) 
     history: list[tuple[int, dict[str, float]]] = []
     with tracking.stage_run(workspace, stage, cfg, tags=run_tags(inputs_fingerprint)) as log:
         final = train_sft(cfg, rows, out_dir, log=recording(log, history), eval_rows=eval_rows)
-        tracking.log_artifact(final, "model")
+        tracking.log_model(final)
         log_curves(history, SFT_CURVES, f"{stage}_curves.png")
     metrics = {**final_metrics(final), "data/rows": float(rows.height)}
     create_markdown_artifact(result_table(f"SFT ({cfg.data}) -> {final}", metrics,
@@ -115,7 +115,7 @@ def rm_task(cfg: RMConfig, inputs_fingerprint: str = "", force: bool = False) ->
     history: list[tuple[int, dict[str, float]]] = []
     with tracking.stage_run(workspace, "rm", cfg, tags=run_tags(inputs_fingerprint)) as log:
         final = train_rm(cfg, data, out_dir, log=recording(log, history))
-        tracking.log_artifact(final, "model")
+        tracking.log_model(final)
         log_curves(history, RM_CURVES, "rm_curves.png")
     create_markdown_artifact(result_table(f"Reward model ({cfg.loss}) -> {final}", final_metrics(final),
                                           ["eval/rm_accuracy", "eval/rm_margin", "eval/n_groups", "train/seconds"]),
@@ -134,7 +134,7 @@ def dpo_task(cfg: DPOConfig, inputs_fingerprint: str = "", force: bool = False) 
     keys = ["eval/pref_accuracy", "eval/logp_margin"]
     with tracking.stage_run(workspace, "dpo", cfg, tags=run_tags(inputs_fingerprint)) as log:
         final = train_dpo(cfg, pairs, out_dir, log=log, cache_dir=workspace.root / "cache")
-        tracking.log_artifact(final, "model")
+        tracking.log_model(final)
         metrics = final_metrics(final)
         tracking.log_figure(before_after_figure(metrics, keys), "dpo_before_after.png")
     shown = [k for key in keys for k in (f"{key}_start", key)]

@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline_lib import alignflow_version, tracking
 from pipeline_lib.config import EvalConfig, IngestConfig
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.workspace import Workspace
 
 
@@ -37,6 +38,51 @@ def test_stage_run_logs_params_metrics_config_and_tags(workspace):
     artifacts = {a.path for a in MlflowClient(workspace.tracking_uri).list_artifacts(run.info.run_id, "plots")}
     assert artifacts == {"plots/curve.png"}
     assert mlflow.artifacts.load_dict(f"{run.info.artifact_uri}/config.json")["n"] == 4
+
+
+def _model_dir(root: Path, big_bytes: int) -> Path:
+    """config.json, a tokenizer file in a subdirectory and a (sparse) weights file of `big_bytes`."""
+    (root / "tokenizer").mkdir(parents=True)
+    (root / "config.json").write_text('{"n": 1}')
+    (root / "tokenizer" / "vocab.txt").write_text("a b")
+    with open(root / "model.safetensors", "wb") as weights:
+        weights.truncate(big_bytes)
+    return root
+
+
+def _artifacts(workspace: Workspace, run_id: str, path: str) -> dict[str, int]:
+    client = MlflowClient(workspace.tracking_uri)
+    found = {}
+    for item in client.list_artifacts(run_id, path):
+        found |= _artifacts(workspace, run_id, item.path) if item.is_dir else {item.path: item.file_size}
+    return found
+
+
+def test_a_model_dir_is_copied_whole_up_to_the_limit_and_its_small_files_above_it(workspace, tmp_path, monkeypatch):
+    small = _model_dir(tmp_path / "small", 2048)
+    big = _model_dir(tmp_path / "big", tracking.SMALL_FILE_BYTES + 1)  # over 64 MiB, and over a 0 MiB limit
+    with tracking.stage_run(workspace, "sft", echo=False):
+        tracking.log_model(small)
+    monkeypatch.setenv(tracking.MODEL_COPY_ENV, "0")
+    with tracking.stage_run(workspace, "dpo", echo=False):
+        tracking.log_model(big)
+    runs = {run.info.run_name: run for run in tracking.find_runs(workspace)}
+    assert _artifacts(workspace, runs["sft"].info.run_id, "model") == {
+        "model/config.json": 8, "model/tokenizer/vocab.txt": 3, "model/model.safetensors": 2048}
+    copied = _artifacts(workspace, runs["dpo"].info.run_id, "model")
+    assert sorted(copied) == ["model/config.json", "model/not_copied.json", "model/tokenizer/vocab.txt"]
+    listed = mlflow.artifacts.load_dict(f"{runs['dpo'].info.artifact_uri}/model/not_copied.json")
+    assert listed == {"model_path": str(big.resolve()), "bytes": {"model.safetensors": tracking.SMALL_FILE_BYTES + 1}}
+    assert runs["sft"].data.tags["alignflow.model_path"] == str(small.resolve())
+    assert runs["dpo"].data.tags["alignflow.model_path"] == str(big.resolve())
+
+
+def test_a_bad_model_copy_setting_fails_before_the_stage_starts(workspace, monkeypatch):
+    monkeypatch.setenv(tracking.MODEL_COPY_ENV, "1GB")
+    with pytest.raises(AlignflowError, match=r"^\$ALIGNFLOW_MLFLOW_MODEL_MIB: expected a whole number of MiB .*'1GB'$"):
+        with tracking.stage_run(workspace, "sft", echo=False):
+            raise AssertionError("the stage must not start")
+    assert tracking.find_runs(workspace) == []
 
 
 def test_stage_runs_nest_under_the_pipeline_run_and_failures_are_marked(workspace):
