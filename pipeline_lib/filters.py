@@ -188,15 +188,16 @@ def run_west_of_n_stage(store: Store, *, run_id: str, source: str = "west_of_n")
 
 
 def sampled_with_chat_template(samples: pl.DataFrame, run_id: str) -> bool:
-    """Whether a sampling run's prompts went through the chat template, as its rows record. Rows of a store
-    before schema v2 have no record (NULL): read as plain prompts, with a warning."""
-    flags = set(samples["chat_template"].drop_nulls())
+    """Whether a sampling run's prompts went through the chat template, as its rows record. A run sampled before
+    schema v2 has no record until its sampling stage runs again (which records it): read as plain prompts, with a
+    warning."""
+    flags = set(samples["chat_template"].drop_nulls()) if "chat_template" in samples.columns else set()
     if len(flags) > 1:
         raise ValueError(f"samples: run_id {run_id!r} has rows sampled with and without the chat template "
                          "(a run_id reused with another chat_template); sample into a new run_id")
-    if samples["chat_template"].null_count():
+    if not flags:
         warnings.warn(f"samples: run_id {run_id!r} was sampled before alignflow recorded the chat template; its "
-                      "West-of-N pairs are plain prompts", stacklevel=2)
+                      "West-of-N pairs are plain prompts (rerun its sampling stage to record it)", stacklevel=2)
     return flags == {True}
 
 

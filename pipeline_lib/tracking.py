@@ -216,6 +216,8 @@ def log_model(path: str | Path) -> None:
     Up to $ALIGNFLOW_MLFLOW_MODEL_MIB MiB (default 1024) the whole dir is copied; above it, its files of at most
     64 MiB are, and `model/not_copied.json` lists the others (weights) with their sizes and the dir they are in."""
     path = Path(path).resolve()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model dir {path}: not a directory")
     files = {file: file.stat().st_size for file in sorted(path.rglob("*")) if file.is_file()}
     mlflow.set_tag("alignflow.model_path", str(path))
     if sum(files.values()) <= model_copy_limit() * 2**20:
@@ -232,9 +234,10 @@ def log_model(path: str | Path) -> None:
 
 
 def model_copy_limit() -> int:
-    """$ALIGNFLOW_MLFLOW_MODEL_MIB as a whole number of MiB (default 1024), else a one-line error."""
-    text = os.environ.get(MODEL_COPY_ENV, str(DEFAULT_MODEL_COPY_MIB))
-    if not text.strip().isdigit():
+    """$ALIGNFLOW_MLFLOW_MODEL_MIB as a whole number of MiB (default 1024 when unset or empty), else a one-line
+    error."""
+    text = os.environ.get(MODEL_COPY_ENV) or str(DEFAULT_MODEL_COPY_MIB)
+    if not text.strip().isdecimal():
         raise AlignflowError(f"${MODEL_COPY_ENV}: expected a whole number of MiB (0 copies only the small files), "
                              f"got {text!r}")
     return int(text)

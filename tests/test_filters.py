@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import warnings
 
 import polars as pl
 import pytest
@@ -105,6 +106,11 @@ def test_a_runs_rows_say_whether_it_sampled_with_the_chat_template():
         sampled_with_chat_template(frame.with_columns(chat_template=pl.Series([True, False])), "r")
     with pytest.warns(UserWarning, match="run_id 'r' was sampled before alignflow recorded the chat template"):
         assert sampled_with_chat_template(frame.with_columns(chat_template=pl.lit(None, pl.Boolean)), "r") is False
+    with pytest.warns(UserWarning, match="rerun its sampling stage to record it"):
+        assert sampled_with_chat_template(frame, "r") is False  # no such column: a frame from a v1 store
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # some rows recorded: no warning
+        assert sampled_with_chat_template(frame.with_columns(chat_template=pl.Series([None, True])), "r") is True
 
 
 def test_west_of_n_pairs_of_a_chat_template_run_are_conversations():

@@ -77,12 +77,24 @@ def test_a_model_dir_is_copied_whole_up_to_the_limit_and_its_small_files_above_i
     assert runs["dpo"].data.tags["alignflow.model_path"] == str(big.resolve())
 
 
-def test_a_bad_model_copy_setting_fails_before_the_stage_starts(workspace, monkeypatch):
-    monkeypatch.setenv(tracking.MODEL_COPY_ENV, "1GB")
-    with pytest.raises(AlignflowError, match=r"^\$ALIGNFLOW_MLFLOW_MODEL_MIB: expected a whole number of MiB .*'1GB'$"):
+@pytest.mark.parametrize("value", ["1GB", "-1", "1.5", "\u00b2"])  # superscript two: a digit, not a decimal
+def test_a_bad_model_copy_setting_fails_before_the_stage_starts(workspace, monkeypatch, value):
+    monkeypatch.setenv(tracking.MODEL_COPY_ENV, value)
+    with pytest.raises(AlignflowError, match=r"^\$ALIGNFLOW_MLFLOW_MODEL_MIB: expected a whole number of MiB .*got"):
         with tracking.stage_run(workspace, "sft", echo=False):
             raise AssertionError("the stage must not start")
     assert tracking.find_runs(workspace) == []
+
+
+def test_model_copy_setting_defaults_when_unset_or_empty_and_a_missing_model_dir_is_an_error(workspace, monkeypatch,
+                                                                                              tmp_path):
+    monkeypatch.setenv(tracking.MODEL_COPY_ENV, "")
+    assert tracking.model_copy_limit() == tracking.DEFAULT_MODEL_COPY_MIB
+    monkeypatch.setenv(tracking.MODEL_COPY_ENV, " 5 ")
+    assert tracking.model_copy_limit() == 5
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        with tracking.stage_run(workspace, "sft", echo=False):
+            tracking.log_model(tmp_path / "missing")
 
 
 def test_stage_runs_nest_under_the_pipeline_run_and_failures_are_marked(workspace):

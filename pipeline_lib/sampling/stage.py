@@ -120,6 +120,7 @@ def sample_problems(
         raise SamplingError(f"batch_size={batch_size}: expected at least 1")
     problems = problems.sort("problem_id")
     ids, prompts, answers = (problems[c].to_list() for c in ("problem_id", "prompt", "answer"))
+    store.record_chat_template(run_id, render is not None)  # rows of this run sampled before the store recorded it
     done = store.sampled_prompt_ids(run_id)
     skipped = sum(pid in done for pid in ids)
     written = sampled = tokens = 0

@@ -201,6 +201,12 @@ class Store:
             with suppress(duckdb.TransactionException):
                 self.con.unregister("incoming_frame")
 
+    def record_chat_template(self, run_id: str, chat_template: bool) -> int:
+        """Set samples.chat_template on the rows of `run_id` that have none (sampled before schema v2); returns
+        how many rows were updated."""
+        return self._run("UPDATE samples SET chat_template = ? WHERE run_id = ? AND chat_template IS NULL",
+                         [chat_template, run_id])[0][0]
+
     def delete_eval_results(self, run_id: str, model: str) -> None:
         """The results of `model` on sampling run `run_id` (one model dir evaluated under two names shares
         its samples, not its results)."""

@@ -143,6 +143,9 @@ def test_chat_template_renders_prompts_and_keeps_the_raw_prompt(store, tiny_mode
     rows = store.read("samples", run_id=report.run_id)
     assert set(rows["prompt"]) == {"97+70=", "36+31="}
     assert rows["chat_template"].to_list() == [True] * 4  # what West-of-N reads to store conversations
+    store._run("UPDATE samples SET chat_template = NULL")  # as sampled before the store recorded it (schema v1)
+    assert run_sample_stage(cfg, store, progress=False).prompts_skipped == 2  # a rerun samples nothing...
+    assert store.read("samples", run_id=report.run_id)["chat_template"].to_list() == [True] * 4  # ...but records it
     plain = run_sample_stage(cfg.model_copy(update={"chat_template": False}), store, progress=False)
     assert store.read("samples", run_id=plain.run_id)["chat_template"].to_list() == [False] * 4
 
