@@ -214,30 +214,41 @@ def _array_items(data: bytes) -> list[bytes]:
 
 
 def _parquet_lines(path: Path, data: bytes) -> tuple[list[bytes], Sequence[int], dict[int, str]]:
-    """Parquet rows as JSON lines. Binary columns become UTF-8 text (writers often store strings as
-    binary, and polars cannot write binary as JSON); a row whose bytes are not UTF-8 is rejected."""
+    """Parquet rows as JSON lines. Binary values, at any depth (lists, structs), become UTF-8 text (writers often
+    store strings as binary, and polars cannot write binary as JSON); a row whose bytes are not UTF-8 is rejected,
+    its `raw` readable with replacement characters."""
     try:
         frame = pl.read_parquet(io.BytesIO(data))
     except (pl.exceptions.PolarsError, OSError, ValueError) as exc:
         raise IngestError(f"{path}: unreadable parquet file ({str(exc).splitlines()[0]})") from None
     pre_bad: dict[int, str] = {}
     for name, dtype in frame.schema.items():
-        if dtype == pl.Binary:
+        text_dtype = _text_dtype(dtype)
+        if text_dtype == dtype:
+            continue
+        try:
+            frame = frame.with_columns(frame[name].cast(text_dtype))  # every value UTF-8: one vectorised cast
+        except pl.exceptions.ComputeError:  # some are not: find their rows
             texts = []
             for i, value in enumerate(frame[name].to_list()):
                 try:
-                    texts.append(None if value is None else value.decode("utf-8"))
+                    texts.append(_decoded(value, "strict"))
                 except UnicodeDecodeError:
                     pre_bad.setdefault(i, f"invalid UTF-8 in field '{name}'")
-                    texts.append(value.decode("utf-8", errors="replace"))  # readable in `raw`
-            frame = frame.with_columns(pl.Series(name, texts, dtype=pl.String))
-        elif _text_dtype(dtype) != dtype:
-            try:
-                frame = frame.with_columns(frame[name].cast(_text_dtype(dtype)))
-            except pl.exceptions.ComputeError:
-                raise IngestError(f"{path}: column '{name}' holds binary values that are not UTF-8 text "
-                                  f"inside a {dtype}") from None
+                    texts.append(_decoded(value, "replace"))
+            frame = frame.with_columns(pl.Series(name, texts, dtype=text_dtype))
     return frame.write_ndjson().encode().splitlines(), range(frame.height), pre_bad
+
+
+def _decoded(value: object, errors: str) -> object:
+    """A parquet value with its bytes, at any depth, decoded as UTF-8 (`errors` as in bytes.decode)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors)
+    if isinstance(value, list):
+        return [_decoded(item, errors) for item in value]
+    if isinstance(value, dict):
+        return {key: _decoded(item, errors) for key, item in value.items()}
+    return value
 
 
 def _text_dtype(dtype: pl.DataType) -> pl.DataType:

@@ -157,9 +157,22 @@ def test_parquet_binary_columns_are_read_as_text(tmp_path, store):
         ("p1", {"x": "\x00", "tags": ["t"]}), ("p3", {"x": None, "tags": []})]
     assert store.read("quarantine")[["line_no", "reason", "raw"]].rows() == [
         (1, "invalid UTF-8 in field 'x'", '{"prompt":"p2","chosen":"a","rejected":"b","x":"\ufffd\ufffd","tags":["u"]}')]
-    frame.with_columns(x=pl.lit(b"ok"), tags=pl.Series([[b"t"], [b"\xff"], []])).write_parquet(tmp_path / "binlist.parquet")
-    refused(tmp_path / "binlist.parquet", store, "column 'tags' holds binary values that are not UTF-8 text inside a "
-                                                 "List(Binary)")
+
+
+def test_parquet_nested_binary_that_is_not_utf8_quarantines_its_row_not_the_file(tmp_path, store):
+    frame = pl.DataFrame({"prompt": ["n1", "n2", "n3"], "chosen": ["a", "a", "a"], "rejected": ["b", "b", "b"],
+                          "tags": [[b"t"], [b"ok", b"\xff"], []],
+                          "info": [{"k": [b"v"]}, {"k": [b"w"]}, {"k": [b"\xfe"]}]})
+    frame.write_parquet(tmp_path / "nested.parquet")
+    report = ingest_file(tmp_path / "nested.parquet", store)
+    assert (report.rows_read, report.accepted, report.quarantined) == (3, 1, 2)
+    (row,) = store.read("preference_pairs").to_dicts()
+    assert (row["prompt"], orjson.loads(row["meta"])) == ("n1", {"tags": ["t"], "info": {"k": ["v"]}})
+    assert store.read("quarantine").sort("line_no")[["line_no", "reason", "raw"]].rows() == [
+        (1, "invalid UTF-8 in field 'tags'",
+         '{"prompt":"n2","chosen":"a","rejected":"b","tags":["ok","\ufffd"],"info":{"k":["w"]}}'),
+        (2, "invalid UTF-8 in field 'info'",
+         '{"prompt":"n3","chosen":"a","rejected":"b","tags":[],"info":{"k":["\ufffd"]}}')]
 
 
 def test_utf16_file_is_refused_or_fully_quarantined(tmp_path, store):
