@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -147,6 +148,17 @@ def completion_logprob_sums(
     return logps.sum(dim=-1)  # (B,)
 
 
+def _select_rows(cache: DynamicCache, index: Tensor) -> None:
+    """Each layer's cached keys/values of rows `index`, with index_select: its backward (index_add_) sums a
+    prompt's rows in a fixed order, where advanced indexing's (DynamicCache.batch_select_indices; index_put_ with
+    accumulate) adds them from several CPU threads in any order, so two identical runs trained differently."""
+    for layer in cache.layers:
+        if type(layer).batch_select_indices is DynamicLayer.batch_select_indices:  # it selects keys/values only
+            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+        else:
+            layer.batch_select_indices(index)
+
+
 def shared_prompt_logprobs(
     model: PreTrainedModel,
     prompt_ids: Tensor,  # (U, P) left-padded distinct prompts
@@ -179,13 +191,13 @@ def shared_prompt_logprobs(
     cache = DynamicCache(config=inner.config)
     prompt_hidden = _final_hidden(model, prompt_ids, prompt_mask, cache=cache, use_cache=True,
                                   position_ids=position_ids_from_mask(prompt_mask))  # (U, P, H)
-    cache.batch_select_indices(prompt_index)  # (U, ...) -> (N, ...)
+    _select_rows(cache, prompt_index)  # (U, ...) -> (N, ...)
     prompt_lengths = prompt_mask.long().sum(dim=-1)[prompt_index]  # (N,)
     positions = prompt_lengths.unsqueeze(1) + torch.arange(completion_ids.shape[1], device=completion_ids.device)
     completion_hidden = _final_hidden(model, completion_ids, torch.cat([prompt_mask[prompt_index], completion_mask], 1),
                                       cache=cache, use_cache=True, position_ids=positions)  # (N, C, H)
     # the last prompt position predicts completion token 0, completion position t predicts token t + 1
-    hidden = torch.cat([prompt_hidden[prompt_index, -1:], completion_hidden[:, :-1]], dim=1)  # (N, C, H)
+    hidden = torch.cat([prompt_hidden[:, -1:].index_select(0, prompt_index), completion_hidden[:, :-1]], dim=1)
     logps, entropy = _chunked_logps(inner.get_output_embeddings(), hidden, completion_ids, return_entropy, chunk_size,
                                     temperature)
     keep = completion_mask.bool()

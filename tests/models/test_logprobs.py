@@ -189,6 +189,29 @@ def test_shared_prompt_logprobs_equal_full_rows_values_entropies_and_gradients(m
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+def test_shared_prompt_gradients_are_the_same_on_every_run(model):
+    """GRPO's mini-batches gather a prompt's cache for its rows in shuffled order: the gradients summed back
+    into the prompt must not depend on how CPU threads interleave (advanced indexing's backward made two identical
+    GRPO runs diverge after one update)."""
+    g = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(7, 19, (16, 6), generator=g)
+    index = torch.arange(16).repeat_interleave(8)[torch.randperm(128, generator=g)]
+    completion_ids = torch.randint(7, 19, (128, 6), generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the race needs two threads (CI has 2 cores)
+    try:
+        grads = set()
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            shared_prompt_logprobs(model, prompt_ids, torch.ones_like(prompt_ids), index, completion_ids,
+                                   torch.ones_like(completion_ids)).sum().backward()
+            grads.add(b"".join(p.grad.numpy().tobytes() for p in model.parameters()))
+        model.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(grads) == 1
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.7])
 def test_temperature_gives_the_log_probs_of_the_sampled_distribution(model, temperature):
     """Rollouts drawn at temperature T: log-probs and entropies of softmax(logits / T), shared prompt or not."""
