@@ -37,6 +37,7 @@ TRUNCATED = "...[truncated]"
 MODEL_COPY_ENV = "ALIGNFLOW_MLFLOW_MODEL_MIB"
 DEFAULT_MODEL_COPY_MIB = 1024
 SMALL_FILE_BYTES = 64 * 2**20  # config, tokenizer, metrics: copied whatever the model's size
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
 
 def configure(workspace: Workspace, experiment: str = EXPERIMENT) -> str:
@@ -214,7 +215,8 @@ def log_figure(figure: Any, artifact_file: str, *, run_id: str | None = None) ->
 def log_model(path: str | Path) -> None:
     """A stage's model dir into the active run under `model/`, and the tag `alignflow.model_path` naming it.
     Up to $ALIGNFLOW_MLFLOW_MODEL_MIB MiB (default 1024) the whole dir is copied; above it, its files of at most
-    64 MiB are, and `model/not_copied.json` lists the others (weights) with their sizes and the dir they are in."""
+    64 MiB that are not weights (shards of any size) are, and `model/not_copied.json` lists the others with their
+    sizes and the dir they are in."""
     path = Path(path).resolve()
     if not path.is_dir():
         raise FileNotFoundError(f"model dir {path}: not a directory")
@@ -226,7 +228,7 @@ def log_model(path: str | Path) -> None:
     not_copied = {}
     for file, size in files.items():
         relative = file.relative_to(path)
-        if size <= SMALL_FILE_BYTES:
+        if size <= SMALL_FILE_BYTES and not file.name.endswith(WEIGHT_SUFFIXES):
             mlflow.log_artifact(str(file), str(Path("model", relative.parent)))
         else:
             not_copied[relative.as_posix()] = size

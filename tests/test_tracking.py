@@ -61,6 +61,8 @@ def _artifacts(workspace: Workspace, run_id: str, path: str) -> dict[str, int]:
 def test_a_model_dir_is_copied_whole_up_to_the_limit_and_its_small_files_above_it(workspace, tmp_path, monkeypatch):
     small = _model_dir(tmp_path / "small", 2048)
     big = _model_dir(tmp_path / "big", tracking.SMALL_FILE_BYTES + 1)  # over 64 MiB, and over a 0 MiB limit
+    (big / "model-00002-of-00002.safetensors").write_bytes(b"w" * 100)  # a small shard: weights all the same
+    (big / "notes.bin.txt").write_text("kept")  # not a weights file
     with tracking.stage_run(workspace, "sft", echo=False):
         tracking.log_model(small)
     monkeypatch.setenv(tracking.MODEL_COPY_ENV, "0")
@@ -70,9 +72,11 @@ def test_a_model_dir_is_copied_whole_up_to_the_limit_and_its_small_files_above_i
     assert _artifacts(workspace, runs["sft"].info.run_id, "model") == {
         "model/config.json": 8, "model/tokenizer/vocab.txt": 3, "model/model.safetensors": 2048}
     copied = _artifacts(workspace, runs["dpo"].info.run_id, "model")
-    assert sorted(copied) == ["model/config.json", "model/not_copied.json", "model/tokenizer/vocab.txt"]
+    assert sorted(copied) == ["model/config.json", "model/not_copied.json", "model/notes.bin.txt",
+                              "model/tokenizer/vocab.txt"]
     listed = mlflow.artifacts.load_dict(f"{runs['dpo'].info.artifact_uri}/model/not_copied.json")
-    assert listed == {"model_path": str(big.resolve()), "bytes": {"model.safetensors": tracking.SMALL_FILE_BYTES + 1}}
+    assert listed == {"model_path": str(big.resolve()), "bytes": {"model-00002-of-00002.safetensors": 100,
+                                                                  "model.safetensors": tracking.SMALL_FILE_BYTES + 1}}
     assert runs["sft"].data.tags["alignflow.model_path"] == str(small.resolve())
     assert runs["dpo"].data.tags["alignflow.model_path"] == str(big.resolve())
 
