@@ -240,8 +240,8 @@ def model_copy_limit() -> int:
     error."""
     text = os.environ.get(MODEL_COPY_ENV) or str(DEFAULT_MODEL_COPY_MIB)
     if not text.strip().isdecimal():
-        raise AlignflowError(f"${MODEL_COPY_ENV}: expected a whole number of MiB (0 copies only the small files), "
-                             f"got {text!r}")
+        raise AlignflowError(f"${MODEL_COPY_ENV}: expected a whole number of MiB (0 copies only config and "
+                             f"tokenizer files), got {text!r}")
     return int(text)
 
 

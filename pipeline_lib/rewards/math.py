@@ -110,8 +110,9 @@ def _token_value(match: re.Match[str], max_chars: int = MAX_NUMBER_CHARS) -> tup
     if match["body"] is None or match["unread"] is not None or match.end() - match.start() > max_chars:
         return None
     value = _power(_decimal(match["body"]), match["body_pow"])  # `2^10`
-    if value is not None and (match["exp"] or match["pow"]) is not None:  # `2e3` or `2 × 10^3`
-        scale = _power(Fraction(10), match["exp"] or match["pow"])
+    exponent = match["exp"] or match["pow"]  # `2e3` or `2 × 10^3`
+    if value is not None and exponent is not None:
+        scale = _power(Fraction(10), exponent)
         value = None if scale is None else value * scale
     if value is not None and match["den"] is not None:
         denominator = _power(_decimal(match["den"]), match["den_pow"])
