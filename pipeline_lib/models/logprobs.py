@@ -107,21 +107,21 @@ def sequence_logprobs(
     `temperature` divides the logits, as the sampler did: the log-probs of the distribution a rollout drew from.
 
     Values are zero wherever completion_mask is 0. With return_entropy, also the entropy of the
-    distribution that predicted each position, masked the same way. Logits are built `chunk_size`
+    distribution that predicted each position, masked the same way. The model runs only up to the column
+    before the last completion token (later columns predict nothing asked for); logits are built `chunk_size`
     positions at a time, only over the span of columns that hold completion tokens; under autograd each
     chunk is checkpointed, so backward recomputes its logits instead of keeping them all alive."""
     _check_inputs(input_ids, attention_mask, completion_mask)
     _check_options(chunk_size, temperature)
     batch, seq_len = input_ids.shape
-    hidden = _final_hidden(model, input_ids, attention_mask)  # (B, T, H)
-    lm_head = getattr(model, "module", model).get_output_embeddings()
-
-    logps = hidden.new_zeros((batch, seq_len), dtype=torch.float32)  # (B, T)
+    logps = torch.zeros((batch, seq_len), dtype=torch.float32, device=input_ids.device)  # (B, T)
     entropy = torch.zeros_like(logps)
     needed = completion_mask[:, 1:].bool().any(dim=0).nonzero().flatten()  # target columns - 1
     if needed.numel() > 0:
         lo, hi = int(needed.min()), int(needed.max()) + 1  # hidden at column t predicts token t + 1
-        span_logps, span_entropy = _chunked_logps(lm_head, hidden[:, lo:hi], input_ids[:, lo + 1:hi + 1],
+        hidden = _final_hidden(model, input_ids[:, :hi], attention_mask[:, :hi])  # (B, hi, H)
+        lm_head = getattr(model, "module", model).get_output_embeddings()
+        span_logps, span_entropy = _chunked_logps(lm_head, hidden[:, lo:], input_ids[:, lo + 1:hi + 1],
                                                   return_entropy, chunk_size, temperature)
         # Pad rather than write in place: in-place writes into `logps` would break autograd on the chunks.
         pad = (lo + 1, seq_len - hi - 1)
@@ -148,13 +148,30 @@ def completion_logprob_sums(
     return logps.sum(dim=-1)  # (B,)
 
 
+class _RowSelect(torch.autograd.Function):
+    """x.index_select(0, index) whose backward adds the rows' gradients into x's rows with index_add_ on a
+    contiguous copy: in a fixed order, where advanced indexing's backward (index_put_ with accumulate) adds them
+    from several CPU threads in any order, so two identical runs trained differently; and on a contiguous
+    gradient, where index_select's own backward scatters a strided one (a slice of the concatenated keys)
+    element by element, several times slower."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros((ctx.rows, *grad.shape[1:])).index_add_(0, index, grad.contiguous()), None
+
+
 def _select_rows(cache: DynamicCache, index: Tensor) -> None:
-    """Each layer's cached keys/values of rows `index`, with index_select: its backward (index_add_) sums a
-    prompt's rows in a fixed order, where advanced indexing's (DynamicCache.batch_select_indices; index_put_ with
-    accumulate) adds them from several CPU threads in any order, so two identical runs trained differently."""
+    """Each layer's cached keys/values of rows `index` (`_RowSelect`)."""
     for layer in cache.layers:
         if type(layer).batch_select_indices is DynamicLayer.batch_select_indices:  # it selects keys/values only
-            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+            layer.keys, layer.values = _RowSelect.apply(layer.keys, index), _RowSelect.apply(layer.values, index)
         else:
             layer.batch_select_indices(index)
 
@@ -175,8 +192,9 @@ def shared_prompt_logprobs(
 
     The same values as `sequence_logprobs` on the rows prompt + completion, computed with each distinct prompt
     run once: its keys/values are cached, gathered per row (a differentiable index, so gradients from every row
-    reach the shared prompt) and the completions attend to them at the positions they have in the full row.
-    GRPO's G samples of a prompt cost one prompt pass instead of G."""
+    reach the shared prompt) and the completions but their last token (which predicts nothing asked for) attend
+    to them at the positions they have in the full row. GRPO's G samples of a prompt cost one prompt pass
+    instead of G."""
     for name, tensor, dims in (("prompt_ids", prompt_ids, 2), ("completion_ids", completion_ids, 2),
                                ("prompt_index", prompt_index, 1)):
         if tensor.dim() != dims:
@@ -191,13 +209,16 @@ def shared_prompt_logprobs(
     cache = DynamicCache(config=inner.config)
     prompt_hidden = _final_hidden(model, prompt_ids, prompt_mask, cache=cache, use_cache=True,
                                   position_ids=position_ids_from_mask(prompt_mask))  # (U, P, H)
-    _select_rows(cache, prompt_index)  # (U, ...) -> (N, ...)
-    prompt_lengths = prompt_mask.long().sum(dim=-1)[prompt_index]  # (N,)
-    positions = prompt_lengths.unsqueeze(1) + torch.arange(completion_ids.shape[1], device=completion_ids.device)
-    completion_hidden = _final_hidden(model, completion_ids, torch.cat([prompt_mask[prompt_index], completion_mask], 1),
-                                      cache=cache, use_cache=True, position_ids=positions)  # (N, C, H)
     # the last prompt position predicts completion token 0, completion position t predicts token t + 1
-    hidden = torch.cat([prompt_hidden[:, -1:].index_select(0, prompt_index), completion_hidden[:, :-1]], dim=1)
+    hidden = _RowSelect.apply(prompt_hidden[:, -1:], prompt_index)  # (N, 1, H)
+    if completion_ids.shape[1] > 1:
+        _select_rows(cache, prompt_index)  # (U, ...) -> (N, ...)
+        inputs, input_mask = completion_ids[:, :-1], completion_mask[:, :-1]  # (N, C-1)
+        prompt_lengths = prompt_mask.long().sum(dim=-1)[prompt_index]  # (N,)
+        positions = prompt_lengths.unsqueeze(1) + torch.arange(inputs.shape[1], device=inputs.device)
+        completion_hidden = _final_hidden(model, inputs, torch.cat([prompt_mask[prompt_index], input_mask], 1),
+                                          cache=cache, use_cache=True, position_ids=positions)  # (N, C-1, H)
+        hidden = torch.cat([hidden, completion_hidden], dim=1)  # (N, C, H)
     logps, entropy = _chunked_logps(inner.get_output_embeddings(), hidden, completion_ids, return_entropy, chunk_size,
                                     temperature)
     keep = completion_mask.bool()

@@ -154,18 +154,16 @@ class HFSampler:
                     **self._generation_kwargs(temperature, top_p, stop),
                 )
         generated = out.sequences[:, prompt_len:]  # (B*n, T) rows grouped by prompt: p0 x n, p1 x n, ...
-        token_logps = _chosen_logprobs(out.logits, generated) if logprobs else None  # (B*n, T)
-        generated = generated.cpu()  # one device sync, not one per row
-        rows = [self._completion(generated[r], None if token_logps is None else token_logps[r], stop)
-                for r in range(generated.shape[0])]
+        token_logps = _chosen_logprobs(out.logits, generated).tolist() if logprobs else None  # (B*n, T)
+        rows = [self._completion(ids, None if token_logps is None else token_logps[r], stop)
+                for r, ids in enumerate(generated.tolist())]  # one device sync, not one per row
         if temperature == 0:
             rows = [row for row in rows for _ in range(n)]
         return [rows[i * n:(i + 1) * n] for i in range(len(prompts))]
 
-    def _completion(self, tokens: Tensor, token_logps: Tensor | None, stop: Sequence[str]) -> Completion:
+    def _completion(self, ids: list[int], token_logps: list[float] | None, stop: Sequence[str]) -> Completion:
         """Cut one generated row at its end: the first eos (kept) or the token completing a stop string,
         whichever comes first (generate pads finished rows, with eos itself when pad == eos)."""
-        ids = tokens.tolist()
         eos_at = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
         end, reason = (len(ids), "length") if eos_at is None else (eos_at + 1, "stop")
         stop_at = self._stop_string_end(ids[:end], stop) if stop else None
@@ -175,7 +173,7 @@ class HFSampler:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         if stop_at is not None and end == stop_at:
             text = text[:min(i for i in (text.find(s) for s in stop) if i >= 0)]
-        logps = None if token_logps is None else token_logps[:end].tolist()
+        logps = None if token_logps is None else token_logps[:end]
         return Completion(text=text, token_ids=ids, finish_reason=reason, logprobs=logps)
 
     def _stop_string_end(self, ids: list[int], stop: Sequence[str]) -> int | None:

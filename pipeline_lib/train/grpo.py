@@ -108,7 +108,9 @@ def sample_groups(
         texts = [c.text for c in completions]
         lengths = [c.n_tokens for c in completions]
         rewards, components = reward_fn(row_prompts, texts, answers=row_answers, lengths=lengths)
-        correct = [is_correct(text, answer) for text, answer in zip(texts, row_answers)]
+        # the raw verifier outcome: the verifier reward's own values when the config uses it (not verified twice)
+        correct = [value == 1.0 for value in components["verifier"]] if "verifier" in components \
+            else [is_correct(text, answer) for text, answer in zip(texts, row_answers)]
         seen_rewards += rewards
         seen_correct += correct
         seen_lengths += lengths

@@ -188,16 +188,14 @@ def grouped_completions_batch(
     prompt_width = max(len(ids) for ids in prompt_ids)
     completion_width = max(len(c.token_ids) for c in completions)
     pad = tokenizer.pad_token_id
-    prompt_tensor = torch.full((len(distinct), prompt_width), pad, dtype=torch.long)
-    prompt_mask = torch.zeros_like(prompt_tensor)
-    for k, ids in enumerate(prompt_ids):
-        prompt_tensor[k, prompt_width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        prompt_mask[k, prompt_width - len(ids):] = 1
-    completion_tensor = torch.full((len(completions), completion_width), pad, dtype=torch.long)
-    completion_mask = torch.zeros_like(completion_tensor)
-    for i, completion in enumerate(completions):
-        completion_tensor[i, :completion.n_tokens] = torch.tensor(completion.token_ids, dtype=torch.long)
-        completion_mask[i, :completion.n_tokens] = 1
+    # padded rows built as lists and converted once (a tensor per row costs more than the rows themselves)
+    prompt_tensor = torch.tensor([[pad] * (prompt_width - len(ids)) + ids for ids in prompt_ids], dtype=torch.long)
+    prompt_mask = torch.tensor([[0] * (prompt_width - len(ids)) + [1] * len(ids) for ids in prompt_ids],
+                               dtype=torch.long)
+    completion_tensor = torch.tensor([list(c.token_ids) + [pad] * (completion_width - c.n_tokens)
+                                      for c in completions], dtype=torch.long)
+    completion_mask = torch.tensor([[1] * c.n_tokens + [0] * (completion_width - c.n_tokens) for c in completions],
+                                   dtype=torch.long)
     prompt_index = torch.tensor([position[prompt] for prompt in prompts], dtype=torch.long)
     return GroupedBatch(prompt_tensor, prompt_mask, prompt_index, completion_tensor, completion_mask)
 
