@@ -189,6 +189,40 @@ def test_shared_prompt_logprobs_equal_full_rows_values_entropies_and_gradients(m
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+def _input_widths(model, run) -> list[tuple[int, int]]:
+    """The (rows, columns) of every input the model's embedding sees while `run()` runs."""
+    shapes: list[tuple[int, int]] = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: shapes.append(tuple(i[0].shape)))
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        hook.remove()
+    return shapes
+
+
+@pytest.mark.parametrize("completions", [None, [[7], [8], [9], [10], [11]]], ids=["mixed", "one_token_each"])
+def test_the_model_never_runs_the_last_completion_column(model, completions):
+    """The last completion token's hidden state would predict a token after the completion: neither function
+    feeds it, and the values are still those of the full rows (one-token completions: only the prompt pass)."""
+    prompts, mixed, index = _grouped()
+    completions = completions or mixed
+    grouped = _grouped_tensors(prompts, completions, index)
+    ids, attention, completion = _full_rows(prompts, completions, index)
+    width = max(map(len, completions))
+
+    shared = []
+    shapes = _input_widths(model, lambda: shared.append(shared_prompt_logprobs(model, *grouped)))
+    assert shapes == [(2, 5)] + ([(5, width - 1)] if width > 1 else [])
+    full = []
+    assert _input_widths(model, lambda: full.append(sequence_logprobs(model, ids, attention, completion))) == \
+        [(5, ids.shape[1] - 1)]
+    for row, tokens in enumerate(completions):
+        torch.testing.assert_close(shared[0][row, :len(tokens)], full[0][row, -len(tokens):], atol=ATOL, rtol=0)
+    ids, attention, completion = _batch()
+    assert _input_widths(model, lambda: sequence_logprobs(model, ids, attention, completion)) == [(3, 11)]
+
+
 def test_shared_prompt_gradients_are_the_same_on_every_run(model):
     """GRPO's mini-batches gather a prompt's cache for its rows in shuffled order: the gradients summed back
     into the prompt must not depend on how CPU threads interleave (advanced indexing's backward made two identical
