@@ -149,11 +149,11 @@ def completion_logprob_sums(
 
 
 class _RowSelect(torch.autograd.Function):
-    """x.index_select(0, index) whose backward adds the rows' gradients into x's rows with index_add_ on a
-    contiguous copy: in a fixed order, where advanced indexing's backward (index_put_ with accumulate) adds them
-    from several CPU threads in any order, so two identical runs trained differently; and on a contiguous
-    gradient, where index_select's own backward scatters a strided one (a slice of the concatenated keys)
-    element by element, several times slower."""
+    """x.index_select(0, index) whose backward is index_select's (index_add_ into x's rows, the same values) on a
+    contiguous copy of the gradient: index_select's own backward scatters a strided one (a slice of the
+    concatenated keys) element by element, several times slower. On CPU index_add_ adds a prompt's rows in a
+    fixed order, where advanced indexing's backward (index_put_ with accumulate) adds them from several threads in
+    any order, so two identical runs trained differently; on CUDA both use atomic adds."""
 
     @staticmethod
     def forward(ctx, x: Tensor, index: Tensor) -> Tensor:
@@ -192,9 +192,9 @@ def shared_prompt_logprobs(
 
     The same values as `sequence_logprobs` on the rows prompt + completion, computed with each distinct prompt
     run once: its keys/values are cached, gathered per row (a differentiable index, so gradients from every row
-    reach the shared prompt) and the completions but their last token (which predicts nothing asked for) attend
-    to them at the positions they have in the full row. GRPO's G samples of a prompt cost one prompt pass
-    instead of G."""
+    reach the shared prompt) and the completions attend to them at the positions they have in the full row,
+    up to the column before the last one any row fills (later columns predict nothing asked for). GRPO's G
+    samples of a prompt cost one prompt pass instead of G."""
     for name, tensor, dims in (("prompt_ids", prompt_ids, 2), ("completion_ids", completion_ids, 2),
                                ("prompt_index", prompt_index, 1)):
         if tensor.dim() != dims:
@@ -204,23 +204,30 @@ def shared_prompt_logprobs(
     if prompt_index.shape[0] != completion_ids.shape[0]:
         raise ValueError(f"prompt_index: expected one entry per completion row ({completion_ids.shape[0]}), "
                          f"got {prompt_index.shape[0]}")
+    if completion_ids.shape[1] == 0:
+        raise ValueError("completion_ids: expected at least one column")
     _check_options(chunk_size, temperature)
     inner = getattr(model, "module", model)
     cache = DynamicCache(config=inner.config)
     prompt_hidden = _final_hidden(model, prompt_ids, prompt_mask, cache=cache, use_cache=True,
                                   position_ids=position_ids_from_mask(prompt_mask))  # (U, P, H)
-    # the last prompt position predicts completion token 0, completion position t predicts token t + 1
+    # the last prompt position predicts completion token 0, completion position t predicts token t + 1; only
+    # the first `width` columns hold completion tokens (a mini-batch of short rows leaves trailing padding)
+    filled = completion_mask.bool().any(dim=0).nonzero()
+    width = int(filled.max()) + 1 if filled.numel() else 1
     hidden = _RowSelect.apply(prompt_hidden[:, -1:], prompt_index)  # (N, 1, H)
-    if completion_ids.shape[1] > 1:
+    if width > 1:
         _select_rows(cache, prompt_index)  # (U, ...) -> (N, ...)
-        inputs, input_mask = completion_ids[:, :-1], completion_mask[:, :-1]  # (N, C-1)
+        inputs, input_mask = completion_ids[:, :width - 1], completion_mask[:, :width - 1]  # (N, width-1)
         prompt_lengths = prompt_mask.long().sum(dim=-1)[prompt_index]  # (N,)
         positions = prompt_lengths.unsqueeze(1) + torch.arange(inputs.shape[1], device=inputs.device)
         completion_hidden = _final_hidden(model, inputs, torch.cat([prompt_mask[prompt_index], input_mask], 1),
-                                          cache=cache, use_cache=True, position_ids=positions)  # (N, C-1, H)
-        hidden = torch.cat([hidden, completion_hidden], dim=1)  # (N, C, H)
-    logps, entropy = _chunked_logps(inner.get_output_embeddings(), hidden, completion_ids, return_entropy, chunk_size,
-                                    temperature)
+                                          cache=cache, use_cache=True, position_ids=positions)  # (N, width-1, H)
+        hidden = torch.cat([hidden, completion_hidden], dim=1)  # (N, width, H)
+    logps, entropy = _chunked_logps(inner.get_output_embeddings(), hidden, completion_ids[:, :width], return_entropy,
+                                    chunk_size, temperature)
+    pad = (0, completion_ids.shape[1] - width)  # back to (N, C); padded, not written in place (autograd)
+    logps, entropy = nn.functional.pad(logps, pad), nn.functional.pad(entropy, pad)
     keep = completion_mask.bool()
     logps = torch.where(keep, logps, torch.zeros_like(logps))  # (N, C)
     if return_entropy:

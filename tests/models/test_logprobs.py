@@ -214,6 +214,10 @@ def test_the_model_never_runs_the_last_completion_column(model, completions):
     shared = []
     shapes = _input_widths(model, lambda: shared.append(shared_prompt_logprobs(model, *grouped)))
     assert shapes == [(2, 5)] + ([(5, width - 1)] if width > 1 else [])
+    # trailing columns no row fills (a mini-batch of the shorter rows) are not run either, and come back as zeros
+    padded = (*grouped[:3], *(torch.nn.functional.pad(t, (0, 2)) for t in grouped[3:]))
+    assert _input_widths(model, lambda: shared.append(shared_prompt_logprobs(model, *padded))) == shapes
+    torch.testing.assert_close(shared[1], torch.nn.functional.pad(shared[0], (0, 2)), atol=0, rtol=0)
     full = []
     assert _input_widths(model, lambda: full.append(sequence_logprobs(model, ids, attention, completion))) == \
         [(5, ids.shape[1] - 1)]
@@ -276,3 +280,5 @@ def test_shared_prompt_logprobs_rejects_mismatched_inputs(model):
         shared_prompt_logprobs(model, prompt_ids, prompt_mask[:, 1:], index, completion_ids, completion_mask)
     with pytest.raises(ValueError, match="completion_ids: expected 2 dimensions"):
         shared_prompt_logprobs(model, prompt_ids, prompt_mask, index, completion_ids[0], completion_mask[0])
+    with pytest.raises(ValueError, match="completion_ids: expected at least one column"):
+        shared_prompt_logprobs(model, prompt_ids, prompt_mask, index, completion_ids[:, :0], completion_mask[:, :0])
