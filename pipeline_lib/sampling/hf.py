@@ -1,6 +1,6 @@
 """In-process sampling with transformers `generate`: one batched, KV-cached, left-padded call per request, n samples
-per prompt drawn from one prompt pass (its cache copied n times into buffers that decode steps write in place),
-seeded without disturbing the caller's RNG; CPU or CUDA."""
+per prompt drawn from one prompt pass (the first token from its logits, its cache copied n times into buffers that
+decode steps write in place, or shared by the n rows), seeded without disturbing the caller's RNG; CPU or CUDA."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -67,38 +68,34 @@ class HFSampler:
             kwargs.update(stop_strings=list(stop), tokenizer=self.tokenizer)
         return kwargs
 
-    def _inputs_with_prompt_cache(self, batch, n: int, max_new_tokens: int, *, share: bool) -> dict:
-        """generate() inputs for n samples of each prompt.
+    def _prompt_pass(self, batch, n: int, max_new_tokens: int, *, share: bool) -> tuple[Cache, Tensor]:
+        """Each prompt run once: the cache for its n rows (p0 x n, p1 x n, ...) and its last logits (B, V).
 
-        `num_return_sequences=n` would copy every prompt n times and run each copy; here the prompts but their
-        last token run once and generate starts from their KV cache. Rows come out in the same order (p0 x n,
-        p1 x n, ...) and draw the same random numbers, so a seed gives the samples num_return_sequences gives.
-        Decode steps write their keys/values into growing buffers instead of concatenating the whole cache into
-        a new tensor at every step. With `share` (inside `shared_prefix_attention`), when the prompt pass shows
-        that every layer attends to exactly the keys/values it caches, the n rows of a prompt read its one
-        cached prefix (`_SharedPrefixLayer`); otherwise each row gets its own copy (`_ReservedLayer`)."""
+        `num_return_sequences=n` would copy every prompt n times and run each copy, and generate would then run
+        the last prompt token once more per row; here the whole prompt runs once and the first token is drawn
+        from its logits (`_first_tokens`). Decode steps write their keys/values into growing buffers instead of
+        concatenating the whole cache into a new tensor at every step. With `share` (inside
+        `shared_prefix_attention`), when the prompt pass shows that every layer attends to exactly the
+        keys/values it caches, the n rows of a prompt read its one cached prefix (`_SharedPrefixLayer`);
+        otherwise each row gets its own copy (`_ReservedLayer`)."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        if ids.shape[1] < 2:
-            return {**batch, "num_return_sequences": n}
         cache = DynamicCache(config=self.model.config)
-        head, head_mask = ids[:, :-1], mask[:, :-1]  # (B, P-1)
         calls: list[tuple[Tensor, Tensor, bool]] = []
         token = _attention_calls.set(calls)
         try:
-            self.model(input_ids=head, attention_mask=head_mask, position_ids=position_ids_from_mask(head_mask),
-                       cache=cache, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                             cache=cache, use_cache=True, logits_to_keep=1)
         finally:
             _attention_calls.reset(token)
         if all(type(layer) is DynamicLayer and layer.is_initialized for layer in cache.layers):
-            # generate feeds the last prompt token, then max_new_tokens - 1 sampled ones
+            # generate feeds the first token, then max_new_tokens - 2 sampled ones
             shared = share and _attends_to_its_cache(calls, cache)
             layer_kind = _SharedPrefixLayer if shared else _ReservedLayer
-            cache = Cache(layers=[layer_kind(layer.keys, layer.values, n, room=max_new_tokens)
+            cache = Cache(layers=[layer_kind(layer.keys, layer.values, n, room=max_new_tokens - 1)
                                   for layer in cache.layers])
         else:  # sliding-window or other layer kinds: their own copy
             cache.batch_repeat_interleave(n)
-        return {"input_ids": ids.repeat_interleave(n, dim=0), "attention_mask": mask.repeat_interleave(n, dim=0),
-                "cache": cache, "num_return_sequences": 1}
+        return cache, out.logits[:, -1].float()
 
     def _can_share_prefix(self) -> bool:
         """Shared-prefix attention is exact where it replaces sdpa on a float32 CPU model of transformers'
@@ -144,17 +141,27 @@ class HFSampler:
             rows_per_prompt = n if temperature > 0 else 1  # greedy rejects num_return_sequences > 1: copy below
             share = rows_per_prompt > 1 and self._can_share_prefix()
             with shared_prefix_attention(self.model) if share else nullcontext():
-                inputs = self._inputs_with_prompt_cache(batch, rows_per_prompt, max_new_tokens, share=share)
-                out = self.model.generate(
-                    **inputs,
-                    max_new_tokens=max_new_tokens,
-                    use_cache=True,
-                    return_dict_in_generate=True,
-                    output_logits=logprobs,
-                    **self._generation_kwargs(temperature, top_p, stop),
-                )
-        generated = out.sequences[:, prompt_len:]  # (B*n, T) rows grouped by prompt: p0 x n, p1 x n, ...
-        token_logps = _chosen_logprobs(out.logits, generated).tolist() if logprobs else None  # (B*n, T)
+                cache, last_logits = self._prompt_pass(batch, rows_per_prompt, max_new_tokens, share=share)
+                first = _first_tokens(last_logits, rows_per_prompt, temperature, top_p)  # (B*n,)
+                generated = first[:, None]
+                step_logits = [last_logits.repeat_interleave(rows_per_prompt, dim=0)] if logprobs else []
+                if max_new_tokens > 1 and not all(t in self.eos_ids for t in first.tolist()):
+                    # a row whose first token ends it runs on unseen by generate; _completion cuts it there
+                    out = self.model.generate(
+                        input_ids=torch.cat([batch["input_ids"].repeat_interleave(rows_per_prompt, dim=0),
+                                             generated], dim=1),
+                        attention_mask=torch.cat([batch["attention_mask"].repeat_interleave(rows_per_prompt, dim=0),
+                                                  torch.ones_like(generated)], dim=1),
+                        cache=cache,
+                        max_new_tokens=max_new_tokens - 1,
+                        use_cache=True,
+                        return_dict_in_generate=True,
+                        output_logits=logprobs,
+                        **self._generation_kwargs(temperature, top_p, stop),
+                    )
+                    generated = out.sequences[:, prompt_len:]  # (B*n, T) rows grouped by prompt: p0 x n, ...
+                    step_logits += out.logits if logprobs else ()
+        token_logps = _chosen_logprobs(step_logits, generated).tolist() if logprobs else None  # (B*n, T)
         rows = [self._completion(ids, None if token_logps is None else token_logps[r], stop)
                 for r, ids in enumerate(generated.tolist())]  # one device sync, not one per row
         if temperature == 0:
@@ -329,7 +336,22 @@ def shared_prefix_attention(model: PreTrainedModel) -> Iterator[None]:
         _current_prefix.set(None)
 
 
-def _chosen_logprobs(step_logits: tuple[Tensor, ...], generated: Tensor) -> Tensor:
+def _first_tokens(logits: Tensor, n: int, temperature: float, top_p: float) -> Tensor:
+    """The first token of each of the n rows per prompt (B*n,), drawn from the prompt pass's last logits (B, V)
+    as generate draws every later token: transformers' temperature then top-p warpers and one multinomial over
+    all B*n rows, so a seed gives the tokens generate's own first step would (greedy: the argmax)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1).repeat_interleave(n)
+    warpers = LogitsProcessorList()
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=top_p))
+    probs = torch.softmax(warpers(None, logits), dim=-1).repeat_interleave(n, dim=0)
+    return torch.multinomial(probs, num_samples=1).squeeze(1)
+
+
+def _chosen_logprobs(step_logits: Sequence[Tensor], generated: Tensor) -> Tensor:
     """log softmax of the raw logits at each step, gathered at the generated token; step by step, so no
     (B*n, T, V) log-prob tensor is built beside the logits generate already holds."""
     columns = [

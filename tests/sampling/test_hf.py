@@ -54,22 +54,26 @@ def test_seeded_call_leaves_the_callers_rng_alone(hf_sampler):
     assert torch.equal(torch.rand(3), expected)
 
 
-def _plain_generate(sampler: HFSampler, prompts: list[str], *, n: int, max_new_tokens: int, seed: int) -> torch.Tensor:
+def _plain_generate(sampler: HFSampler, prompts: list[str], *, n: int, max_new_tokens: int, seed: int,
+                    temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
     """The generated ids (rows p0 x n, p1 x n, ...) of transformers' own generate with num_return_sequences=n
     (every prompt copy run n times, DynamicCache) under the sampler's settings, seeded like the sampler."""
     batch = sampler.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
     with torch.random.fork_rng(devices=[]), torch.inference_mode():
         torch.manual_seed(seed)
         out = sampler.model.generate(**batch, max_new_tokens=max_new_tokens, num_return_sequences=n, use_cache=True,
-                                     **sampler._generation_kwargs(1.0, 1.0, ()))
+                                     **sampler._generation_kwargs(temperature, top_p, ()))
     return out[:, batch["input_ids"].shape[1]:]
 
 
-def test_prompt_cache_draws_the_samples_of_num_return_sequences(hf_sampler):
-    """Each prompt runs once and its cache is copied n times; the same seed then draws exactly the tokens that
-    generate's own num_return_sequences=n (every prompt copy run n times) draws."""
-    out = hf_sampler.generate(PROMPTS, n=4, max_new_tokens=6, seed=11)
-    plain = _plain_generate(hf_sampler, PROMPTS, n=4, max_new_tokens=6, seed=11)
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8), (1.5, 1.0)])
+def test_prompt_cache_draws_the_samples_of_num_return_sequences(hf_sampler, temperature, top_p):
+    """Each prompt runs once, its first tokens are drawn from its logits and its cache is copied n times; the
+    same seed then draws exactly the tokens that generate's own num_return_sequences=n (every prompt copy run n
+    times) draws, under temperature and top-p too."""
+    out = hf_sampler.generate(PROMPTS, n=4, max_new_tokens=6, seed=11, temperature=temperature, top_p=top_p)
+    plain = _plain_generate(hf_sampler, PROMPTS, n=4, max_new_tokens=6, seed=11, temperature=temperature,
+                            top_p=top_p)
     for row, completion in enumerate(c for group in out for c in group):
         assert completion.token_ids == plain[row, :completion.n_tokens].tolist()
 
@@ -80,6 +84,33 @@ def test_one_sample_per_prompt_draws_the_samples_of_plain_generate(hf_sampler):
     plain = _plain_generate(hf_sampler, PROMPTS, n=1, max_new_tokens=8, seed=4)
     for row, (completion,) in enumerate(out):
         assert completion.token_ids == plain[row, :completion.n_tokens].tolist()
+
+
+@pytest.mark.parametrize("ending, max_new_tokens, forwards", [
+    ("eos only", 1, {1}),  # one new token: the prompt pass alone
+    # rows ended by their first token run on unseen by generate, then are cut; the others end before 6 tokens
+    ("half the vocabulary", 6, {2, 3, 4, 5}),
+    ("the whole vocabulary", 6, {1})])  # every row ended by its first token: no decode step
+def test_rows_ended_by_their_first_token_are_the_samples_of_num_return_sequences(tiny_model_dir, ending,
+                                                                                  max_new_tokens, forwards):
+    tok = load_tokenizer(tiny_model_dir)
+    sampler = HFSampler.from_pretrained(tiny_model_dir, device="cpu")
+    sampler.eos_ids = {"eos only": {tok.eos_token_id}, "half the vocabulary": set(range(0, len(tok), 2)),
+                       "the whole vocabulary": set(range(len(tok)))}[ending]
+    calls = []
+    hook = sampler.model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        out = sampler.generate(PROMPTS, n=4, max_new_tokens=max_new_tokens, seed=5, logprobs=True)
+    finally:
+        hook.remove()
+    plain = _plain_generate(sampler, PROMPTS, n=4, max_new_tokens=max_new_tokens, seed=5)
+    rows = [c for group in out for c in group]
+    for row, completion in enumerate(rows):
+        assert completion.token_ids == plain[row, :completion.n_tokens].tolist()
+        assert len(completion.logprobs) == completion.n_tokens
+    assert len(calls) in forwards
+    if ending != "eos only":
+        assert any(c.n_tokens == 1 and c.finish_reason == "stop" for c in rows)
 
 
 def test_reserved_cache_layer_writes_in_place_grows_and_falls_back_to_concatenation():
@@ -177,8 +208,9 @@ def test_shared_prefix_sampling_is_used_on_cpu_and_the_model_attends_as_before_a
     finally:
         AttentionInterface.register(hf_module.SHARED_PREFIX_ATTENTION, hf_module._shared_prefix_attention_forward)
     layers = model.config.num_hidden_layers
-    # the prompt pass (checked, plain sdpa), then 3 decode steps whose every attention read the shared prefix
-    assert calls == [False] * layers + [True] * 3 * layers
+    # the prompt pass (checked, plain sdpa; the first token comes from its logits), then 2 decode steps whose
+    # every attention read the shared prefix
+    assert calls == [False] * layers + [True] * 2 * layers
     assert model.config._attn_implementation == before
     assert hf_module._current_prefix.get() is None
 
