@@ -62,9 +62,9 @@ def test_pipeline_chain_cache_hits_and_partial_recompute(flow_workspace, capsys)
     assert parent.data.metrics["eval/dpo/pass_at_4"] == results.filter(
         (results["model"] == "dpo") & (results["k"] == 4))["pass_at_k"].item()
 
-    started = time.perf_counter()
-    sft_flow(cfg.resolved("sft", outputs))  # unchanged stage, run alone: a Prefect cache hit
-    assert time.perf_counter() - started <= 3.0
+    # an unchanged stage run alone is a Prefect cache hit: the same output and no new MLflow run
+    assert str(sft_flow(cfg.resolved("sft", outputs))) == str(outputs["sft"])
+    assert len(stage_runs(flow_workspace, "sft")) == 1
     assert pipeline_flow(cfg) == outputs
     for stage in STAGES:
         assert len(stage_runs(flow_workspace, stage)) == 1, f"{stage} recomputed on an unchanged rerun"

@@ -421,7 +421,9 @@ MALICIOUS = {
 @pytest.mark.parametrize("name", list(MALICIOUS))
 def test_malicious_completion_is_read_as_text_never_run(name, tmp_path, monkeypatch):
     text, gold, expected = MALICIOUS[name]
-    text = text.replace("MARKER", str(tmp_path / "ran"))
+    # a relative marker, so the text (and the numbers the verifier reads) never holds tmp_path's digits
+    monkeypatch.chdir(tmp_path)
+    text = text.replace("MARKER", "ran")
     ran: list[str] = []
 
     def refuse(what: str):
@@ -437,7 +439,7 @@ def test_malicious_completion_is_read_as_text_never_run(name, tmp_path, monkeypa
     start = time.perf_counter()
     total, _ = reward(["q"], [text], answers=[gold], lengths=[len(text)])
     seconds = time.perf_counter() - start
-    monkeypatch.undo()
+    monkeypatch.undo()  # back to the test's cwd; the marker is looked for where a shell would have made it
     assert ran == [] and not (tmp_path / "ran").exists()
     assert total == [expected]
     assert seconds < 1.0
