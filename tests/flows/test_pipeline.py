@@ -63,7 +63,7 @@ def test_pipeline_chain_cache_hits_and_partial_recompute(flow_workspace, capsys)
         (results["model"] == "dpo") & (results["k"] == 4))["pass_at_k"].item()
 
     # an unchanged stage run alone is a Prefect cache hit: the same output and no new MLflow run
-    assert str(sft_flow(cfg.resolved("sft", outputs))) == str(outputs["sft"])
+    assert sft_flow(cfg.resolved("sft", outputs)) == outputs["sft"]
     assert len(stage_runs(flow_workspace, "sft")) == 1
     assert pipeline_flow(cfg) == outputs
     for stage in STAGES:

@@ -439,7 +439,7 @@ def test_malicious_completion_is_read_as_text_never_run(name, tmp_path, monkeypa
     start = time.perf_counter()
     total, _ = reward(["q"], [text], answers=[gold], lengths=[len(text)])
     seconds = time.perf_counter() - start
-    monkeypatch.undo()  # back to the test's cwd; the marker is looked for where a shell would have made it
+    monkeypatch.undo()
     assert ran == [] and not (tmp_path / "ran").exists()
     assert total == [expected]
     assert seconds < 1.0
