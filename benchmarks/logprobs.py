@@ -1,8 +1,11 @@
-"""Time and peak memory of chunked `sequence_logprobs` vs the naive full log-softmax on CPU; prints a markdown table.
+"""Time and peak memory of per-token log-probs on CPU: chunked `sequence_logprobs` vs the naive full log-softmax.
 
-Each (method, mode) runs in its own subprocess; memory is the peak RSS (getrusage ru_maxrss) minus the RSS
-just before the first measured call, so model and input setup are not counted.
-    .venv/bin/python benchmarks/logprobs.py [--batch 8 --seq-len 512 --vocab 32768 --hidden 256]
+Prints a markdown table. With `--group G` the rows come in groups of G that share their prompt (GRPO's G
+samples), and a third method, `shared`, runs each distinct prompt once (`shared_prompt_logprobs`, what GRPO's
+passes use); all methods compute the same log-probs (the Σ column). Each (method, mode) runs in its own subprocess;
+memory is the peak RSS (getrusage ru_maxrss) minus the RSS just before the first measured call, so model and input
+setup are not counted.
+    .venv/bin/python benchmarks/logprobs.py [--batch 8 --seq-len 512 --vocab 32768 --hidden 256 --group 1]
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import subprocess
 import sys
 import time
 
-METHODS = ("chunked", "naive")
+METHODS = ("chunked", "naive", "shared")
 MODES = ("no_grad", "grad")
 
 
@@ -30,7 +33,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline_lib.models.logprobs import position_ids_from_mask, sequence_logprobs
+    from pipeline_lib.models.logprobs import position_ids_from_mask, sequence_logprobs, shared_prompt_logprobs
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -40,13 +43,15 @@ def _worker(args: argparse.Namespace) -> None:
         head_dim=64, max_position_embeddings=args.seq_len, tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
-    batch, seq_len = args.batch, args.seq_len
+    batch, seq_len, group = args.batch, args.seq_len, args.group
+    prompt_len = int(seq_len * (1 - args.completion_frac))
     ids = torch.randint(0, args.vocab, (batch, seq_len))
+    ids[:, :prompt_len] = ids[::group, :prompt_len].repeat_interleave(group, dim=0)  # a group shares its prompt
     attention = torch.ones_like(ids)
-    for row in range(batch):  # left padding: row r has r * 8 pad tokens
-        attention[row, : row * 8] = 0
+    for row in range(batch):  # left padding: the rows of group g have g * 8 pad tokens (mod the prompt length)
+        attention[row, : row // group * 8 % prompt_len] = 0
     completion = attention.clone()
-    completion[:, : int(seq_len * (1 - args.completion_frac))] = 0
+    completion[:, :prompt_len] = 0
 
     def naive() -> torch.Tensor:
         logits = model(ids, attention_mask=attention, position_ids=position_ids_from_mask(attention)).logits
@@ -57,7 +62,13 @@ def _worker(args: argparse.Namespace) -> None:
     def chunked() -> torch.Tensor:
         return sequence_logprobs(model, ids, attention, completion, chunk_size=args.chunk_size)
 
-    run = {"naive": naive, "chunked": chunked}[args.method]
+    def shared() -> torch.Tensor:
+        prompt_index = torch.arange(batch // group).repeat_interleave(group)
+        logps = shared_prompt_logprobs(model, ids[::group, :prompt_len], attention[::group, :prompt_len], prompt_index,
+                                       ids[:, prompt_len:], completion[:, prompt_len:], chunk_size=args.chunk_size)
+        return torch.nn.functional.pad(logps, (prompt_len, 0))  # (B, T) like the others
+
+    run = {"naive": naive, "chunked": chunked, "shared": shared}[args.method]
     grad = args.mode == "grad"
     times, checksum = [], 0.0
     rss_before = _rss_bytes()
@@ -85,26 +96,30 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--completion-frac", type=float, default=0.5, help="share of each row that is completion")
+    parser.add_argument("--group", type=int, default=1, help="rows per shared prompt (the shared method needs > 1)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads; 1 is steadier on a shared 2-core box")
     parser.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.batch % args.group or not 1 <= int(args.seq_len * (1 - args.completion_frac)) < args.seq_len:
+        parser.error("--group must divide --batch, and --completion-frac leave every row a prompt and a completion")
     if args.method:
         _worker(args)
         return
 
     print(f"B={args.batch} T={args.seq_len} V={args.vocab} hidden={args.hidden} layers={args.layers} "
-          f"chunk={args.chunk_size} completion_frac={args.completion_frac} repeats={args.repeats} "
+          f"chunk={args.chunk_size} completion_frac={args.completion_frac} group={args.group} repeats={args.repeats} "
           f"threads={args.threads} (CPU, fp32)\n")
     print("| method | mode | median time (s) | peak extra RSS (MiB) | Σ log-probs |")
     print("|---|---|---|---|---|")
+    methods = METHODS if args.group > 1 else tuple(m for m in METHODS if m != "shared")
     for mode in MODES:
-        for method in METHODS:
+        for method in methods:
             cmd = [sys.executable, __file__, *sys.argv[1:], "--method", method, "--mode", mode]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             result = json.loads(out.strip().splitlines()[-1])
-            print(f"| {method} | {mode} | {result['seconds']:.2f} | {result['peak_mib']:.0f} | "
+            print(f"| {method} | {mode} | {result['seconds']:.3f} | {result['peak_mib']:.0f} | "
                   f"{result['checksum']:.1f} |", flush=True)
 
 
