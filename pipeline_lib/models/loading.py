@@ -86,21 +86,67 @@ def _hub_cache() -> str:
     return constants.HF_HUB_CACHE
 
 
+def _inside(model_dir: Path, name: object) -> bool:
+    """Whether the file name `name` (from config.json or an index) stays inside `model_dir`, lexically as transformers
+    joins it: a hub snapshot's files are symlinks into its blob store, so links are not resolved."""
+    if not isinstance(name, str) or not name or os.path.isabs(name):
+        return False
+    base = os.path.abspath(model_dir)
+    return os.path.commonpath([base, os.path.abspath(os.path.join(base, name))]) == base
+
+
+def _check_index(model_dir: Path, index: Path) -> None:
+    """Every shard a safetensors index maps weights to is a safetensors file inside `model_dir`."""
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelLoadError(f"model dir {model_dir}: unreadable {index.name} ({first_line(exc)})") from None
+    # the index names the files transformers loads: a pickle shard behind it is still a pickle
+    other = sorted(str(shard) for shard in shards if not str(shard).endswith(".safetensors"))
+    if other:
+        raise ModelLoadError(f"model dir {model_dir}: {index.name} maps weights to non-safetensors files "
+                             f"({', '.join(other)}); convert them to safetensors")
+    outside = sorted(str(shard) for shard in shards if not _inside(model_dir, shard))
+    if outside:
+        raise ModelLoadError(f"model dir {model_dir}: {index.name} maps weights to files outside the dir "
+                             f"({', '.join(outside)}); expected shard names relative to it")
+
+
+def _explicit_weights(model_dir: Path) -> Path | None:
+    """The weights file config.json names in `transformers_weights` (transformers then reads it instead of
+    model.safetensors, even a pickle `adapter_model.bin`), checked to be safetensors inside the dir; None if unset."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"model dir {model_dir}: unreadable config.json ({first_line(exc)})") from None
+    name = config.get("transformers_weights") if isinstance(config, dict) else None
+    if name is None:
+        return None
+    if not (isinstance(name, str) and name.endswith((".safetensors", ".safetensors.index.json"))
+            and _inside(model_dir, name)):
+        raise ModelLoadError(f"model dir {model_dir}: config.json's transformers_weights={name!r} is not a "
+                             "safetensors file or index inside the dir; remove the field or convert the weights")
+    return model_dir / name
+
+
 def check_weights(model_dir: Path, *, allow_pickle: bool = False) -> bool:
-    """Validate `model_dir` holds a config and loadable weights; return whether they are safetensors."""
+    """Validate `model_dir` holds a config and loadable weights; return whether they are safetensors.
+
+    Checks the files transformers will read: config.json's `transformers_weights` if set, else model.safetensors
+    or its index (whose shards must be safetensors inside the dir), and only without any, pickle weights."""
     if not (model_dir / "config.json").is_file():
         raise ModelLoadError(f"model dir {model_dir}: no config.json; expected a Hugging Face model directory")
+    explicit = _explicit_weights(model_dir)
+    if explicit is not None:
+        if not explicit.is_file():
+            raise ModelLoadError(f"model dir {model_dir}: config.json's transformers_weights names "
+                                 f"{explicit.name}, which is not there")
+        if explicit.name.endswith(".index.json"):
+            _check_index(model_dir, explicit)
+        return True
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ModelLoadError(f"model dir {model_dir}: unreadable {index.name} ({first_line(exc)})") from None
-        # the index names the files transformers loads: a pickle shard behind it is still a pickle
-        other = sorted(shard for shard in shards if not str(shard).endswith(".safetensors"))
-        if other:
-            raise ModelLoadError(f"model dir {model_dir}: {index.name} maps weights to non-safetensors files "
-                                 f"({', '.join(map(str, other))}); convert them to safetensors")
+        _check_index(model_dir, index)
         return True
     if any(model_dir.glob("*.safetensors")):
         return True

@@ -59,8 +59,10 @@ _SPACES = re.compile(r"\s+")
 _CLAUSE_END = re.compile(r"[.,;!?]")
 _DIGIT = re.compile(r"\d")
 
-# LaTeX that wraps numbers: \frac{a}{b} -> a/b, \text{..} -> .., spacing and \left/\right dropped.
+# LaTeX that wraps numbers: \frac{a}{b} -> a/b, \text{..} -> .., spacing, \left/\right and the math delimiters
+# \( \) \[ \] dropped (`The answer is \(1234\).` reads like `The answer is $1234$.`).
 _LATEX_SUBS = (
+    (re.compile(r"\\[()\[\]]"), ""),
     (re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}"), r"\1/\2"),
     (re.compile(r"\\[dt]?frac(\d)(\d)"), r"\1/\2"),
     (re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\s*\{([^{}]*)\}"), r"\1"),

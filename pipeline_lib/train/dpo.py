@@ -94,9 +94,11 @@ def logprob_sums(model: nn.Module, encoded: Encoded, rows: list[int], *, pad_id:
 
 
 def weights_fingerprint(model_path: str | Path) -> str:
-    """Fingerprint of a model dir's safetensors files (names and bytes; size + mtime past 256 MB)."""
-    files = sorted(resolve_model_dir(model_path).glob("*.safetensors"))
-    return content_id(*(f"{file.name}:{fingerprint_path(file)}" for file in files))
+    """Fingerprint of a model dir's safetensors files, in subdirs too (names and bytes; size + mtime past 256 MB):
+    the weights `check_weights` lets transformers read all lie inside the dir."""
+    model_dir = resolve_model_dir(model_path)
+    files = sorted(model_dir.rglob("*.safetensors"))
+    return content_id(*(f"{file.relative_to(model_dir)}:{fingerprint_path(file)}" for file in files))
 
 
 def reference_logps(model: nn.Module, encoded: Encoded, *, policy_path: str, cache_dir: Path, pad_id: int,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -171,3 +172,62 @@ def test_failed_save_leaves_previous_checkpoint(tiny_dir, tmp_path):
         save_model(load_policy(tiny_dir), _FailingTokenizer(), out)
     assert sorted(p.name for p in out.iterdir()) == before
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def _with_config(model_dir: Path, **fields) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+@pytest.mark.parametrize("named", ["adapter_model.bin", "pytorch_model.bin", "../model.safetensors",
+                                   "/abs/model.safetensors", 7])
+def test_config_naming_other_weights_is_refused_and_no_pickle_is_read(tiny_dir, tmp_path, monkeypatch, named):
+    """transformers reads config.json's `transformers_weights` instead of model.safetensors, even a pickle
+    `adapter_model.bin`, so a dir with real safetensors beside it loaded the pickle's weights."""
+    model_dir = tmp_path / "named"
+    shutil.copytree(tiny_dir, model_dir)
+    torch.save({name: t + 7 for name, t in load_policy(tiny_dir).state_dict().items()}, model_dir / "adapter_model.bin")
+    _with_config(model_dir, transformers_weights=named)
+    loads = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a))
+    with pytest.raises(ModelLoadError, match=r"config.json's transformers_weights=.* is not a safetensors file or "
+                                             r"index inside the dir") as err:
+        load_policy(model_dir, allow_pickle=True)
+    assert "\n" not in str(err.value) and loads == []
+
+
+def test_config_naming_an_index_of_pickle_shards_is_refused(tiny_dir, tmp_path):
+    model_dir = _pickle_only_dir(tiny_dir, tmp_path / "pickled")
+    shutil.copy(tiny_dir / "model.safetensors", model_dir / "model.safetensors")
+    weight_map = {name: "pytorch_model.bin" for name in load_policy(tiny_dir).state_dict()}
+    (model_dir / "other.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    _with_config(model_dir, transformers_weights="other.safetensors.index.json")
+    with pytest.raises(ModelLoadError, match=r"other.safetensors.index.json maps weights to non-safetensors files "
+                                             r"\(pytorch_model.bin\)"):
+        load_policy(model_dir)
+
+
+def test_config_naming_safetensors_inside_the_dir_loads_them(tiny_dir, tmp_path):
+    model_dir = tmp_path / "named"
+    shutil.copytree(tiny_dir, model_dir)
+    (model_dir / "weights").mkdir()
+    (model_dir / "model.safetensors").rename(model_dir / "weights" / "policy.safetensors")
+    _with_config(model_dir, transformers_weights="weights/policy.safetensors")
+    assert torch.equal(load_policy(model_dir).lm_head.weight, load_policy(tiny_dir).lm_head.weight)
+    _with_config(model_dir, transformers_weights="weights/gone.safetensors")
+    with pytest.raises(ModelLoadError, match=r"transformers_weights names gone.safetensors, which is not there"):
+        load_policy(model_dir)
+
+
+@pytest.mark.parametrize("shard", ["../outside/model.safetensors", "/tmp/model.safetensors"])
+def test_an_index_pointing_outside_the_dir_is_refused(tiny_dir, tmp_path, shard):
+    """Weights outside the dir escaped the checks and the stage cache keys, which fingerprint the dir."""
+    model_dir = tmp_path / "sharded"
+    model_dir.mkdir()
+    shutil.copy(tiny_dir / "config.json", model_dir / "config.json")
+    (tmp_path / "outside").mkdir()
+    shutil.copy(tiny_dir / "model.safetensors", tmp_path / "outside" / "model.safetensors")
+    weight_map = {name: shard for name in load_policy(tiny_dir).state_dict()}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(ModelLoadError, match=r"maps weights to files outside the dir"):
+        load_policy(model_dir)

@@ -187,6 +187,12 @@ def test_answer_value_merges_spellings_of_one_number():
         ("#### 7·10^1", "70"),
         ("a 2 x 10 grid", "10"),  # no power of ten: two numbers, the last one wins
         ("2 × 10 = 20", "20"),
+        # \( \) and \[ \] delimit math like $: the number after `answer is` wins over later ones (it lost before)
+        ("So the answer is \\(1234\\).\nCheck: 1234 - 34 = 1200.", "1234"),
+        ("The answer is \\(\\$1,234\\). (That is 1000 + 234.)", "1234"),
+        ("The answer is \\(1{,}234\\) dollars, i.e. 12 bills.", "1234"),
+        ("The answer is \\[\\frac{3}{4}\\] of the cake, not 1/2.", "3/4"),
+        ("\\(\\boxed{42}\\) and then 7", "42"),
     ],
 )
 def test_extract_answer_reads_latex_separators_and_powers_of_ten(text, expected):

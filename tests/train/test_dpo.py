@@ -185,3 +185,20 @@ def test_dpo_raises_held_out_preference_accuracy_and_margin_over_its_sft_start(t
     assert m["eval/pref_accuracy"] >= m["eval/pref_accuracy_start"] + 0.03
     assert m["eval/logp_margin"] >= m["eval/logp_margin_start"] + 10.0
     assert m["eval/rewards_accuracy"] >= m["eval/rewards_accuracy_start"] + 0.4  # measured 0.207 -> 0.773
+
+
+def test_weights_fingerprint_covers_shards_in_subdirs(tiny, tmp_path):
+    """The reference cache key follows every safetensors file the model dir holds, not only the top-level ones."""
+    from pipeline_lib.train.dpo import weights_fingerprint
+
+    model_dir = tmp_path / "sharded"
+    shutil.copytree(tiny, model_dir)
+    (model_dir / "shards").mkdir()
+    (model_dir / "model.safetensors").rename(model_dir / "shards" / "model.safetensors")
+    before = weights_fingerprint(model_dir)
+    with (model_dir / "shards" / "model.safetensors").open("r+b") as handle:
+        handle.seek(-1, 2)
+        last = handle.read(1)
+        handle.seek(-1, 2)
+        handle.write(bytes([last[0] ^ 1]))
+    assert weights_fingerprint(model_dir) != before
