@@ -38,6 +38,10 @@ class CheckpointWriteError(AlignflowError):
     """A checkpoint or the final model could not be written (disk full, read-only dir); the previous one is kept."""
 
 
+class OtherRunError(AlignflowError):
+    """The stage dir holds a checkpoint or final model of another run (config, models or data differ)."""
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -240,9 +244,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _other_run(what: Path, recorded: str | None, run_key: str) -> None:
+    """Refuse `what` (a checkpoint or final dir) when its recorded run key is not this run's; one written before
+    keys were recorded is accepted with a warning."""
+    if recorded is None:
+        warnings.warn(f"{what} records no run key (written by an older alignflow); taking it as this run's",
+                      RuntimeWarning, stacklevel=3)
+    elif recorded != run_key:
+        raise OtherRunError(f"{what} was written by another run (its config, models or data differ from this "
+                            f"one's); delete it or pass another out_dir")
+
+
 def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, scheduler=None,
-                    extra: dict | None = None) -> Path:
-    """Write model, optimizer, scheduler, RNG states and the step to `out_dir/checkpoint` atomically.
+                    extra: dict | None = None, run_key: str) -> Path:
+    """Write model, optimizer, scheduler, RNG states and the step to `out_dir/checkpoint` atomically, with
+    `run_key` (`train.data.run_key`: config + models + data), so only the same run resumes from it.
 
     The checkpoint is written to a temp dir, fsynced and renamed over the previous one: a crash (or power cut)
     mid-write leaves the previous checkpoint intact, and a failed write (disk full) is a one-line
@@ -264,7 +280,7 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
         tmp.mkdir(parents=True)
         # torch.save reports a full disk as a RuntimeError ("unexpected pos ..."), not an OSError
         torch.save(state, tmp / "state.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "run_key": run_key}))
         (tmp / "python_rng.json").write_text(json.dumps([python_state[0], list(python_state[1]), python_state[2]]))
         _fsync_tree(tmp)
         if final.exists():  # else `old` may be the only good checkpoint (a crash between the renames): keep it
@@ -280,13 +296,14 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
     return final
 
 
-def _read_checkpoint(ckpt: Path) -> tuple[int, dict, list] | None:
-    """(step, state, python RNG state) of a complete checkpoint dir; None when there is none or it is unreadable
-    (a truncated file: disk corruption, a power cut after the rename), with a warning naming it."""
+def _read_checkpoint(ckpt: Path) -> tuple[int, str | None, dict, list] | None:
+    """(step, run key, state, python RNG state) of a complete checkpoint dir; None when there is none or it is
+    unreadable (a truncated file: disk corruption, a power cut after the rename), with a warning naming it."""
     if not (ckpt / "trainer_state.json").exists():
         return None
     try:
-        step = int(json.loads((ckpt / "trainer_state.json").read_text())["step"])
+        trainer_state = json.loads((ckpt / "trainer_state.json").read_text())
+        step, key = int(trainer_state["step"]), trainer_state.get("run_key")
         python_rng = json.loads((ckpt / "python_rng.json").read_text())
         # weights_only: our own file, but never unpickle arbitrary objects (DESIGN.md reliability rules)
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
@@ -297,14 +314,16 @@ def _read_checkpoint(ckpt: Path) -> tuple[int, dict, list] | None:
         warnings.warn(f"checkpoint {ckpt} is unreadable ({first_line(exc)}); ignoring it", RuntimeWarning,
                       stacklevel=3)
         return None
-    return step, state, python_rng
+    return step, key, state, python_rng
 
 
-def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=None) -> tuple[int, dict] | None:
+def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=None,
+                    run_key: str) -> tuple[int, dict] | None:
     """Restore the latest readable checkpoint in `out_dir` (if any) into model/optimizer/scheduler and the RNGs.
 
     Returns (step, extra) — the loop continues at `step` — or None for a fresh start. An unreadable checkpoint
-    is skipped: training is seeded, so starting over costs time, never a different result."""
+    is skipped: training is seeded, so starting over costs time, never a different result. A checkpoint of
+    another run (its run key differs) is a one-line OtherRunError: resuming it would train neither run."""
     # .old: a crash between the two renames of save_checkpoint left only the previous checkpoint
     for ckpt in (out_dir / CHECKPOINT_DIR, out_dir / f".{CHECKPOINT_DIR}.old"):
         found = _read_checkpoint(ckpt)
@@ -312,9 +331,16 @@ def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=Non
             break
     else:
         return None
-    step, state, (version, internal, gauss) = found
-    unwrap(model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    step, key, state, (version, internal, gauss) = found
+    _other_run(ckpt, key, run_key)
+    try:
+        unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:  # shapes or parameter groups of another model
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        detail = " ".join(lines[:2])  # load_state_dict's first line names no tensor: its second does
+        raise OtherRunError(f"{ckpt} does not fit this model ({type(exc).__name__}: {detail[:300]}); delete it or "
+                            "pass another out_dir") from None
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])
@@ -324,11 +350,12 @@ def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=Non
     return step, state["extra"]
 
 
-def save_final(model: nn.Module, tokenizer, out_dir: Path, *, metrics: dict | None = None) -> Path:
+def save_final(model: nn.Module, tokenizer, out_dir: Path, *, metrics: dict | None = None, run_key: str) -> Path:
     """Atomically write the final HF-style model dir (safetensors) as `out_dir/final`; drop the checkpoint.
 
-    A failed write is a one-line CheckpointWriteError that leaves no `final` dir and keeps the last checkpoint,
-    so a rerun resumes from it."""
+    Its marker file records the metrics, `run_key` and every file's size (`finished_final` checks them). A failed
+    write is a one-line CheckpointWriteError that leaves no `final` dir and keeps the last checkpoint, so a rerun
+    resumes from it."""
     final = out_dir / "final"
     tmp = out_dir / ".final.tmp"
     try:
@@ -338,7 +365,9 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, *, metrics: dict | No
         unwrap(model).save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        (tmp / FINAL_MARKER).write_text(json.dumps({"metrics": metrics or {}}, indent=2))
+        sizes = {str(file.relative_to(tmp)): file.stat().st_size for file in sorted(tmp.rglob("*")) if file.is_file()}
+        (tmp / FINAL_MARKER).write_text(json.dumps({"metrics": metrics or {}, "run_key": run_key, "files": sizes},
+                                                   indent=2))
         _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -357,11 +386,39 @@ def final_metrics(final: Path) -> dict[str, float]:
     return json.loads(marker.read_text())["metrics"] if marker.is_file() else {}
 
 
-def finished_final(out_dir: Path, log: LogFn, step: int) -> Path | None:
+def _missing_files(final: Path, marker: dict) -> list[str]:
+    """Files of `final` that are gone or whose size is not the recorded one (a marker without sizes, from before
+    they were recorded: a config.json and safetensors weights must be there)."""
+    sizes = marker.get("files")
+    if not isinstance(sizes, dict):
+        return [name for name, there in (("config.json", (final / "config.json").is_file()),
+                                          ("*.safetensors", any(final.glob("*.safetensors")))) if not there]
+    return [name for name, size in sizes.items()
+            if not (final / name).is_file() or (final / name).stat().st_size != size]
+
+
+def finished_final(out_dir: Path, log: LogFn, step: int, run_key: str) -> Path | None:
     """The final model of a stage dir that finished earlier, else None. Its stored metrics are logged again at
-    `step`: the tracking run of a rerun that finds the work done (its cache entry lost) still shows the result."""
+    `step`: the tracking run of a rerun that finds the work done (its cache entry lost) still shows the result.
+
+    A final of another run (its run key differs) is a one-line OtherRunError; one whose files are missing or cut
+    (a partial copy) is not finished: a warning, and the stage trains again and replaces it."""
     final = Path(out_dir) / "final"
     if not (final / FINAL_MARKER).is_file():
+        return None
+    try:
+        marker = json.loads((final / FINAL_MARKER).read_text())
+        if not isinstance(marker, dict):
+            raise ValueError(f"expected a JSON object, got {type(marker).__name__}")
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"{final}: unreadable {FINAL_MARKER} ({first_line(exc)}); training again", RuntimeWarning,
+                      stacklevel=2)
+        return None
+    _other_run(final, marker.get("run_key"), run_key)
+    missing = _missing_files(final, marker)
+    if missing:
+        warnings.warn(f"{final} is incomplete ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
+                      "missing or cut); training again", RuntimeWarning, stacklevel=2)
         return None
     log(final_metrics(final), step)
     return final

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pipeline_lib.config import model_paths, validate_config
 from pipeline_lib.errors import AlignflowError
-from pipeline_lib.fingerprint import fingerprint_path, frame_fingerprint, keyed_dir
+from pipeline_lib.fingerprint import content_id, fingerprint_path, frame_fingerprint, keyed_dir
 from pipeline_lib.logfns import print_log
 from pipeline_lib.models.loading import resolve_model_dir
 from pipeline_lib.rewards.model import text_ids
@@ -251,11 +251,22 @@ def holdout_split(prompts: Sequence[str], fraction: float, *, seed: int) -> tupl
             [i for i, prompt in enumerate(prompts) if prompt in held])
 
 
-def stage_dir(models_dir: Path, stage: str, cfg: BaseModel, *frames: pl.DataFrame) -> Path:
-    """`keyed_dir` of config + the files of every model dir it names (starting policy, reward model) + data:
-    a model retrained into the same path (new weights) gives a new dir."""
+def _run_parts(cfg: BaseModel, frames: Sequence[pl.DataFrame]) -> list[str]:
+    """Config + the files of every model dir it names (starting policy, reward model) + data."""
     models = [fingerprint_path(resolve_model_dir(path)) for path in model_paths(cfg)]
-    return keyed_dir(models_dir, stage, cfg.model_dump_json(), *models, *(frame_fingerprint(frame) for frame in frames))
+    return [cfg.model_dump_json(), *models, *(frame_fingerprint(frame) for frame in frames)]
+
+
+def stage_dir(models_dir: Path, stage: str, cfg: BaseModel, *frames: pl.DataFrame) -> Path:
+    """`keyed_dir` of config + models + data (`_run_parts`): a model retrained into the same path (new weights)
+    gives a new dir."""
+    return keyed_dir(models_dir, stage, *_run_parts(cfg, frames))
+
+
+def run_key(cfg: BaseModel, *frames: pl.DataFrame) -> str:
+    """What a training run's checkpoints and final model record, so that only the same run (config, models, data)
+    resumes or reuses them."""
+    return content_id(*_run_parts(cfg, frames))
 
 
 # ---- the run file of `python -m pipeline_lib.train.<stage> --config run.json` (and torchrun)

@@ -52,6 +52,7 @@ from pipeline_lib.train.data import (
     per_row,
     render_prompts,
     require_columns,
+    run_key,
     run_main,
 )
 
@@ -165,7 +166,8 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     of the pairs is held out. Returns `out_dir/final` (merged weights with LoRA); resumes from a checkpoint."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    if (final := finished_final(out_dir, log, cfg.max_steps)) is not None:
+    stage_key = run_key(cfg, pairs)  # its checkpoints and final carry it
+    if (final := finished_final(out_dir, log, cfg.max_steps, stage_key)) is not None:
         return final  # finished earlier: a rerun has nothing to resume
     ctx = init_distributed()
     seed_everything(cfg.seed)
@@ -185,7 +187,7 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     optimizer = make_optimizer(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
                                kind=cfg.lr_schedule)
-    resumed = load_checkpoint(out_dir, model=model, optimizer=optimizer, scheduler=scheduler)
+    resumed = load_checkpoint(out_dir, model=model, optimizer=optimizer, scheduler=scheduler, run_key=stage_key)
     start_step, extra = resumed if resumed else (0, {})
     ddp_model = wrap_model(model, ctx)
 
@@ -243,7 +245,7 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
             log(evaluate(), done)
         if ctx.is_main and done % cfg.save_every == 0 and done < cfg.max_steps:
             save_checkpoint(out_dir, step=done, model=model, optimizer=optimizer, scheduler=scheduler,
-                            extra={"eval_start": before})
+                            extra={"eval_start": before}, run_key=stage_key)
 
     check_in_sync(model, ctx)
     final = out_dir / "final"
@@ -253,7 +255,8 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
         metrics.update({**after, **{f"{k}_start": v for k, v in before.items()},
                         "train/seconds": time.perf_counter() - started})
         policy = unwrap(model)
-        final = save_final(policy.merge_and_unload() if cfg.lora_r else policy, tokenizer, out_dir, metrics=metrics)
+        final = save_final(policy.merge_and_unload() if cfg.lora_r else policy, tokenizer, out_dir, metrics=metrics,
+                           run_key=stage_key)
     ctx.barrier()
     return final
 

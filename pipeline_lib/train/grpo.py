@@ -37,7 +37,7 @@ from pipeline_lib.train.common import (
     save_final,
     seed_everything,
 )
-from pipeline_lib.train.data import render_prompts, require_chat_template, require_columns, run_main
+from pipeline_lib.train.data import render_prompts, require_chat_template, require_columns, run_key, run_main
 from pipeline_lib.train.rollout import (
     check_single_process,
     grouped_completions_batch,
@@ -162,7 +162,8 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
     prompt stream's position is checkpointed, so a resumed run ends with the weights of an uninterrupted one."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    if (final := finished_final(out_dir, log, cfg.max_steps)) is not None:
+    stage_key = run_key(cfg, problems)  # its checkpoints and final carry it
+    if (final := finished_final(out_dir, log, cfg.max_steps, stage_key)) is not None:
         return final  # finished earlier: a rerun has nothing to resume
     check_single_process("grpo")
     seed_everything(cfg.seed)
@@ -197,7 +198,7 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
     # updates per step vary, and a step whose groups were all filtered out makes none
     scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
                                kind=cfg.lr_schedule)
-    resumed = load_checkpoint(out_dir, model=policy, optimizer=optimizer, scheduler=scheduler)
+    resumed = load_checkpoint(out_dir, model=policy, optimizer=optimizer, scheduler=scheduler, run_key=stage_key)
     start_step, extra = resumed if resumed else (0, {})
     # refills draw extra prompt batches, so the stream's position is its own counter
     data_step = int(extra.get("data_step", start_step))
@@ -278,10 +279,10 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                 log(metrics, done)
             if done % cfg.save_every == 0 and done < cfg.max_steps:
                 save_checkpoint(out_dir, step=done, model=policy, optimizer=optimizer, scheduler=scheduler,
-                                extra={"data_step": rollout.data_step})
+                                extra={"data_step": rollout.data_step}, run_key=stage_key)
 
     metrics["train/seconds"] = time.perf_counter() - started
-    return save_final(policy, tokenizer, out_dir, metrics=metrics)
+    return save_final(policy, tokenizer, out_dir, metrics=metrics, run_key=stage_key)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from pipeline_lib.train.data import (
     render_prompts,
     require_chat_template,
     require_columns,
+    run_key,
     run_main,
 )
 from pipeline_lib.train.rollout import (
@@ -97,7 +98,8 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
     `out_dir/checkpoint` (actor, critic, optimizer, scheduler, RNG, KL coefficient) when one exists."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    if (final := finished_final(out_dir, log, cfg.max_steps)) is not None:
+    stage_key = run_key(cfg, prompts)  # its checkpoints and final carry it
+    if (final := finished_final(out_dir, log, cfg.max_steps, stage_key)) is not None:
         return final  # finished earlier: a rerun has nothing to resume
     check_single_process("ppo")
     seed_everything(cfg.seed)
@@ -145,7 +147,7 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
     )
     scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps,
                                total_steps=cfg.max_steps * updates_per_step, kind=cfg.lr_schedule)
-    resumed = load_checkpoint(out_dir, model=trained, optimizer=optimizer, scheduler=scheduler)
+    resumed = load_checkpoint(out_dir, model=trained, optimizer=optimizer, scheduler=scheduler, run_key=stage_key)
     start_step, extra = resumed if resumed else (0, {})
     kl_coef = float(extra.get("kl_coef", cfg.kl_coef))
     prompt_stream = batches(len(texts), cfg.prompts_per_step, seed=cfg.seed, start_step=start_step)
@@ -244,10 +246,10 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
                 log(metrics, done)
             if done % cfg.save_every == 0 and done < cfg.max_steps:
                 save_checkpoint(out_dir, step=done, model=trained, optimizer=optimizer, scheduler=scheduler,
-                                extra={"kl_coef": kl_coef})
+                                extra={"kl_coef": kl_coef}, run_key=stage_key)
 
     metrics["train/seconds"] = time.perf_counter() - started
-    return save_final(policy, tokenizer, out_dir, metrics=metrics)
+    return save_final(policy, tokenizer, out_dir, metrics=metrics, run_key=stage_key)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from pipeline_lib.train.data import (
     per_row,
     render_prompts,
     require_columns,
+    run_key,
     run_main,
 )
 
@@ -140,7 +141,8 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
     (RewardModel.save_pretrained layout); resumes from `out_dir/checkpoint`."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    if (final := finished_final(out_dir, log, cfg.max_steps)) is not None:
+    stage_key = run_key(cfg, data)  # its checkpoints and final carry it
+    if (final := finished_final(out_dir, log, cfg.max_steps, stage_key)) is not None:
         return final  # finished earlier: a rerun has nothing to resume
     ctx = init_distributed()
     seed_everything(cfg.seed)
@@ -157,7 +159,7 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
     optimizer = make_optimizer(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
                                kind=cfg.lr_schedule)
-    resumed = load_checkpoint(out_dir, model=model, optimizer=optimizer, scheduler=scheduler)
+    resumed = load_checkpoint(out_dir, model=model, optimizer=optimizer, scheduler=scheduler, run_key=stage_key)
     start_step = resumed[0] if resumed else 0
     ddp_model = wrap_model(model, ctx)
     if start_step == 0 and ctx.is_main:
@@ -210,7 +212,8 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
         if ctx.is_main and cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.max_steps:
             log(pairwise_accuracy(model, groups, eval_ids, pad_id=pad_id, device=device), done)
         if ctx.is_main and done % cfg.save_every == 0 and done < cfg.max_steps:
-            save_checkpoint(out_dir, step=done, model=model, optimizer=optimizer, scheduler=scheduler)
+            save_checkpoint(out_dir, step=done, model=model, optimizer=optimizer, scheduler=scheduler,
+                            run_key=stage_key)
 
     check_in_sync(model, ctx)
     final = out_dir / "final"
@@ -219,7 +222,7 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
         log(evaluation, cfg.max_steps)
         metrics.update({**evaluation, "eval/n_groups": float(len(eval_ids)),
                         "train/seconds": time.perf_counter() - started})
-        final = save_final(unwrap(model), tokenizer, out_dir, metrics=metrics)
+        final = save_final(unwrap(model), tokenizer, out_dir, metrics=metrics, run_key=stage_key)
     ctx.barrier()
     return final
 

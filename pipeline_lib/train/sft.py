@@ -43,6 +43,7 @@ from pipeline_lib.train.data import (
     micro_batches,
     require_chat_template,
     require_columns,
+    run_key,
     run_main,
 )
 
@@ -118,7 +119,8 @@ def train_sft(cfg: SFTConfig, rows: pl.DataFrame, out_dir: Path, log: LogFn = no
     global batch and only rank 0 writes."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    if (final := finished_final(out_dir, log, cfg.max_steps)) is not None:
+    stage_key = run_key(cfg, rows)  # its checkpoints and final carry it (eval rows change no weight)
+    if (final := finished_final(out_dir, log, cfg.max_steps, stage_key)) is not None:
         return final  # finished earlier: a rerun has nothing to resume
     ctx = init_distributed()
     seed_everything(cfg.seed)
@@ -137,7 +139,7 @@ def train_sft(cfg: SFTConfig, rows: pl.DataFrame, out_dir: Path, log: LogFn = no
     optimizer = make_optimizer(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
                                kind=cfg.lr_schedule)
-    resumed = load_checkpoint(out_dir, model=model, optimizer=optimizer, scheduler=scheduler)
+    resumed = load_checkpoint(out_dir, model=model, optimizer=optimizer, scheduler=scheduler, run_key=stage_key)
     start_step = resumed[0] if resumed else 0
     ddp_model = wrap_model(model, ctx)
     metrics: dict[str, float] = {}
@@ -184,7 +186,8 @@ def train_sft(cfg: SFTConfig, rows: pl.DataFrame, out_dir: Path, log: LogFn = no
                 and done < cfg.max_steps:
             log({"eval/loss": completion_nll(model, eval_set, pad_id=pad_id, device=device)}, done)
         if ctx.is_main and done % cfg.save_every == 0 and done < cfg.max_steps:
-            save_checkpoint(out_dir, step=done, model=model, optimizer=optimizer, scheduler=scheduler)
+            save_checkpoint(out_dir, step=done, model=model, optimizer=optimizer, scheduler=scheduler,
+                            run_key=stage_key)
 
     check_in_sync(model, ctx)
     if eval_set is not None and ctx.is_main:
@@ -193,7 +196,7 @@ def train_sft(cfg: SFTConfig, rows: pl.DataFrame, out_dir: Path, log: LogFn = no
     final = out_dir / "final"
     if ctx.is_main:
         metrics["train/seconds"] = time.perf_counter() - started
-        final = save_final(unwrap(model), tokenizer, out_dir, metrics=metrics)
+        final = save_final(unwrap(model), tokenizer, out_dir, metrics=metrics, run_key=stage_key)
     ctx.barrier()
     return final
 

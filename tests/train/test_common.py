@@ -29,6 +29,7 @@ from pipeline_lib.train.common import (
     CheckpointWriteError,
     Dist,
     NonFiniteLossError,
+    OtherRunError,
     autocast,
     batches,
     check_finite,
@@ -167,14 +168,15 @@ def test_checkpoint_round_trip_restores_everything(tmp_path):
     model, optimizer, scheduler = _trained_state()
     random.seed(11)
     torch.manual_seed(12)
-    save_checkpoint(tmp_path, step=2, model=model, optimizer=optimizer, scheduler=scheduler, extra={"eval": 0.5})
+    save_checkpoint(tmp_path, step=2, model=model, optimizer=optimizer, scheduler=scheduler, extra={"eval": 0.5},
+                    run_key="run")
     expected_next = (torch.rand(2), random.random())
     assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_DIR]  # temp dirs renamed away
 
     fresh, fresh_opt, fresh_sched = _trained_state(seed=1)
     torch.manual_seed(99)
     random.seed(99)
-    step, extra = load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)
+    step, extra = load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched, run_key="run")
     assert (step, extra) == (2, {"eval": 0.5})
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     assert torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], fresh_opt.state_dict()["state"][0]["exp_avg"])
@@ -185,13 +187,13 @@ def test_checkpoint_round_trip_restores_everything(tmp_path):
 
 def test_checkpoint_survives_a_crash_between_renames(tmp_path, monkeypatch):
     model, optimizer, scheduler = _trained_state()
-    save_checkpoint(tmp_path, step=4, model=model, optimizer=optimizer)
+    save_checkpoint(tmp_path, step=4, model=model, optimizer=optimizer, run_key="run")
     (tmp_path / CHECKPOINT_DIR).rename(tmp_path / f".{CHECKPOINT_DIR}.old")  # old moved aside, new not yet in place
     (tmp_path / f".{CHECKPOINT_DIR}.tmp").mkdir()  # a half-written new one
     fresh, fresh_opt, _ = _trained_state(seed=1)
-    assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt)[0] == 4
+    assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, run_key="run")[0] == 4
     assert torch.equal(fresh.weight, model.weight)
-    assert load_checkpoint(tmp_path / "empty", model=fresh, optimizer=fresh_opt) is None
+    assert load_checkpoint(tmp_path / "empty", model=fresh, optimizer=fresh_opt, run_key="run") is None
 
     # the next save must not drop that only good checkpoint before its own is in place
     real_rename = Path.rename
@@ -203,8 +205,8 @@ def test_checkpoint_survives_a_crash_between_renames(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "rename", crash_on_the_second_rename)
     with pytest.raises(CheckpointWriteError):
-        save_checkpoint(tmp_path, step=5, model=model, optimizer=optimizer)
-    assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt)[0] == 4
+        save_checkpoint(tmp_path, step=5, model=model, optimizer=optimizer, run_key="run")
+    assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, run_key="run")[0] == 4
 
 
 @pytest.fixture(scope="module")
@@ -225,12 +227,12 @@ def test_checkpoint_and_final_files_reach_the_disk_before_their_rename(tmp_path,
 
     monkeypatch.setattr(os, "fsync", recording_fsync)
     model = load_policy(tiny_dir, device="cpu")
-    save_checkpoint(tmp_path, step=1, model=model, optimizer=make_optimizer(model.parameters(), lr=0.1))
+    save_checkpoint(tmp_path, step=1, model=model, optimizer=make_optimizer(model.parameters(), lr=0.1), run_key="run")
     tmp, out = str(tmp_path / f".{CHECKPOINT_DIR}.tmp"), str(tmp_path)
     assert {f"{tmp}/state.pt", f"{tmp}/trainer_state.json", f"{tmp}/python_rng.json", tmp} <= set(synced)
     assert synced.index(tmp) > synced.index(f"{tmp}/state.pt") and synced[-1] == out
     synced.clear()
-    save_final(model, load_tokenizer(tiny_dir), tmp_path)
+    save_final(model, load_tokenizer(tiny_dir), tmp_path, run_key="run")
     tmp = str(tmp_path / ".final.tmp")
     assert {f"{tmp}/model.safetensors", f"{tmp}/{FINAL_MARKER}", tmp} <= set(synced) and synced[-1] == out
 
@@ -238,12 +240,14 @@ def test_checkpoint_and_final_files_reach_the_disk_before_their_rename(tmp_path,
 def test_save_final_writes_safetensors_and_drops_the_checkpoint(tmp_path, tiny_dir):
     reward = RewardModel.from_policy(tiny_dir, device="cpu")
     optimizer = make_optimizer(reward.parameters(), lr=0.1)
-    save_checkpoint(tmp_path, step=1, model=reward, optimizer=optimizer)
-    final = save_final(reward, load_tokenizer(tiny_dir), tmp_path, metrics={"eval/rm_accuracy": 0.9})
+    save_checkpoint(tmp_path, step=1, model=reward, optimizer=optimizer, run_key="run")
+    final = save_final(reward, load_tokenizer(tiny_dir), tmp_path, metrics={"eval/rm_accuracy": 0.9}, run_key="run")
     assert final == tmp_path / "final"
     names = {p.name for p in final.iterdir()}
     assert {"model.safetensors", "reward_head.safetensors", "tokenizer.json", FINAL_MARKER} <= names
-    assert json.loads((final / FINAL_MARKER).read_text()) == {"metrics": {"eval/rm_accuracy": 0.9}}
+    marker = json.loads((final / FINAL_MARKER).read_text())
+    assert marker["metrics"] == {"eval/rm_accuracy": 0.9} and marker["run_key"] == "run"
+    assert marker["files"] == {name: (final / name).stat().st_size for name in names - {FINAL_MARKER}}
     assert not (tmp_path / CHECKPOINT_DIR).exists() and not (tmp_path / ".final.tmp").exists()
     loaded = RewardModel.from_pretrained(final, device="cpu")
     ids = torch.tensor([[3, 4, 5]])
@@ -278,18 +282,18 @@ def full_disk_after_half(serialize: Callable[[object], bytes]):
 
 def test_failed_checkpoint_write_keeps_the_previous_one_in_one_line(tmp_path, monkeypatch):
     model, optimizer, scheduler = _trained_state()
-    save_checkpoint(tmp_path, step=1, model=model, optimizer=optimizer, scheduler=scheduler)
+    save_checkpoint(tmp_path, step=1, model=model, optimizer=optimizer, scheduler=scheduler, run_key="run")
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer.step()  # the state moves on, then its checkpoint fails half-written
     monkeypatch.setattr(torch, "save", full_disk_after_half(torch_bytes))
     with pytest.raises(CheckpointWriteError) as err:
-        save_checkpoint(tmp_path, step=2, model=model, optimizer=optimizer, scheduler=scheduler)
+        save_checkpoint(tmp_path, step=2, model=model, optimizer=optimizer, scheduler=scheduler, run_key="run")
     assert str(err.value) == (f"{tmp_path}: cannot write the step 2 checkpoint (OSError: [Errno 28] No space left "
                               "on device); the previous checkpoint is kept")
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_DIR]  # the half-written temp dir is gone
     fresh, fresh_opt, fresh_sched = _trained_state(seed=1)
-    assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)[0] == 1
+    assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched, run_key="run")[0] == 1
     assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
 
 
@@ -299,7 +303,7 @@ def test_unreadable_checkpoint_is_skipped_with_a_warning(tmp_path, damage):
     """A checkpoint damaged after its rename (disk corruption, a power cut before the data reached the disk)
     is ignored: the loop starts over, which costs time but gives the same seeded result."""
     model, optimizer, _ = _trained_state()
-    ckpt = save_checkpoint(tmp_path, step=3, model=model, optimizer=optimizer)
+    ckpt = save_checkpoint(tmp_path, step=3, model=model, optimizer=optimizer, run_key="run")
     state = ckpt / "state.pt"
     if damage == "empty state.pt":
         state.write_bytes(b"")
@@ -314,15 +318,15 @@ def test_unreadable_checkpoint_is_skipped_with_a_warning(tmp_path, damage):
     fresh, fresh_opt, _ = _trained_state(seed=1)
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
     with pytest.warns(RuntimeWarning, match=rf"checkpoint {ckpt} is unreadable \(\w+: .*\); ignoring it"):
-        assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt) is None
+        assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, run_key="run") is None
     assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())  # nothing half-applied
 
     # the previous checkpoint, still aside after a crash between save_checkpoint's renames, is used instead
     older, older_opt, _ = _trained_state(seed=2)
-    save_checkpoint(tmp_path / "aside", step=2, model=older, optimizer=older_opt)
+    save_checkpoint(tmp_path / "aside", step=2, model=older, optimizer=older_opt, run_key="run")
     (tmp_path / "aside" / CHECKPOINT_DIR).rename(tmp_path / f".{CHECKPOINT_DIR}.old")
     with pytest.warns(RuntimeWarning, match="is unreadable"):
-        assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt)[0] == 2
+        assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, run_key="run")[0] == 2
     assert torch.equal(fresh.weight, older.weight)
 
 
@@ -331,16 +335,16 @@ def test_failed_final_write_leaves_no_final_dir_and_keeps_the_checkpoint(tmp_pat
 
     policy = load_policy(tiny_dir, device="cpu")
     optimizer = make_optimizer(policy.parameters(), lr=0.1)
-    save_checkpoint(tmp_path, step=5, model=policy, optimizer=optimizer)
+    save_checkpoint(tmp_path, step=5, model=policy, optimizer=optimizer, run_key="run")
     monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full_disk_after_half(safetensors_bytes))
     with pytest.raises(CheckpointWriteError) as err:
-        save_final(policy, load_tokenizer(tiny_dir), tmp_path)
+        save_final(policy, load_tokenizer(tiny_dir), tmp_path, run_key="run")
     assert str(err.value) == (f"{tmp_path / 'final'}: cannot write the final model (OSError: [Errno 28] No space "
                               "left on device); the last checkpoint is kept, rerun the stage to resume")
     assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_DIR]  # no final, no half-written temp dir
     monkeypatch.undo()
-    assert load_checkpoint(tmp_path, model=policy, optimizer=optimizer)[0] == 5
-    final = save_final(policy, load_tokenizer(tiny_dir), tmp_path)  # the rerun's save succeeds
+    assert load_checkpoint(tmp_path, model=policy, optimizer=optimizer, run_key="run")[0] == 5
+    final = save_final(policy, load_tokenizer(tiny_dir), tmp_path, run_key="run")  # the rerun's save succeeds
     assert torch.equal(load_policy(final, device="cpu").lm_head.weight, policy.lm_head.weight)
 
 
@@ -376,8 +380,72 @@ def test_sft_stage_with_a_failing_write_reruns_to_the_uninterrupted_weights(one_
     monkeypatch.undo()
     assert not (tmp_path / "failed" / "final").exists()
     expected_step = 2 if failing == "checkpoint" else 4
-    assert json.loads((tmp_path / "failed" / CHECKPOINT_DIR / "trainer_state.json").read_text()) == \
-        {"step": expected_step}
+    assert json.loads((tmp_path / "failed" / CHECKPOINT_DIR / "trainer_state.json").read_text())["step"] == \
+        expected_step
     rerun = sft_run(tiny_dir, tmp_path / "failed")
     a, b = load_file(str(uninterrupted / "model.safetensors")), load_file(str(rerun / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- a stage dir holds only its own run's checkpoint and final model (run_key: config + models + data)
+
+
+def test_a_checkpoint_or_final_of_another_run_is_a_one_line_error(one_thread, tiny_dir, tmp_path):
+    """The run-file entry point and the library take any out_dir: a checkpoint left by another config resumed
+    silently (neither run's result), and its final was returned as this run's."""
+    out = tmp_path / "out"
+    sft_run(tiny_dir, out)
+    with pytest.raises(OtherRunError) as err:
+        sft_run(tiny_dir, out, seed=1)
+    assert str(err.value) == (f"{out / 'final'} was written by another run (its config, models or data differ from "
+                              "this one's); delete it or pass another out_dir")
+    (out / "final").rename(tmp_path / "aside")
+    model = load_policy(tiny_dir, device="cpu")
+    save_checkpoint(out, step=4, model=model, optimizer=make_optimizer(model.parameters(), lr=1e-3), run_key="other")
+    with pytest.raises(OtherRunError, match=f"^{out / CHECKPOINT_DIR} was written by another run"):
+        sft_run(tiny_dir, out)
+    assert not (out / "final").exists()
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_a_one_line_error(tiny_dir, tmp_path):
+    other = build_tiny_model(tmp_path / "other", ["12+34=46"], hidden_size=64, num_heads=2, intermediate_size=128)
+    small = load_policy(other, device="cpu")
+    save_checkpoint(tmp_path, step=2, model=small, optimizer=make_optimizer(small.parameters(), lr=0.1), run_key="k")
+    model = load_policy(tiny_dir, device="cpu")
+    with pytest.raises(OtherRunError, match=r"does not fit this model \(RuntimeError: Error\(s\) in loading state_dict for "
+                                            r"LlamaForCausalLM: size mismatch for ") as err:
+        load_checkpoint(tmp_path, model=model, optimizer=make_optimizer(model.parameters(), lr=0.1), run_key="k")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("damage", ["cut weights", "weights gone", "marker only, old format"])
+def test_an_incomplete_final_is_trained_again(one_thread, tiny_dir, tmp_path, damage):
+    """A final dir with its marker but missing or cut files (a partial copy) counted as finished."""
+    uninterrupted = sft_run(tiny_dir, tmp_path / "full")
+    out = tmp_path / "out"
+    final = sft_run(tiny_dir, out)
+    weights = final / "model.safetensors"
+    if damage == "cut weights":
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "weights gone":
+        weights.unlink()
+    else:
+        for file in final.iterdir():
+            if file.name != FINAL_MARKER:
+                file.unlink()
+        (final / FINAL_MARKER).write_text(json.dumps({"metrics": {}}))
+    with pytest.warns(RuntimeWarning, match="training again"):
+        rerun = sft_run(tiny_dir, out)
+    a, b = load_file(str(uninterrupted / "model.safetensors")), load_file(str(rerun / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_without_a_run_key_resumes_with_a_warning(tiny_dir, tmp_path):
+    """Checkpoints written before run keys were recorded still resume (an upgrade does not lose a run)."""
+    model = load_policy(tiny_dir, device="cpu")
+    optimizer = make_optimizer(model.parameters(), lr=0.1)
+    save_checkpoint(tmp_path, step=3, model=model, optimizer=optimizer, run_key="k")
+    state = tmp_path / CHECKPOINT_DIR / "trainer_state.json"
+    state.write_text(json.dumps({"step": 3}))
+    with pytest.warns(RuntimeWarning, match="records no run key"):
+        assert load_checkpoint(tmp_path, model=model, optimizer=optimizer, run_key="new")[0] == 3
