@@ -6,7 +6,7 @@ import difflib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -20,6 +20,10 @@ DEVICE_PATTERN = r"^(auto|cpu|cuda(:\d+)?)$"
 # (pipeline_lib.rewards.registry) refuse a boolean or a non-finite number, which pydantic would already have read
 # as 1 (`weight: true`) or reported as a mismatch of one union member (`weight: .inf`).
 RewardSpecs = tuple[dict[str, Any], ...]
+# torch.manual_seed takes [-2**63, 2**64), but the stages seed with values derived from a seed (the data order of
+# epoch e with seed * 100_003 + e, sampling batch b with seed + b), which a 32-bit seed keeps inside that range
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
+INT_LIMIT = 2**63  # every other integer fits in 64 bits, as torch, DuckDB and MLflow hold it
 
 
 class ConfigError(AlignflowError, ValueError):
@@ -34,29 +38,46 @@ def shipped_path(path: str | Path) -> Path:
     return path if path.exists() or path.is_absolute() or not shipped.exists() else shipped
 
 
-def _numeric(annotation: object) -> bool:
-    """Whether a field holds numbers: int / float, optionally in `X | None` or `tuple[X, ...]`."""
-    if annotation in (int, float):
-        return True
-    return typing.get_origin(annotation) in (typing.Union, types.UnionType, tuple) and any(
-        arg in (int, float) for arg in typing.get_args(annotation))
+def _value_types(annotation: object) -> set[object]:
+    """The types of a field's values: {X} for `X`, `X | None` and `tuple[X, ...]`."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, tuple):
+        return {arg for arg in typing.get_args(annotation) if arg not in (type(None), Ellipsis)}
+    return {annotation}
 
 
 class Config(BaseModel):
-    """Base of every config: unknown fields, inf/NaN and booleans given for numbers are errors; frozen."""
+    """Base of every config: unknown fields, inf/NaN, a boolean given for a number, a float for an integer, anything
+    but true/false for a boolean, and integers past 64 bits are errors; frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
-    def _no_booleans_for_numbers(cls, data: object) -> object:
-        # pydantic reads `max_steps: true` as 1; a YAML boolean where a number belongs is a mistake
+    def _exact_value_types(cls, data: object) -> object:
+        # pydantic reads `max_steps: true` as 1, `ks: [1.0, 2]` as (1, 2) and `disable_dropout: 1` or 'off' as
+        # booleans: each is a mistake in a preset, where YAML writes booleans true/false. A number written as a
+        # string is still read (PyYAML reads `lr: 1e-4` as the string '1e-4').
         for name, value in data.items() if isinstance(data, dict) else ():
             field = cls.model_fields.get(name)
+            kinds = _value_types(field.annotation) if field is not None else set()
             values = value if isinstance(value, (list, tuple)) else (value,)
-            if field is not None and _numeric(field.annotation) and any(isinstance(v, bool) for v in values):
+            if kinds & {int, float} and any(isinstance(v, bool) for v in values):
                 raise ValueError(f"{name}: expected a number, got {value!r}")
+            if kinds == {int} and any(isinstance(v, float) for v in values):
+                raise ValueError(f"{name}: expected an integer, got {value!r}")
+            if kinds == {bool} and value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name}: expected true or false, got {value!r}")
         return data
+
+    @model_validator(mode="after")
+    def _integers_fit_64_bits(self):
+        # checked after parsing: an integer may come as a string ('100000000000000000000000')
+        for name, field in type(self).model_fields.items():
+            value = getattr(self, name)
+            values = value if isinstance(value, tuple) else (value,)
+            if _value_types(field.annotation) == {int} and any(v is not None and abs(v) >= INT_LIMIT for v in values):
+                raise ValueError(f"{name}: {value!r} is out of range; expected an integer of magnitude below 2**63")
+        return self
 
 
 class IngestConfig(Config):
@@ -192,6 +213,8 @@ def check_ingest_files(cfg: BaseModel, origin: str = "config") -> None:
         files = {"path": cfg}
     else:
         files = {f"ingest.{i}.path": ingest for i, ingest in enumerate(getattr(cfg, "ingest", ()))}
+    from pipeline_lib.store.ingest import IngestError, suffix_of  # imports polars and DuckDB: only when checking
+
     for field, ingest in files.items():
         resolved = ingest.resolved_path
         if resolved.is_dir():
@@ -200,6 +223,10 @@ def check_ingest_files(cfg: BaseModel, origin: str = "config") -> None:
             where = "" if Path(ingest.path).expanduser().is_absolute() else (
                 f" (looked in the working directory and in the alignflow checkout {REPO_ROOT})")
             raise ConfigError(f"{origin}: field '{field}': no such file {ingest.path!r}{where}")
+        try:
+            suffix_of(Path(ingest.path))
+        except IngestError as exc:  # ingest would refuse it, after the pipeline ingested the files before it
+            raise ConfigError(f"{origin}: field '{field}': {exc}") from None
 
 
 # ---- training stages (SFT, RM, DPO); the loops live in pipeline_lib/train/
@@ -233,7 +260,7 @@ class TrainLoopConfig(Config):
     """Held-out evaluation every N steps (0: only before and after training)."""
     log_every: int = Field(10, ge=1)
     """Log training metrics every N steps."""
-    seed: int = 0
+    seed: Seed = 0
     """Seeds the data order, the held-out split and torch's RNG."""
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
@@ -364,7 +391,7 @@ class SampleConfig(Config):
     """Softmax temperature; 0 is greedy (then all n samples are equal). RL rollouts use 1.0."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass (Holtzman et al. 2020); 1.0 disables it."""
-    seed: int = 0
+    seed: Seed = 0
     """Batch b of the run is sampled with seed + b, so a resumed run reproduces an uninterrupted one."""
     stop: tuple[str, ...] = ()
     """Strings that end a sample early (cut from the text, finish_reason `stop`); eos always stops."""
@@ -488,7 +515,7 @@ class GRPOConfig(Config):
     """Write a resumable checkpoint (policy, optimizer, scheduler, RNG, data position) every N steps."""
     log_every: int = Field(1, ge=1)
     """Log metrics every N steps."""
-    seed: int = 0
+    seed: Seed = 0
     """Seeds the prompt order, each rollout's sampling and the mini-batch order."""
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
@@ -626,7 +653,7 @@ class PPOConfig(Config):
     """Write a resumable checkpoint (actor, critic, optimizer, scheduler, RNG, KL coefficient) every N steps."""
     log_every: int = Field(1, ge=1)
     """Log metrics every N steps."""
-    seed: int = 0
+    seed: Seed = 0
     """Seeds the prompt order, each rollout's sampling and the mini-batch order."""
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
@@ -666,7 +693,7 @@ class TinyModelConfig(Config):
     """MLP width."""
     max_position_embeddings: int = Field(256, ge=16)
     """Longest sequence (prompt + response) the model accepts."""
-    seed: int = 0
+    seed: Seed = 0
     """Init seed: same corpus + seed give byte-identical weights."""
 
 
@@ -696,7 +723,7 @@ class EvalConfig(Config):
     """Sampling temperature (1.0: the policy's own distribution, as in DEMO-CALIBRATION.md's Pass@1)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass; 1.0 disables it."""
-    seed: int = 0
+    seed: Seed = 0
     """Sampling seed (per batch, so reruns reproduce)."""
     chat_template: bool = False
     """Render prompts with the tokenizer's chat template (instruct models)."""
@@ -713,6 +740,8 @@ class EvalConfig(Config):
     def _ks_fit_n(self):
         if not self.ks or max(self.ks) > self.n or min(self.ks) < 1:
             raise ValueError(f"ks {list(self.ks)}: expected values in 1..n={self.n}")
+        if len(set(self.ks)) < len(self.ks):  # each K is one row of eval_results
+            raise ValueError(f"ks {list(self.ks)}: each K may appear once")
         return self
 
     @property

@@ -118,6 +118,56 @@ def test_invalid_values_are_one_line_errors_naming_the_field(model, data, messag
     assert str(err.value).startswith("cfg.yaml: ")
 
 
+@pytest.mark.parametrize(("model", "data", "message"), [
+    (DPOConfig, {"policy_path": "m", "disable_dropout": 1}, "disable_dropout: expected true or false, got 1"),
+    (DPOConfig, {"policy_path": "m", "disable_dropout": "yes"}, "disable_dropout: expected true or false, got 'yes'"),
+    (DPOConfig, {"policy_path": "m", "disable_dropout": "off"}, "disable_dropout: expected true or false, got 'off'"),
+    (SFTConfig, {"model_path": "m", "trust_remote_code": "yes"},
+     "trust_remote_code: expected true or false, got 'yes'"),
+    (EvalConfig, {"model_path": "m", "n": 4, "ks": [1.0, 2]}, "ks: expected an integer, got [1.0, 2]"),
+    (SFTConfig, {"model_path": "m", "max_steps": 10.0}, "max_steps: expected an integer, got 10.0"),
+    (PipelineConfig, {"eval": {"model_path": "m", "n": 4, "ks": [1, 2.5]}},
+     "eval: ks: expected an integer, got [1, 2.5]"),
+])
+def test_booleans_take_only_true_or_false_and_integers_only_integers(model, data, message):
+    """pydantic's lax mode read 1, 'yes' and 'off' as booleans and 1.0 as the integer 1."""
+    with pytest.raises(ConfigError) as err:
+        validate_config(model, data, origin="cfg.yaml")
+    assert str(err.value) == f"cfg.yaml: {message}"
+
+
+def test_yaml_booleans_are_still_booleans(tmp_path):
+    path = tmp_path / "dpo.yaml"
+    path.write_text("policy_path: m\ndisable_dropout: false\ntrust_remote_code: yes\n")
+    cfg = load_config(DPOConfig, path)  # YAML 1.1 (PyYAML) reads yes/no/on/off as booleans too
+    assert (cfg.disable_dropout, cfg.trust_remote_code) == (False, True)
+
+
+@pytest.mark.parametrize(("model", "data", "message"), [
+    (TinyModelConfig, {"seed": 1180591620717411303424},
+     "field 'seed': Input should be less than or equal to 4294967295"),
+    (SFTConfig, {"model_path": "m", "seed": -1}, "field 'seed': Input should be greater than or equal to 0"),
+    (SFTConfig, {"model_path": "m", "max_steps": 10**23},
+     "max_steps: 100000000000000000000000 is out of range; expected an integer of magnitude below 2**63"),
+    (SFTConfig, {"model_path": "m", "max_steps": str(2**63)},
+     "max_steps: 9223372036854775808 is out of range; expected an integer of magnitude below 2**63"),
+    (EvalConfig, {"model_path": "m", "n": 4, "ks": [1, 1, 2]}, "ks [1, 1, 2]: each K may appear once"),
+])
+def test_seeds_and_integers_out_of_range_and_repeated_ks_are_one_line_errors(model, data, message):
+    """A seed past 64 bits crashed the stage ("Overflow when unpacking long long"); repeated ks wrote repeated rows."""
+    with pytest.raises(ConfigError) as err:
+        validate_config(model, data, origin="cfg.yaml")
+    assert str(err.value).startswith(f"cfg.yaml: {message}") and "\n" not in str(err.value)
+
+
+def test_the_largest_seed_seeds_torch_through_the_stages_derived_seeds():
+    import torch
+
+    seed = validate_config(SFTConfig, {"model_path": "m", "seed": 2**32 - 1}).seed
+    torch.manual_seed(seed)
+    torch.Generator().manual_seed(seed * 100_003 + 1000)  # train.common.epoch_order of epoch 1000
+
+
 def test_numbers_written_as_strings_are_still_read():
     cfg = validate_config(SFTConfig, {"model_path": "m", "lr": "1e-4", "max_steps": "10", "device": "cuda:1"})
     assert (cfg.lr, cfg.max_steps, cfg.device) == (1e-4, 10, "cuda:1")
@@ -240,6 +290,18 @@ def test_a_missing_ingest_file_is_reported_when_the_preset_loads(tmp_path):
     single.write_text(f"path: {tmp_path}\n")
     with pytest.raises(ConfigError, match=f"field 'path': '{tmp_path}' is a directory, expected a data file"):
         load_config(IngestConfig, single)
+
+
+def test_an_ingest_file_of_an_unsupported_type_is_reported_when_the_preset_loads(tmp_path):
+    """ingest refuses the file too, but only when the pipeline reaches it: after the files before it were ingested."""
+    (tmp_path / "notes.txt").write_text("hello\n")
+    path = tmp_path / "p.yaml"
+    path.write_text(f"base: {{}}\ningest:\n  - {{path: data/demo/problems.jsonl}}\n  - {{path: {tmp_path}/notes.txt}}"
+                    "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(PipelineConfig, path)
+    assert str(err.value) == (f"{path}: field 'ingest.1.path': {tmp_path / 'notes.txt'}: unknown file type; expected "
+                              f"one of .jsonl.gz, .jsonl, .json, .parquet, .csv")
 
 
 def test_ingest_files_resolve_against_the_checkout_and_are_not_checked_when_built_in_code(tmp_path, monkeypatch):

@@ -13,12 +13,14 @@ import re
 import time
 import zlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import orjson
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import content_id, fingerprint_path
@@ -35,6 +37,8 @@ _KEY_END = re.compile(rb'"\s*:')
 _HUGE_NUMBER = re.compile(rb"e\+(?:1[89]|[2-9][0-9]|[0-9]{3})")
 # the tokens that delimit the records of a JSON array: strings (whose text may hold brackets), brackets, commas
 _ARRAY_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]')
+# one object's end and the next one's start with a lone CR between: JSON text holds no raw CR inside a string
+_CR_BETWEEN_RECORDS = re.compile(rb"}\s*\r\s*{")
 _ID_FIELDS = {
     "preference_pairs": ("pair_id", ["prompt", "chosen", "rejected"]),
     "rankings": ("ranking_id", ["prompt", "responses"]),
@@ -103,10 +107,10 @@ def ingest_file(
         raise IngestError(f"{path}: unknown format {format!r}; expected auto, {', '.join(FORMATS)}")
     if max_record_bytes <= 0:
         raise IngestError(f"{path}: max_record_bytes must be > 0, got {max_record_bytes}")
-    suffix = _suffix(path)
+    suffix = suffix_of(path)
     source = source or path.name[: -len(suffix)]
     lines, line_nos, pre_bad = _read_lines(path, suffix)
-    fmt = _detect_format(path, lines, pre_bad) if format == "auto" else format
+    fmt = _detect_format(path, lines, line_nos, pre_bad, max_record_bytes) if format == "auto" else format
     rows = _screen(lines, fmt, max_record_bytes, pre_bad)
     accepted, bad = shape_records(fmt, rows, split=split or "train")
     quarantine = _quarantine_frame(lines, line_nos, sorted(rows.bad + bad), source, str(path.resolve()))
@@ -141,7 +145,8 @@ def ingest_file(
 # ---- reading: every file type becomes a list of JSON lines (one per record) plus its numbering
 
 
-def _suffix(path: Path) -> str:
+def suffix_of(path: Path) -> str:
+    """The file type of `path`: the one of SUFFIXES its name ends with; IngestError if none."""
     name = path.name.lower()
     for suffix in SUFFIXES:
         if name.endswith(suffix) and len(name) > len(suffix):
@@ -214,21 +219,29 @@ def _array_items(data: bytes) -> list[bytes]:
 
 
 def _parquet_lines(path: Path, data: bytes) -> tuple[list[bytes], Sequence[int], dict[int, str]]:
-    """Parquet rows as JSON lines. Binary values, at any depth (lists, structs), become UTF-8 text (writers often
+    """Parquet rows as JSON lines. Binary values, at any depth (lists, structs, maps), become UTF-8 text (writers often
     store strings as binary, and polars cannot write binary as JSON); a row whose bytes are not UTF-8 is rejected,
-    its `raw` readable with replacement characters."""
+    its `raw` readable with replacement characters. Map keys become text, as JSON object keys are, and a UUID column
+    (binary to polars) its canonical text."""
     try:
         frame = pl.read_parquet(io.BytesIO(data))
-    except (pl.exceptions.PolarsError, OSError, ValueError) as exc:
+        uuid_columns = _uuid_columns(data)
+    # a damaged file can make polars' Rust code panic: its PanicException derives from BaseException only
+    except (pl.exceptions.PolarsError, pl.exceptions.PanicException, pa.ArrowException, OSError, ValueError) as exc:
         raise IngestError(f"{path}: unreadable parquet file ({str(exc).splitlines()[0]})") from None
+    frame = frame.with_columns(_uuid_text(name) for name in uuid_columns)
     pre_bad: dict[int, str] = {}
     for name, dtype in frame.schema.items():
-        text_dtype = _text_dtype(dtype)
+        try:
+            text_dtype = _text_dtype(dtype)
+        except ValueError as exc:
+            raise IngestError(f"{path}: column '{name}' cannot be written as JSON: {exc}") from None
         if text_dtype == dtype:
             continue
         try:
             frame = frame.with_columns(frame[name].cast(text_dtype))  # every value UTF-8: one vectorised cast
-        except pl.exceptions.ComputeError:  # some are not: find their rows
+        # some are not (find their rows), or map keys that polars does not cast (convert them one by one)
+        except (pl.exceptions.ComputeError, pl.exceptions.InvalidOperationError):
             texts = []
             for i, value in enumerate(frame[name].to_list()):
                 try:
@@ -237,22 +250,41 @@ def _parquet_lines(path: Path, data: bytes) -> tuple[list[bytes], Sequence[int],
                     pre_bad.setdefault(i, f"invalid UTF-8 in field '{name}'")
                     texts.append(_decoded(value, "replace"))
             frame = frame.with_columns(pl.Series(name, texts, dtype=text_dtype))
-    return frame.write_ndjson().encode().splitlines(), range(frame.height), pre_bad
+    try:
+        text = frame.write_ndjson()
+    except (pl.exceptions.PolarsError, pl.exceptions.PanicException) as exc:  # a type polars cannot write as JSON
+        raise IngestError(f"{path}: cannot write the parquet rows as JSON ({str(exc).splitlines()[0]})") from None
+    return text.encode().splitlines(), range(frame.height), pre_bad
+
+
+def _uuid_columns(data: bytes) -> list[str]:
+    """Top-level columns of parquet's UUID type (DuckDB writes its uuid columns so), which polars reads as binary."""
+    return [column.name for column in pq.ParquetFile(io.BytesIO(data)).schema
+            if column.logical_type.type == "UUID" and column.path == column.name]
+
+
+def _uuid_text(name: str) -> pl.Expr:
+    """The 16 bytes of each UUID in column `name` as the canonical text, 8-4-4-4-12 lowercase hex digits (RFC 9562)."""
+    digits = pl.col(name).bin.encode("hex")
+    groups = [digits.str.slice(start, length) for start, length in ((0, 8), (8, 4), (12, 4), (16, 4), (20, 12))]
+    return pl.concat_str(groups, separator="-").alias(name)
 
 
 def _decoded(value: object, errors: str) -> object:
-    """A parquet value with its bytes, at any depth, decoded as UTF-8 (`errors` as in bytes.decode)."""
+    """A parquet value with its bytes, at any depth, decoded as UTF-8 (`errors` as in bytes.decode), and the keys of
+    its maps as text."""
     if isinstance(value, bytes):
         return value.decode("utf-8", errors)
     if isinstance(value, list):
         return [_decoded(item, errors) for item in value]
-    if isinstance(value, dict):
-        return {key: _decoded(item, errors) for key, item in value.items()}
+    if isinstance(value, dict):  # a struct (text keys) or a map (keys of its key type: 1 -> "1")
+        return {str(_decoded(key, errors)): _decoded(item, errors) for key, item in value.items()}
     return value
 
 
 def _text_dtype(dtype: pl.DataType) -> pl.DataType:
-    """`dtype` with Binary replaced by String at any depth (lists, arrays, structs)."""
+    """`dtype` with Binary replaced by String at any depth (lists, arrays, structs, maps), and map keys by String;
+    ValueError for a map keyed by a nested type, which no JSON object key can hold."""
     if dtype == pl.Binary:
         return pl.String
     if isinstance(dtype, pl.List):
@@ -261,43 +293,82 @@ def _text_dtype(dtype: pl.DataType) -> pl.DataType:
         return pl.Array(_text_dtype(dtype.inner), dtype.shape)
     if isinstance(dtype, pl.Struct):
         return pl.Struct({field.name: _text_dtype(field.dtype) for field in dtype.fields})
+    if isinstance(dtype, pl.Map):
+        if dtype.key.is_nested():
+            raise ValueError(f"its map keys are {dtype.key}, and a JSON object key is text")
+        return pl.Map(pl.String, _text_dtype(dtype.value))
     return dtype
 
 
 def _csv_lines(path: Path, data: bytes) -> tuple[list[bytes], list[int], dict[int, str]]:
     """CSV records as JSON lines (header name -> cell text), with the physical line each starts on.
 
-    Python's csv module reads the file: it reports a ragged row as it is (polars pads a short row, or
+    Python's csv module reads the file (_csv_records): it reports a ragged row as it is (polars pads a short row, or
     refuses the file) and counts the lines a quoted cell spans. Blank lines hold no record."""
     text = data.decode("utf-8", errors="surrogateescape")  # invalid UTF-8 rejects its row, not the file
     physical = io.StringIO(text, newline="").readlines()
     # no cell is longer than the file; the record size limit applies later, as for every file type.
     # The limit is process-wide: only ever raise it, another thread may be reading a CSV file too.
     csv.field_size_limit(max(csv.field_size_limit(), len(text)))
-    reader = csv.reader(physical)
-    header = next(reader, [])
+    records = _csv_records(physical)
+    _, _, header = next(records, (1, 1, []))
+    if isinstance(header, str):
+        raise IngestError(f"{path}: cannot read the CSV header on line 1 ({header})")
+    if not any(name.strip() for name in header) and text.strip():
+        raise IngestError(f"{path}: the CSV header on line 1 is blank; the first line must name the columns")
+    try:
+        orjson.dumps(header)
+    except orjson.JSONEncodeError:  # a name holds an undecodable byte (a surrogate escape)
+        raise IngestError(f"{path}: invalid UTF-8 in the CSV header on line 1") from None
     repeated = [name for name, n in Counter(header).items() if n > 1]
     if repeated:
         raise IngestError(f"{path}: the header repeats column '{repeated[0]}'")
     lines, line_nos, pre_bad = [], [], {}
-    start = reader.line_num + 1
-    for row in reader:
-        end = reader.line_num
-        if len(row) > 1 or (row and row[0].strip()):
-            line_nos.append(start)
-            reason = None
-            if len(row) != len(header):
-                reason = f"row has {len(row)} fields, the header has {len(header)}"
-            else:
-                try:
-                    lines.append(orjson.dumps(dict(zip(header, row))))
-                except orjson.JSONEncodeError:  # a cell holds an undecodable byte (a surrogate escape)
-                    reason = "invalid UTF-8"
-            if reason is not None:  # the row's own text is its raw
-                pre_bad[len(lines)] = reason
-                lines.append("".join(physical[start - 1 : end]).rstrip("\r\n").encode(errors="surrogateescape"))
-        start = end + 1
+    for first, last, row in records:
+        if isinstance(row, str):
+            reason = row
+        elif len(row) < 2 and not (row and row[0].strip()):  # blank lines hold no record
+            continue
+        elif len(row) != len(header):
+            reason = f"row has {len(row)} fields, the header has {len(header)}"
+        else:
+            try:
+                lines.append(orjson.dumps(dict(zip(header, row))))
+                line_nos.append(first)
+                continue
+            except orjson.JSONEncodeError:  # a cell holds an undecodable byte (a surrogate escape)
+                reason = "invalid UTF-8"
+        line_nos.append(first)
+        pre_bad[len(lines)] = reason  # the row's own text is its raw
+        lines.append("".join(physical[first - 1 : last]).rstrip("\r\n").encode(errors="surrogateescape"))
     return lines, line_nos, pre_bad
+
+
+def _csv_records(physical: list[str]) -> Iterator[tuple[int, int, list[str] | str]]:
+    """(first line, last line, cells) of each CSV record, lines 1-based; cells is the reason for a record the
+    csv module cannot read.
+
+    It reads strictly: its default dialect silently ends a cell still quoted at the end of the file and glues the
+    text after a closing quote to the cell (`"q"z` is `qz`), so one unclosed quote would fold the rest of the file
+    into one row. A record that fails on its first line is that line; one that fails further on began with a quote
+    that did not close (it ran on to the next quote in the file, or to its end): then only its first line is
+    rejected and the next record starts on the line after it, so the lines the quote ran over are records again."""
+    offset, reader = 0, csv.reader(physical, strict=True)
+    while True:
+        first = offset + reader.line_num + 1
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            last = offset + reader.line_num
+            if last == first:  # the reader goes on with the next line
+                yield first, first, f"malformed CSV ({exc})"
+                continue
+            yield first, first, f"unclosed quote: the quoted cell runs on to line {last} ({exc})"
+            offset, reader = first, csv.reader(physical[first:], strict=True)
+            continue
+        yield first, offset + reader.line_num, row
 
 
 # ---- format detection and the per-record screen (JSON validity, object, field types)
@@ -315,8 +386,11 @@ def _shape_of(record: dict) -> str | None:
     return None
 
 
-def _detect_format(path: Path, lines: list[bytes], pre_bad: dict[int, str]) -> str:
-    """The shape most of the first parsable records have; IngestError if none has a known shape."""
+def _detect_format(
+    path: Path, lines: list[bytes], line_nos: Sequence[int], pre_bad: dict[int, str], limit: int
+) -> str:
+    """The shape most of the first parsable records have; IngestError if none has a known shape, naming the most
+    common reason the records were refused (and how many were) if no record could be read as a JSON object."""
     votes: Counter[str] = Counter()
     first_keys: list[str] | None = None
     seen = 0
@@ -340,12 +414,17 @@ def _detect_format(path: Path, lines: list[bytes], pre_bad: dict[int, str]) -> s
         return votes.most_common(1)[0][0]
     if all(not line or line.isspace() for line in lines):  # --format would not help here
         raise IngestError(f"{path}: the file holds no records")
-    found = f"fields {first_keys}" if first_keys is not None else "no JSON object records"
-    if first_keys is not None and len(first_keys) == 1 and any(sep in first_keys[0] for sep in ";\t|"):
+    if first_keys is None:  # nor here: it would quarantine every record, refused by the reader
+        bad = _screen(lines, "pairs", limit, pre_bad).bad  # any format: no record gets as far as its fields
+        reason, same = Counter(reason for _, reason in bad).most_common(1)[0]
+        first = next(line_nos[i] for i, other in bad if other == reason)
+        raise IngestError(f"{path}: cannot detect the record format: no record could be read ({same} of {len(bad)} "
+                          f"records: {reason}; the first on line {first})")
+    if len(first_keys) == 1 and any(sep in first_keys[0] for sep in ";\t|"):
         raise IngestError(f"{path}: cannot detect the record format (one field {first_keys[0]!r}): "
                           f"only comma-separated CSV is read; convert the file to commas")
     raise IngestError(
-        f"{path}: cannot detect the record format ({found}); pass --format {'|'.join(FORMATS)}"
+        f"{path}: cannot detect the record format (fields {first_keys}); pass --format {'|'.join(FORMATS)}"
     )
 
 
@@ -476,6 +555,8 @@ def _decode_reason(line: bytes, exc: orjson.JSONDecodeError) -> str:
         line.decode("utf-8")
     except UnicodeDecodeError:
         return "invalid UTF-8"
+    if _CR_BETWEEN_RECORDS.search(line):  # the file's lines end in CR alone (classic Mac OS)
+        return "records separated by a lone '\\r': JSON Lines ends each line with '\\n'"
     return f"malformed JSON: {exc}"
 
 

@@ -239,8 +239,10 @@ def _ranking(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
 
 
 def _problem(frame: pl.DataFrame, split: str) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
-    """GSM8K answers ("... #### 18"): `answer` is the text after "####", the solution goes to meta.
-    `split` is used where a record has no `split` field of its own."""
+    """GSM8K answers ("... #### 18"): `answer` is the text after "####", the solution goes to meta.solution (what SFT
+    trains on). A record with a `solution` field of its own keeps it: if that differs from the answer's, the row is
+    quarantined, as either way one of the two solutions would be lost. `split` is used where a record has no `split`
+    field of its own."""
     frame = frame.with_columns(
         pl.coalesce("question", "prompt").alias("_prompt"),
         pl.when(pl.col("question").is_not_null()).then(pl.lit("question")).otherwise(pl.lit("prompt")).alias("_name"),
@@ -258,13 +260,18 @@ def _problem(frame: pl.DataFrame, split: str) -> tuple[pl.DataFrame, list[tuple[
         .then(pl.lit("empty answer after '####'"))
     )
     ok, bad = _split_off(frame, reason)
-    metas = []
-    for answer, meta in ok.select("answer", "meta").iter_rows():
-        if "####" not in answer:
-            metas.append(meta)
-            continue
-        extra = json.loads(meta) if meta else {}  # the stdlib parser keeps integers past 64 bits exact
-        metas.append(json.dumps({**extra, "solution": answer}, ensure_ascii=False, separators=(",", ":")))
+    keep, metas = [], []
+    for row, (idx, answer, meta) in enumerate(ok.select("_idx", "answer", "meta").iter_rows()):
+        if "####" in answer:
+            extra = json.loads(meta) if meta else {}  # the stdlib parser keeps integers past 64 bits exact
+            if extra.setdefault("solution", answer) != answer:
+                bad.append((idx, "fields 'solution' and 'answer' hold different worked solutions ('answer' has one "
+                                 "before '####'); keep one of them"))
+                continue
+            meta = json.dumps(extra, ensure_ascii=False, separators=(",", ":"))
+        keep.append(row)
+        metas.append(meta)
+    ok = ok[keep] if keep else ok.clear()
     return ok.select(
         pl.when(pl.col("split").is_null() | _blank("split"))
         .then(pl.lit(split))

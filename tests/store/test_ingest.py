@@ -213,6 +213,21 @@ def test_problem_keeps_the_unused_prompt_in_meta(tmp_path, store):
     assert json.loads(rows["q2"]["meta"]) == {"prompt": {"not": "text"}, "solution": "x #### 2"}
 
 
+def test_problem_with_a_solution_field_of_its_own_keeps_it_or_is_quarantined(tmp_path, store):
+    """meta.solution (what SFT trains on) is the worked solution of a GSM8K answer; a record's own `solution` is not
+    overwritten by it: the same text is one solution, another text is two, and the row is quarantined."""
+    records = [{"question": "q1", "answer": "3+4=7 #### 7", "solution": "my own worked solution", "id": 12},
+               {"question": "q2", "answer": "1+1=2 #### 2", "solution": "1+1=2 #### 2"},
+               {"question": "q3", "answer": "5", "solution": "2+3=5"}]
+    report = ingest_file(write_jsonl(tmp_path / "math.jsonl", records), store)
+    check_invariant(report)
+    assert (report.accepted, report.quarantined) == (2, 1)
+    assert quarantine(store) == {1: "fields 'solution' and 'answer' hold different worked solutions ('answer' has "
+                                    "one before '####'); keep one of them"}
+    rows = {r["prompt"]: (r["answer"], json.loads(r["meta"])) for r in store.read("problems").to_dicts()}
+    assert rows == {"q2": ("2", {"solution": "1+1=2 #### 2"}), "q3": ("5", {"solution": "2+3=5"})}
+
+
 def test_real_gsm8k_files(store):
     test = ingest_file(DATA / "gsm8k" / "test-first100.jsonl", store, split="test")
     train = ingest_file(DATA / "gsm8k" / "train-first500.jsonl", store)
@@ -507,6 +522,35 @@ def test_csv_line_numbers_are_where_each_record_starts(tmp_path, store):
     assert store.read("preference_pairs")["prompt"].to_list() == ["a\r\nb\nc"]
 
 
+@pytest.mark.parametrize(("first", "rows_read"), [('q,a,"b', 5), ('"q,a,b', 5), ('"q,a,b\np0,"a0",b0', 6)],
+                         ids=["last-column", "first-column", "closed-by-a-later-quote"])
+def test_csv_unclosed_quote_quarantines_its_line_and_reads_the_lines_after_it(tmp_path, store, first, rows_read):
+    """The default csv dialect ends a cell still quoted at the end of the file silently: one unclosed quote folded
+    every later line into one accepted row. A record that does not parse is its first line; reading goes on after it."""
+    path = tmp_path / "q.csv"
+    path.write_text("prompt,chosen,rejected\n" + first + "\n" + "".join(f"p{i},a{i},b{i}\n" for i in range(1, 5)))
+    report = ingest_file(path, store)
+    check_invariant(report)
+    assert (report.rows_read, report.accepted, report.quarantined) == (rows_read, rows_read - 1, 1)
+    ((line_no, raw, reason),) = store.read("quarantine").select("line_no", "raw", "reason").rows()
+    assert (line_no, raw) == (2, first.splitlines()[0])
+    assert reason.startswith(f"unclosed quote: the quoted cell runs on to line {3 if 'p0' in first else 6} (")
+    prompts = sorted(store.read("preference_pairs")["prompt"].to_list())
+    assert prompts == (["p0"] if "p0" in first else []) + ["p1", "p2", "p3", "p4"]
+
+
+def test_csv_text_after_a_closing_quote_is_quarantined_not_glued_to_the_cell(tmp_path, store):
+    """The default dialect read `"q"z` as `qz` and `"a" ` as `a `; a quote inside an unquoted cell is text."""
+    path = tmp_path / "g.csv"
+    path.write_bytes(b'prompt,chosen,rejected\n"q"z,a,b\np1,"a" ,b\np2,a,b\nq"x"y,a,b\n')
+    report = ingest_file(path, store)
+    check_invariant(report)
+    assert (report.rows_read, report.accepted) == (4, 2)
+    assert quarantine(store) == dict.fromkeys([2, 3], "malformed CSV (',' expected after '\"')")
+    assert store.read("quarantine")["raw"].to_list() == ['"q"z,a,b', 'p1,"a" ,b']
+    assert sorted(store.read("preference_pairs")["prompt"].to_list()) == ["p2", 'q"x"y']
+
+
 @pytest.mark.parametrize("long_row", [False, True], ids=["short-only", "short-and-long"])
 def test_csv_short_row_is_reported_as_it_is(tmp_path, store, long_row):
     """polars pads a short row with empty cells (when it reads the file at all): the row is reported as given."""
@@ -556,7 +600,19 @@ def test_json_array_and_parquet_keep_exact_types(tmp_path, store):
         ("broken.json", b'[{"prompt": "a"', "not valid JSON"),
         ("object.json", b'{"data": []}', "expected a JSON array of records, got an object"),
         ("shapeless.jsonl", b'{"text": "a"}\n{"text": "b"}\n', "cannot detect the record format (fields ['text'])"),
-        ("garbage.jsonl", b"garbage\n", "cannot detect the record format (no JSON object records)"),
+        ("garbage.jsonl", b"garbage\n", "cannot detect the record format: no record could be read (1 of 1 records: "
+         "malformed JSON: unexpected character"),
+        ("cr.jsonl", b'{"prompt": "p", "chosen": "a", "rejected": "b"}\r{"prompt": "q", "chosen": "a"}\r',
+         "no record could be read (1 of 1 records: records separated by a lone '\\r': JSON Lines ends each line "
+         "with '\\n'; the first on line 1)"),
+        ("blank_header.csv", b"\nprompt,chosen,rejected\np,a,b\n",
+         "the CSV header on line 1 is blank; the first line must name the columns"),
+        ("latin1_header.csv", b"pr\xe9mpt,chosen,rejected\np,a,b\n", "invalid UTF-8 in the CSV header on line 1"),
+        ("quoted_header.csv", b'"prompt,chosen,rejected\np,a,b\n',
+         "cannot read the CSV header on line 1 (unclosed quote: the quoted cell runs on to line 2 (unexpected end "
+         "of data))"),
+        ("every_row_bad.csv", b"prompt,chosen\np,a,b\nq,a,b\n", "no record could be read (2 of 2 records: row has "
+         "3 fields, the header has 2; the first on line 2)"),
         ("zipped.jsonl", gzip.compress(b'{"prompt": "p"}\n'),
          "the content is a gzip file but the name ends in .jsonl; name it *.jsonl.gz"),
         ("table.json", b"PAR1\x00\x00", "the content is a parquet file but the name ends in .json; name it *.parquet"),

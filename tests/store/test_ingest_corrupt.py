@@ -10,10 +10,13 @@ import os
 import random
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import orjson
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline_lib.store.db import TABLES, open_store
@@ -130,6 +133,83 @@ def test_parquet_with_flipped_bytes_never_escapes_as_another_exception(tmp_path,
     assert outcomes["refused"] > 0 and outcomes["ingested"] > 0  # both paths were exercised
 
 
+def panicking_parquet(path: Path) -> Path:
+    """A parquet file with a damaged first data page, on which polars' Rust code panics (polars 2.1: "assertion
+    failed: values.len() >= 4"); the panic hook prints its note to stderr."""
+    damaged = bytearray(parquet_bytes("uncompressed"))
+    damaged[654] = 0
+    path.write_bytes(bytes(damaged))
+    return path
+
+
+def test_parquet_that_makes_polars_panic_is_one_line_error(tmp_path, store):
+    """pyo3's PanicException derives from BaseException only: it escaped the reader's except clause (and crashed the
+    flow with a Rust backtrace)."""
+    refused(panicking_parquet(tmp_path / "panic.parquet"), store, "unreadable parquet file (")
+
+
+@pytest.mark.parametrize("where", ["read_parquet", "write_ndjson"])
+def test_a_polars_panic_in_reading_or_converting_parquet_is_one_line_error(tmp_path, store, monkeypatch, where):
+    def panic(*args, **kwargs):
+        raise pl.exceptions.PanicException("index out of bounds: the len is 0 but the index is 0")
+
+    monkeypatch.setattr(pl if where == "read_parquet" else pl.DataFrame, where, panic)
+    path = tmp_path / "p.parquet"
+    path.write_bytes(parquet_bytes("zstd"))
+    refused(path, store, "(index out of bounds: the len is 0 but the index is 0)")
+
+
+def write_pairs_parquet(path: Path, **columns: pa.Array) -> Path:
+    """Two pairs (p1, p2) with extra columns written by pyarrow (polars writes neither maps nor UUIDs)."""
+    base = {"prompt": ["p1", "p2"], "chosen": ["a", "a"], "rejected": ["b", "b"]}
+    pq.write_table(pa.table({**base, **columns}), path)
+    return path
+
+
+def test_parquet_map_keys_become_json_object_keys(tmp_path, store):
+    """polars writes a map as a JSON object only with text keys (a ComputeError traceback, retried by Prefect,
+    for other keys): integer keys become their decimal text, binary keys UTF-8 text, at any depth."""
+    path = write_pairs_parquet(
+        tmp_path / "maps.parquet",
+        scores=pa.array([[(1, "good"), (2, "bad")], []], pa.map_(pa.int64(), pa.string())),
+        nested=pa.array([[[(3, "x")]], [[]]], pa.list_(pa.map_(pa.int32(), pa.string()))),
+        raw=pa.array([[(b"k", b"v")], [(b"\xfe", b"v")]], pa.map_(pa.binary(), pa.binary())))
+    report = ingest_file(path, store)
+    assert (report.rows_read, report.accepted, report.quarantined) == (2, 1, 1)
+    (row,) = store.read("preference_pairs").to_dicts()
+    assert orjson.loads(row["meta"]) == {"scores": {"1": "good", "2": "bad"}, "nested": [{"3": "x"}], "raw": {"k": "v"}}
+    assert store.read("quarantine")[["line_no", "reason", "raw"]].rows() == [
+        (1, "invalid UTF-8 in field 'raw'", '{"prompt":"p2","chosen":"a","rejected":"b","scores":{},"nested":[{}],'
+                                            '"raw":{"\ufffd":"v"}}')]
+
+
+def test_parquet_map_keyed_by_structs_is_one_line_error(tmp_path, store):
+    path = write_pairs_parquet(tmp_path / "struct_keys.parquet", m=pa.array(
+        [[({"x": 1}, "v")], []], pa.map_(pa.struct([("x", pa.int64())]), pa.string())))
+    refused(path, store, "column 'm' cannot be written as JSON: its map keys are Struct({'x': Int64}), and a JSON "
+                         "object key is text")
+
+
+def test_parquet_uuid_column_is_its_canonical_text(tmp_path, store):
+    """DuckDB writes uuid columns as parquet UUIDs, which polars reads as 16 binary bytes: read as text they made every
+    row "invalid UTF-8 in field 'id'", and the file "cannot detect the record format". A UUID is not text stored as
+    bytes: it gets its canonical 8-4-4-4-12 form."""
+    ids = ["9a0781d6-3a58-4153-85c6-56f96dfc0df5", "00000000-0000-0000-0000-000000000001"]
+    path = write_pairs_parquet(tmp_path / "uuid.parquet", id=pa.array(
+        [uuid.UUID(ids[0]).bytes, uuid.UUID(ids[1]).bytes], pa.uuid()))
+    report = ingest_file(path, store)
+    assert (report.accepted, report.quarantined) == (2, 0)
+    assert sorted(orjson.loads(meta)["id"] for meta in store.read("preference_pairs")["meta"]) == sorted(ids)
+
+
+def test_parquet_whose_every_row_is_refused_names_the_reason(tmp_path, store):
+    path = tmp_path / "latin1.parquet"
+    frame = pl.DataFrame({"prompt": ["é".encode("latin-1"), b"\xff"], "chosen": ["a", "a"], "rejected": ["b", "b"]})
+    frame.write_parquet(path)
+    refused(path, store, "cannot detect the record format: no record could be read (2 of 2 records: invalid UTF-8 "
+                         "in field 'prompt'; the first on line 0)")
+
+
 # ---- bytes that are not UTF-8
 
 
@@ -178,7 +258,7 @@ def test_parquet_nested_binary_that_is_not_utf8_quarantines_its_row_not_the_file
 def test_utf16_file_is_refused_or_fully_quarantined(tmp_path, store):
     path = tmp_path / "utf16.jsonl"
     path.write_bytes(JSONL.decode().encode("utf-16"))
-    refused(path, store, "cannot detect the record format (no JSON object records); pass --format")
+    refused(path, store, "cannot detect the record format: no record could be read (40 of 41 records: malformed JSON")
     report = ingest_file(path, store, format="pairs")  # told the format: every line is quarantined, none lost
     # "\n" is b"\n\0" in UTF-16: 40 records + the trailing b"\0" after the last newline = 41 byte lines
     assert report.rows_read == report.quarantined == 41 and report.accepted == 0
@@ -222,7 +302,7 @@ def test_parquet_with_zero_rows_is_one_line_error(tmp_path, store):
 # ---- through the CLI: the same one line, no traceback from Prefect's logs
 
 
-@pytest.mark.slow  # two `alignflow ingest` subprocesses, each starting Prefect's temporary server
+@pytest.mark.slow  # three `alignflow ingest` subprocesses, each starting Prefect's temporary server
 def test_cli_ingest_of_damaged_files_prints_one_error_line_and_no_traceback(tmp_path, subprocess_env):
     env = subprocess_env | {"ALIGNFLOW_HOME": str(tmp_path / "ws"), "PYTHONPATH": str(ROOT)}
     gz = tmp_path / "cut.jsonl.gz"
@@ -234,6 +314,14 @@ def test_cli_ingest_of_damaged_files_prints_one_error_line_and_no_traceback(tmp_
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [f"error: {gz}: not a readable gzip file (Compressed file ended before the end-of-stream "
                       "marker was reached)"]
+
+    panic = panicking_parquet(tmp_path / "panic.parquet")
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "ingest", str(panic)], capture_output=True,
+                            text=True, env=env, timeout=300, cwd=ROOT)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {panic}: unreadable parquet file ("), errors
 
     cut = tmp_path / "cut.jsonl"
     cut.write_bytes(JSONL[:-12])
