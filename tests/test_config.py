@@ -161,11 +161,14 @@ def test_seeds_and_integers_out_of_range_and_repeated_ks_are_one_line_errors(mod
 
 
 def test_the_largest_seed_seeds_torch_through_the_stages_derived_seeds():
-    import torch
+    from pipeline_lib.train.common import epoch_order, seed_everything
+    from pipeline_lib.train.data import holdout_split
 
     seed = validate_config(SFTConfig, {"model_path": "m", "seed": 2**32 - 1}).seed
-    torch.manual_seed(seed)
-    torch.Generator().manual_seed(seed * 100_003 + 1000)  # train.common.epoch_order of epoch 1000
+    seed_everything(seed)
+    assert sorted(epoch_order(8, seed=seed, epoch=1000)) == list(range(8))
+    train, held = holdout_split(["a", "b", "c"], 0.5, seed=seed)
+    assert sorted(train + held) == [0, 1, 2] and held
 
 
 def test_numbers_written_as_strings_are_still_read():

@@ -418,7 +418,7 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_a_one_line_error(tiny_dir, 
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("damage", ["cut weights", "weights gone", "marker only, old format"])
+@pytest.mark.parametrize("damage", ["cut weights", "weights gone", "marker only, old format", "marker unreadable"])
 def test_an_incomplete_final_is_trained_again(one_thread, tiny_dir, tmp_path, damage):
     """A final dir with its marker but missing or cut files (a partial copy) counted as finished."""
     uninterrupted = sft_run(tiny_dir, tmp_path / "full")
@@ -429,6 +429,8 @@ def test_an_incomplete_final_is_trained_again(one_thread, tiny_dir, tmp_path, da
         weights.write_bytes(weights.read_bytes()[:1000])
     elif damage == "weights gone":
         weights.unlink()
+    elif damage == "marker unreadable":
+        (final / FINAL_MARKER).write_text('{"metrics": ')
     else:
         for file in final.iterdir():
             if file.name != FINAL_MARKER:
