@@ -35,10 +35,12 @@ def group_advantages(rewards: Tensor, *, group_size: int, scale: bool = True, ep
 def kl_k3(policy_logps: Tensor, ref_logps: Tensor) -> Tensor:
     """k3 estimator of KL(π‖π_ref) per token (DeepSeekMath eq. 4): π_ref/π - log(π_ref/π) - 1, always >= 0.
 
-    Written as expm1(d) - d with d = log π_ref - log π, which keeps precision when d is tiny; d is clamped to
-    ±MAX_LOG_RATIO so a token the policy has all but ruled out gives a large finite penalty, not inf."""
+    Written as expm1(d) - d with d = log π_ref - log π, which keeps precision when d is tiny. d is clamped from
+    above only, at MAX_LOG_RATIO, so a token the policy has all but ruled out gives a large finite penalty, not
+    inf; below, e^d - d - 1 is about -d - 1 with gradient 1 and stays exact, so a token the policy made far likelier
+    than the reference keeps its whole penalty and its pull back."""
     check_shape("ref_logps", ref_logps, policy_logps.shape)
-    log_ratio = torch.clamp(ref_logps - policy_logps, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+    log_ratio = torch.clamp(ref_logps - policy_logps, max=MAX_LOG_RATIO)
     return torch.expm1(log_ratio) - log_ratio
 
 

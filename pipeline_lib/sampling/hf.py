@@ -14,6 +14,7 @@ from torch import Tensor
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -45,7 +46,7 @@ class HFSampler:
         return cls(load_policy(path, dtype=dtype, device=device), load_tokenizer(path),
                    add_special_tokens=add_special_tokens)
 
-    def _generation_kwargs(self, temperature: float, top_p: float, stop: Sequence[str]) -> dict:
+    def _generation_kwargs(self, temperature: float, top_p: float) -> dict:
         """Explicit sampling settings: `generate` otherwise fills unset ones from the model's
         generation_config and its global defaults (top_k=50), which vLLM would not apply."""
         kwargs: dict = {
@@ -64,8 +65,6 @@ class HFSampler:
         else:
             # greedy: neutral values, so generate does not warn that sampling flags are ignored
             kwargs.update(temperature=1.0, top_p=1.0)
-        if stop:
-            kwargs.update(stop_strings=list(stop), tokenizer=self.tokenizer)
         return kwargs
 
     def _prompt_pass(self, batch, n: int, max_new_tokens: int, *, share: bool) -> tuple[Cache, Tensor]:
@@ -142,23 +141,36 @@ class HFSampler:
             share = rows_per_prompt > 1 and self._can_share_prefix()
             with shared_prefix_attention(self.model) if share else nullcontext():
                 cache, last_logits = self._prompt_pass(batch, rows_per_prompt, max_new_tokens, share=share)
+                if not torch.isfinite(last_logits).all():
+                    bad = int((~torch.isfinite(last_logits)).any(dim=-1).nonzero()[0])
+                    raise SamplingError(f"prompts[{bad}]: the model's next-token logits are not finite (inf or NaN); "
+                                        "its weights have diverged or are damaged")
                 first = _first_tokens(last_logits, rows_per_prompt, temperature, top_p)  # (B*n,)
                 generated = first[:, None]
                 step_logits = [last_logits.repeat_interleave(rows_per_prompt, dim=0)] if logprobs else []
                 if max_new_tokens > 1 and not all(t in self.eos_ids for t in first.tolist()):
                     # a row whose first token ends it runs on unseen by generate; _completion cuts it there
-                    out = self.model.generate(
-                        input_ids=torch.cat([batch["input_ids"].repeat_interleave(rows_per_prompt, dim=0),
-                                             generated], dim=1),
-                        attention_mask=torch.cat([batch["attention_mask"].repeat_interleave(rows_per_prompt, dim=0),
-                                                  torch.ones_like(generated)], dim=1),
-                        cache=cache,
-                        max_new_tokens=max_new_tokens - 1,
-                        use_cache=True,
-                        return_dict_in_generate=True,
-                        output_logits=logprobs,
-                        **self._generation_kwargs(temperature, top_p, stop),
-                    )
+                    stops = StoppingCriteriaList([_CompletionStops(self.tokenizer, stop, prompt_len)] if stop else [])
+                    try:
+                        out = self.model.generate(
+                            input_ids=torch.cat([batch["input_ids"].repeat_interleave(rows_per_prompt, dim=0),
+                                                 generated], dim=1),
+                            attention_mask=torch.cat([batch["attention_mask"].repeat_interleave(rows_per_prompt,
+                                                                                                dim=0),
+                                                      torch.ones_like(generated)], dim=1),
+                            cache=cache,
+                            max_new_tokens=max_new_tokens - 1,
+                            use_cache=True,
+                            return_dict_in_generate=True,
+                            output_logits=logprobs,
+                            stopping_criteria=stops,
+                            **self._generation_kwargs(temperature, top_p),
+                        )
+                    except RuntimeError as exc:  # torch.multinomial's refusal of inf/NaN probabilities
+                        if "probability tensor contains" not in str(exc):
+                            raise
+                        raise SamplingError("the model's next-token logits became inf or NaN while decoding; its "
+                                            "weights have diverged or are damaged") from None
                     generated = out.sequences[:, prompt_len:]  # (B*n, T) rows grouped by prompt: p0 x n, ...
                     step_logits += out.logits if logprobs else ()
         token_logps = _chosen_logprobs(step_logits, generated).tolist() if logprobs else None  # (B*n, T)
@@ -192,6 +204,29 @@ class HFSampler:
             if any(s in text for s in stop):
                 return k
         return None
+
+
+class _CompletionStops(StoppingCriteria):
+    """Stops a row once the text of its completion holds a stop string: the prompt excluded and special tokens
+    skipped, the text vLLM matches `stop` against and `_completion` cuts. transformers' own `stop_strings` also
+    matched across the prompt's end and on special tokens, so it stopped rows whose completion held no stop string,
+    and they came back padded, counted as 'length'."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str], start: int):
+        self.tokenizer, self.stop, self.start = tokenizer, tuple(stop), start
+        # a stop string of L characters is at most 4L UTF-8 bytes: the tokens decoding to it are among the last 4L
+        self.window = 4 * max(len(s) for s in stop)
+        self.done: set[int] = set()
+
+    def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs) -> Tensor:
+        tails = self.tokenizer.batch_decode(input_ids[:, max(self.start, input_ids.shape[1] - self.window):].tolist(),
+                                            skip_special_tokens=True)
+        for row, tail in enumerate(tails):
+            # a window can start inside a character; the whole completion's text decides
+            if row not in self.done and any(s in tail for s in self.stop) and any(
+                    s in self.tokenizer.decode(input_ids[row, self.start:], skip_special_tokens=True) for s in self.stop):
+                self.done.add(row)
+        return torch.tensor([row in self.done for row in range(len(tails))], device=input_ids.device)
 
 
 class _ReservedLayer(DynamicLayer):

@@ -95,7 +95,9 @@ def make_scheduler(
 
 
 def check_finite(loss: Tensor, step: int, name: str = "train/loss") -> None:
-    """The NaN guard: one-line error naming the step."""
+    """The NaN guard: one-line error naming the step, counted from 1 as the metrics are logged. Each loop checks
+    its loss, and its gradient norm before the update: a finite loss can still have inf/NaN gradients, which would
+    step every weight to NaN (in the last step, unseen by any later loss, into the final model)."""
     if not torch.isfinite(loss).all():
         raise NonFiniteLossError(f"{name} is {loss.item()} at step {step}; stopping, no final model written")
 

@@ -168,10 +168,11 @@ def train_sft(cfg: SFTConfig, rows: pl.DataFrame, out_dir: Path, log: LogFn = no
                 loss.backward()
             step_loss += loss.detach()
         step_loss = ctx.all_reduce_mean(step_loss)  # the global batch's token-mean NLL
-        check_finite(step_loss, step)
+        check_finite(step_loss, step + 1)
 
         # ---- update
         grad_norm = clip_gradients(model, cfg.max_grad_norm)
+        check_finite(torch.tensor(grad_norm), step + 1, "train/grad_norm")
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

@@ -69,6 +69,17 @@ def test_kl_k3_stays_finite_where_the_policy_has_ruled_a_token_out():
     assert kl.item() == pytest.approx(math.expm1(20.0) - 20.0, rel=1e-6)  # log-ratio clamped at 20
 
 
+@pytest.mark.parametrize("log_ratio", [-5.0, -21.0, -25.0, -60.0])
+def test_kl_k3_keeps_its_value_and_gradient_where_the_policy_far_outweighs_the_reference(log_ratio):
+    """d = log π_ref - log π far below 0: k3 = e^d - d - 1 is finite (about -d - 1), d k3 / d log π = 1 - e^d.
+    A clamp at -20 froze it at 19 with gradient 0 for d = -25, so the KL term stopped pulling such a token back."""
+    logps = torch.tensor([-0.01], dtype=torch.float64, requires_grad=True)
+    kl = kl_k3(logps, logps.detach() + log_ratio)
+    kl.backward()
+    assert kl.item() == pytest.approx(math.exp(log_ratio) - log_ratio - 1, rel=1e-9)
+    assert logps.grad.item() == pytest.approx(1 - math.exp(log_ratio), rel=1e-9)
+
+
 def test_dr_grpo_only_centers():
     """scale=False: [1, 0, 0, 0] - 0.25 = [0.75, -0.25, -0.25, -0.25]."""
     advantages = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), group_size=4, scale=False)

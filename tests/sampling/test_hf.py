@@ -62,7 +62,7 @@ def _plain_generate(sampler: HFSampler, prompts: list[str], *, n: int, max_new_t
     with torch.random.fork_rng(devices=[]), torch.inference_mode():
         torch.manual_seed(seed)
         out = sampler.model.generate(**batch, max_new_tokens=max_new_tokens, num_return_sequences=n, use_cache=True,
-                                     **sampler._generation_kwargs(temperature, top_p, ()))
+                                     **sampler._generation_kwargs(temperature, top_p))
     return out[:, batch["input_ids"].shape[1]:]
 
 
@@ -265,6 +265,61 @@ def test_stop_string_cuts_the_text_and_keeps_the_prefix(hf_sampler):
                 assert before.token_ids[: after.n_tokens] == after.token_ids
             else:
                 assert after == before
+
+
+def test_a_stop_string_is_matched_in_the_completion_alone(hf_sampler):
+    """A stop string that spans the prompt's end ('=' + a completion's first two characters) is not in the
+    completion text: vLLM, which matches generated text only, samples on, and so must we. transformers' own
+    stop_strings matched across the prompt, stopped such rows and padded them (pad ids counted as tokens,
+    finish_reason 'length')."""
+    free = hf_sampler.generate(PROMPTS, n=8, max_new_tokens=6, seed=3)
+    sample = next(c for group in free for c in group if len(c.text) >= 2 and "=" not in c.text[:2])
+    stop = "=" + sample.text[:2]
+    cut = hf_sampler.generate(PROMPTS, n=8, max_new_tokens=6, seed=3, stop=[stop])
+    assert sample in [c for group in cut for c in group]  # its prompt ends with '=': spanning, not matched
+    for free_group, cut_group in zip(free, cut):
+        for before, after in zip(free_group, cut_group):
+            if stop in before.text:
+                assert after.finish_reason == "stop" and after.text == before.text[: before.text.index(stop)]
+            else:
+                assert after == before
+
+
+def test_a_special_token_never_matches_a_stop_string(hf_sampler):
+    """Completion text skips special tokens (as vLLM's does), so a stop string naming one never matches: the
+    samples are those without it. transformers' stop_strings matched the token and left 7 of 8 rows padded
+    (pad ids the model never sampled, counted as tokens, finish_reason 'length')."""
+    tok = hf_sampler.tokenizer
+    special = next(t for t in tok.all_special_tokens if t not in (tok.eos_token, tok.pad_token, tok.bos_token))
+    boost = torch.zeros(len(tok))
+    boost[tok.convert_tokens_to_ids(special)] = 3.0  # frequent, so most rows hold it
+    hook = hf_sampler.model.lm_head.register_forward_hook(lambda module, args, logits: logits + boost)
+    try:
+        free = hf_sampler.generate(PROMPTS, n=4, max_new_tokens=6, seed=1)
+        cut = hf_sampler.generate(PROMPTS, n=4, max_new_tokens=6, seed=1, stop=[special])
+    finally:
+        hook.remove()
+    ids = [t for group in free for c in group for t in c.token_ids]
+    assert ids.count(tok.convert_tokens_to_ids(special)) >= 4
+    assert cut == free
+
+
+def test_non_finite_logits_are_one_line_errors(hf_sampler):
+    """A diverged model (a GRPO update at a huge learning rate) gives inf/NaN logits: torch.multinomial's raw
+    RuntimeError became the stage's traceback. In the prompt pass and while decoding, it is one line now."""
+    for finite_calls, where in ((0, "not finite"), (2, "while decoding")):  # the prompt pass is the first call
+        calls = []
+
+        def hook_fn(module, args, logits):
+            calls.append(1)
+            return logits if len(calls) <= finite_calls else logits * float("nan")
+
+        hook = hf_sampler.model.lm_head.register_forward_hook(hook_fn)
+        try:
+            with pytest.raises(SamplingError, match=f"logits .*{where}.*its weights have diverged"):
+                hf_sampler.generate(PROMPTS, n=2, max_new_tokens=4, seed=0)
+        finally:
+            hook.remove()
 
 
 def test_bad_arguments_are_one_line_errors(hf_sampler):

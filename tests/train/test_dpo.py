@@ -152,7 +152,7 @@ def test_lora_targets_this_model_lacks_are_a_one_line_error_naming_its_own(tiny,
 
 def test_nan_loss_stops_dpo(tiny, tmp_path):
     cfg = DPOConfig(policy_path=str(tiny), max_steps=4, batch_size=8, lr=1e30, max_grad_norm=None, device="cpu")
-    # Adam's first update moves every weight by ~1e30: a loss within the next steps is not finite (step 2 here)
+    # Adam's first update moves every weight by ~1e30: a loss or gradient within the next steps is not finite
     with pytest.raises(NonFiniteLossError, match=r"at step [1-3]; stopping"):
         train_dpo(cfg, toy_pairs(20), tmp_path / "out")
     assert not (tmp_path / "out" / "final").exists()

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from pipeline_lib.config import ConfigError, DAPOConfig, GRPOConfig, validate_config
 from pipeline_lib.models import RewardModel, build_tiny_model, load_policy, load_tokenizer, sequence_logprobs
 from pipeline_lib.rewards.registry import combined_reward
-from pipeline_lib.sampling import Completion
+from pipeline_lib.sampling import Completion, SamplingError
 from pipeline_lib.train import grpo as grpo_module
 from pipeline_lib.train.common import CHECKPOINT_DIR, NonFiniteLossError
 from pipeline_lib.train.data import write_run_file
@@ -346,6 +346,15 @@ def test_nan_loss_stops_with_the_step_and_no_final_model(tiny, problems, tmp_pat
     """lr 1e30: the first update moves every weight by ~1e30, so the second pass over the rollout is not finite."""
     cfg = small_config(tiny, lr=1e30, max_grad_norm=None)
     with pytest.raises(NonFiniteLossError, match=r"train/loss is (nan|inf) at step 1; stopping"):
+        train_grpo(cfg, problems, tmp_path / "out")
+    assert not (tmp_path / "out" / "final").exists()
+
+
+def test_a_rollout_from_diverged_weights_is_a_one_line_error_and_no_final_model(tiny, problems, tmp_path):
+    """One pass per rollout: the step-1 update (lr 1e30) leaves weights whose logits are inf/NaN, and the
+    step-2 rollout samples from them; the sampler says so in one line instead of torch.multinomial's traceback."""
+    cfg = small_config(tiny, lr=1e30, max_grad_norm=None, num_iterations=1)
+    with pytest.raises(SamplingError, match=r"logits (are not finite|became inf or NaN).*diverged or are damaged$"):
         train_grpo(cfg, problems, tmp_path / "out")
     assert not (tmp_path / "out" / "final").exists()
 

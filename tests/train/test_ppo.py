@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from pipeline_lib.config import PPOConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.models import ValueModel, build_tiny_model
+from pipeline_lib.sampling import SamplingError
 from pipeline_lib.train.common import CHECKPOINT_DIR, NonFiniteLossError
 from pipeline_lib.train.ppo import adapt_kl_coef, state_values, train_ppo
 
@@ -172,5 +173,16 @@ def test_crash_then_resume_ends_with_the_weights_of_an_uninterrupted_run(one_thr
 def test_nan_loss_stops_with_the_step_and_no_final_model(tiny, reward_model, problems, tmp_path):
     cfg = small_config(tiny, reward_model, lr=1e30, critic_lr=1e30, max_grad_norm=None)
     with pytest.raises(NonFiniteLossError, match=r"train/loss is (nan|inf) at step 1; stopping"):
+        train_ppo(cfg, problems, tmp_path / "out")
+    assert not (tmp_path / "out" / "final").exists()
+
+
+def test_a_rollout_from_diverged_weights_is_a_one_line_error_and_no_final_model(tiny, reward_model, problems,
+                                                                               tmp_path):
+    """One update per rollout: the step-1 update (lr 1e30) leaves an actor whose logits are inf/NaN, and the
+    step-2 rollout samples from it; the sampler says so in one line."""
+    cfg = small_config(tiny, reward_model, lr=1e30, critic_lr=1e30, max_grad_norm=None, ppo_epochs=1,
+                       mini_batch_size=8)
+    with pytest.raises(SamplingError, match=r"logits (are not finite|became inf or NaN).*diverged or are damaged$"):
         train_ppo(cfg, problems, tmp_path / "out")
     assert not (tmp_path / "out" / "final").exists()

@@ -155,14 +155,14 @@ def test_plackett_luce_pair_stats_do_not_depend_on_the_micro_batch_split(tiny, t
 
 
 def test_nan_loss_stops_the_reward_model(tiny, tmp_path):
-    """lr 1e30 blows the weights up within a few steps; the error names the first bad step, which is the
-    step the last checkpoint (written after every finished step) resumes at."""
+    """lr 1e30 blows the weights up within a few steps; the error names the first bad step, counted from 1 as
+    the metrics are logged: the last checkpoint (written after every finished step) holds the step before it."""
     cfg = RMConfig(model_path=str(tiny), max_steps=6, batch_size=8, lr=1e30, max_grad_norm=None, save_every=1,
                    device="cpu")
-    with pytest.raises(NonFiniteLossError, match=r"train/loss is (nan|inf) at step \d+; stopping") as error:
+    with pytest.raises(NonFiniteLossError, match=r"train/(loss|grad_norm) is (nan|inf) at step \d+; stopping") as error:
         train_rm(cfg, toy_pairs(20), tmp_path / "out")
     step = int(str(error.value).split("at step ")[1].split(";")[0])
-    assert json.loads((tmp_path / "out" / "checkpoint" / "trainer_state.json").read_text())["step"] == step
+    assert json.loads((tmp_path / "out" / "checkpoint" / "trainer_state.json").read_text())["step"] == step - 1
     assert not (tmp_path / "out" / "final").exists()
 
 

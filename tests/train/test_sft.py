@@ -22,6 +22,7 @@ from pipeline_lib.rewards.math import is_correct
 from pipeline_lib.sampling.hf import HFSampler
 from pipeline_lib.train.common import FINAL_MARKER, Dist, NonFiniteLossError, batches, check_batch_split
 from pipeline_lib.train.data import TrainDataError, collate, encode_frame
+from pipeline_lib.train import sft as sft_module
 from pipeline_lib.train.sft import sft_rows, train_sft
 
 DEMO = Path(__file__).resolve().parents[2] / "data" / "demo"
@@ -115,11 +116,27 @@ def test_gradient_accumulation_gives_the_same_update(tiny, tmp_path, collect):
 
 
 def test_nan_loss_stops_with_the_step_and_no_final_model(tiny, tmp_path):
-    """lr 1e30: Adam's first update moves every weight by ~1e30, so a loss within the next steps is not finite
-    (step 2 with this model and data)."""
+    """lr 1e30: Adam's first update moves every weight by ~1e30, so within the next steps a loss or a gradient
+    is not finite (the gradient at step 2 with this model and data)."""
     cfg = SFTConfig(model_path=str(tiny), max_steps=5, batch_size=8, lr=1e30, max_grad_norm=None, save_every=1,
                     device="cpu")
-    with pytest.raises(NonFiniteLossError, match=r"train/loss is (nan|inf) at step [1-4]; stopping"):
+    with pytest.raises(NonFiniteLossError, match=r"train/(loss|grad_norm) is (nan|inf) at step [1-5]; stopping"):
+        train_sft(cfg, arithmetic_rows(16), tmp_path / "out")
+    assert not (tmp_path / "out" / "final").exists() and not (tmp_path / "out" / ".final.tmp").exists()
+
+
+def test_a_non_finite_gradient_under_a_finite_loss_stops_before_the_update(tiny, tmp_path, monkeypatch):
+    """A NaN gradient in the last step (its loss finite) would step every weight to NaN into the final model,
+    seen by no later loss; the guard on the gradient norm stops before optimizer.step."""
+    def load_with_a_nan_gradient(*args, **kwargs):
+        model = load_policy(*args, **kwargs)
+        backwards = iter(range(10**6))
+        model.get_input_embeddings().weight.register_hook(lambda g: g * float("nan") if next(backwards) == 2 else g)
+        return model
+
+    monkeypatch.setattr(sft_module, "load_policy", load_with_a_nan_gradient)
+    cfg = SFTConfig(model_path=str(tiny), max_steps=3, batch_size=8, save_every=1, device="cpu")
+    with pytest.raises(NonFiniteLossError, match=r"^train/grad_norm is nan at step 3; stopping, no final model"):
         train_sft(cfg, arithmetic_rows(16), tmp_path / "out")
     assert not (tmp_path / "out" / "final").exists() and not (tmp_path / "out" / ".final.tmp").exists()
 
