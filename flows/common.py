@@ -25,6 +25,7 @@ from prefect.runtime import flow_run
 from prefect.settings import get_current_settings
 from prefect.states import Crashed
 
+from pipeline_lib.train.common import model_dir_complete
 from pipeline_lib.workspace import Workspace, host_id, process_alive, workspace_lock
 from tasks.common import current_workspace
 
@@ -54,10 +55,10 @@ def stage_flow(name: str, **flow_options) -> Callable[[Callable[..., R]], Flow]:
 
 def run_model_task(task: Task, *args, refresh: bool, **kwargs) -> str:
     """Run a cached task that returns a model dir (refresh: recompute even on a cache hit). A cache hit whose
-    dir has been deleted since (by hand, or a cleaned models/) recomputes it instead of handing the next stage
-    a path that is gone."""
+    dir has been deleted or cut since (by hand, a cleaned models/, a partial copy) recomputes it instead of
+    handing the next stage a model that is gone or broken."""
     path = task.with_options(refresh_cache=refresh)(*args, **kwargs)
-    if not Path(path).is_dir():
+    if not model_dir_complete(path):
         path = task.with_options(refresh_cache=True)(*args, **kwargs)
     return path
 

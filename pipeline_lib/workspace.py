@@ -35,6 +35,10 @@ OFFLINE_ENV = {
 USER_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI")
 
 
+class WorkspaceError(AlignflowError):
+    """A workspace dir that cannot be made."""
+
+
 @dataclass(frozen=True)
 class Workspace:
     """Paths of one workspace; `root` defaults to ./.alignflow."""
@@ -76,7 +80,10 @@ class Workspace:
 
     def create(self) -> "Workspace":
         for path in (self.root, self.mlflow_artifacts, self.prefect_home, self.models_dir, self.runs_dir):
-            path.mkdir(parents=True, exist_ok=True)
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:  # the path or a parent is a file, /dev/null/x, no permission, disk full
+                raise WorkspaceError(f"workspace {self.root}: cannot create {path} ({exc.strerror or exc})") from None
         return self
 
 

@@ -47,6 +47,17 @@ def test_user_errors_are_one_line(tmp_path, args, expected):
     assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
 
 
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_workspace_that_cannot_be_made_is_one_line(tmp_path, where):
+    (tmp_path / "f").write_text("x")
+    workspace = tmp_path / "f" if where == "a file" else tmp_path / "f" / "ws"
+    result = alignflow("data", "stats", workspace=workspace)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: workspace {workspace}: cannot create {workspace} ("), \
+        result.stderr
+
+
 @pytest.mark.parametrize("args, expected", [
     (["run", "pipeline", "--config", "x.yaml", "--workspace", "/tmp/w"], "No such option: --workspace"),
     (["run"], "Missing argument 'stage'"),

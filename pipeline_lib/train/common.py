@@ -399,6 +399,19 @@ def _missing_files(final: Path, marker: dict) -> list[str]:
             if not (final / name).is_file() or (final / name).stat().st_size != size]
 
 
+def model_dir_complete(path: str | Path) -> bool:
+    """Whether a model dir a stage handed on is still all there: the files its final marker records, at their
+    sizes (a dir without a marker, such as the tiny base model: a config.json and safetensors weights)."""
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    try:
+        marker = json.loads((path / FINAL_MARKER).read_text()) if (path / FINAL_MARKER).is_file() else {}
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and not _missing_files(path, marker)
+
+
 def finished_final(out_dir: Path, log: LogFn, step: int, run_key: str) -> Path | None:
     """The final model of a stage dir that finished earlier, else None. Its stored metrics are logged again at
     `step`: the tracking run of a rerun that finds the work done (its cache entry lost) still shows the result.

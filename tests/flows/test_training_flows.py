@@ -102,6 +102,23 @@ def test_a_cached_stage_whose_model_dir_was_deleted_trains_again(flow_workspace,
     assert again == first and (Path(again) / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("damage", ["weights gone", "weights cut"])
+def test_a_cached_stage_whose_final_lost_a_file_trains_again(flow_workspace, tiny, damage):
+    """A cache hit on a final that is no longer whole (a partial copy) is not handed on: the stage trains again
+    and the next stage gets loadable weights."""
+    cfg = SFTConfig(model_path=tiny, **FAST)
+    first = Path(sft_flow(cfg))
+    weights = first / "model.safetensors"
+    if damage == "weights gone":
+        weights.unlink()
+    else:
+        weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.warns(RuntimeWarning, match="incomplete"):
+        again = sft_flow(cfg)
+    assert again == str(first)
+    load_policy(again, device="cpu")
+
+
 def test_the_stage_dir_follows_every_model_the_config_names(flow_workspace, tiny, tmp_path):
     """A reward model retrained into the same path gives the RL stage a new dir (not the old final model)."""
     reward_model = shutil.copytree(tiny, tmp_path / "rm")
