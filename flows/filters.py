@@ -11,8 +11,8 @@ from tasks.store import samples_fingerprint_task
 
 # runs named `best_of_n-<samples run id>`, not at random: the pipeline's filter runs differ by kind
 @stage_flow("filter", flow_run_name="{kind}-{samples_run_id}")
-def filter_flow(kind: Literal["best_of_n", "west_of_n", "dynamic"], samples_run_id: str, group_size: int | None = None
-                ) -> dict:
-    """West-of-N stores the pairs of a run that sampled with the chat template as conversations (the samples
-    record it)."""
-    return filter_task(kind, samples_run_id, group_size, samples_fingerprint_task(samples_run_id))
+def filter_flow(kind: Literal["best_of_n", "west_of_n", "dynamic"], samples_run_id: str, group_size: int | None = None,
+                source: str = "west_of_n") -> dict:
+    """West-of-N stores its pairs under `source`, those of a run that sampled with the chat template as
+    conversations (the samples record it); `group_size` is the dynamic filter's."""
+    return filter_task(kind, samples_run_id, group_size, samples_fingerprint_task(samples_run_id), source)

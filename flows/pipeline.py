@@ -46,7 +46,7 @@ def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str,
             if stage == "sample":
                 outputs["sample"] = sample_flow(stage_cfg, force="sample" in force)["run_id"]
                 filter_flow("best_of_n", outputs["sample"])
-                filter_flow("west_of_n", outputs["sample"])
+                filter_flow("west_of_n", outputs["sample"], source=cfg.west_of_n_source)
                 continue
             outputs[stage] = TRAINING_FLOWS[stage](stage_cfg, force=stage in force)
         rows = []

@@ -339,7 +339,10 @@ class DPOConfig(TrainLoopConfig):
     """Weight α of RPO's per-token NLL on the chosen response (Pang et al. 2024; they use 1.0 on GSM8K); 0 is
     plain DPO. Keeps DPO from lowering the chosen answers' likelihood on near-miss pairs."""
     source: str | None = None
-    """Only pairs whose `source` equals this (e.g. a West-of-N run's synthetic pairs); None keeps all."""
+    """Only pairs whose `source` equals this; None keeps all."""
+    samples_run_id: str | None = None
+    """Train on the West-of-N pairs of this sampling run alone (`from:sample` in a pipeline), instead of
+    preference_pairs: the pairs the West-of-N filter makes from its samples, none of an earlier run."""
     eval_fraction: float = Field(0.1, gt=0, lt=1)
     """Seeded share of pairs held out for eval/pref_accuracy and eval/logp_margin."""
     ref_batch_size: int = Field(256, ge=1)
@@ -360,7 +363,9 @@ class DPOConfig(TrainLoopConfig):
     """Peak AdamW learning rate (5e-7..5e-6 on real LMs; the tiny demo model needs ~1e-4)."""
 
     @model_validator(mode="after")
-    def _lora_has_targets(self):
+    def _fields_agree(self):
+        if self.source and self.samples_run_id:
+            raise ValueError("set one of source (stored pairs) and samples_run_id (a sampling run's West-of-N pairs)")
         if self.lora_r > 0 and not self.lora_target_modules:
             raise ValueError(f"lora_r {self.lora_r} but lora_target_modules is empty: name the modules to adapt")
         if self.lora_dropout > 0 and self.disable_dropout:
@@ -801,7 +806,8 @@ class PipelineConfig(Config):
     sample: SampleConfig | None = None
     """N-way sampling whose groups feed Best-of-N (rs_sft) and West-of-N (pairs for dpo)."""
     west_of_n_source: str = "west_of_n"
-    """preference_pairs.source of the West-of-N pairs made from the `sample` stage."""
+    """preference_pairs.source under which the West-of-N pairs of the `sample` stage are stored (for a reward
+    model or a later DPO run); a `dpo` stage with `samples_run_id: from:sample` trains on that run's alone."""
     rs_sft: SFTConfig | None = None
     """Rejection-sampling SFT on the Best-of-N selection of the `sample` stage (data: best_of_n)."""
     dpo: DPOConfig | None = None

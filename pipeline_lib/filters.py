@@ -11,15 +11,20 @@ import polars as pl
 import torch
 from torch import Tensor
 
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import content_id
 from pipeline_lib.store.db import Store
 from pipeline_lib.store.shapes import split_chat
 
 
+class SamplesError(AlignflowError, ValueError):
+    """Samples a filter cannot use (none for the run, missing columns, groups of the wrong size): one line."""
+
+
 def _require(samples: pl.DataFrame, columns: Sequence[str]) -> None:
     missing = [c for c in columns if c not in samples.columns]
     if missing:
-        raise ValueError(f"samples: missing column(s) {missing}; expected {list(columns)}")
+        raise SamplesError(f"samples: missing column(s) {missing}; expected {list(columns)}")
 
 
 def _scored(samples: pl.DataFrame) -> pl.DataFrame:
@@ -111,7 +116,7 @@ def _group_correct_counts(is_correct: Tensor | Sequence[bool], group_size: int) 
     """#correct per group of `group_size` consecutive samples: (B*G,) -> (B,)."""
     flat = torch.as_tensor(is_correct).reshape(-1)  # (B*G,)
     if group_size < 1 or flat.numel() % group_size:
-        raise ValueError(f"is_correct: expected a multiple of group_size={group_size} values, got {flat.numel()}")
+        raise SamplesError(f"is_correct: expected a multiple of group_size={group_size} values, got {flat.numel()}")
     return flat.to(torch.long).reshape(-1, group_size).sum(dim=-1)  # (B,)
 
 
@@ -152,7 +157,7 @@ def dynamic_sampling(
     samples = samples_or_correctness
     _require(samples, ("prompt_id", "sample_idx", "is_correct"))
     if samples["is_correct"].null_count():
-        raise ValueError(
+        raise SamplesError(
             f"samples.is_correct: {samples['is_correct'].null_count()} null value(s); dynamic sampling needs "
             "the verifier's outcome for every sample"
         )
@@ -160,7 +165,7 @@ def dynamic_sampling(
     sizes = ordered.group_by("prompt_id", maintain_order=True).len()
     wrong = sizes.filter(pl.col("len") != group_size)
     if wrong.height:
-        raise ValueError(
+        raise SamplesError(
             f"samples: prompt {wrong['prompt_id'][0]!r} has {wrong['len'][0]} samples; expected group_size={group_size}"
         )
     correct = ordered["is_correct"].to_torch().to(torch.bool)  # (B*G,)
@@ -173,18 +178,28 @@ def dynamic_sampling(
 # ---- the filter stages over a sampling run in the store
 
 
-def run_west_of_n_stage(store: Store, *, run_id: str, source: str = "west_of_n") -> dict[str, int]:
-    """West-of-N pairs of a sampling run into preference_pairs (idempotent: content-hash ids); the pairs of a run
-    that sampled with the chat template are conversations."""
+def run_samples(store: Store, run_id: str) -> pl.DataFrame:
+    """The rows of one sampling run; none is a one-line SamplesError."""
     samples = store.read("samples", run_id=run_id)
     if samples.height == 0:
-        raise ValueError(f"samples: no rows for run_id {run_id!r}; run the sampling stage first")
+        raise SamplesError(f"samples: no rows for run_id {run_id!r}; run the sampling stage first")
+    return samples
+
+
+def west_of_n_of_run(store: Store, run_id: str, source: str = "west_of_n") -> tuple[pl.DataFrame, dict[str, int]]:
+    """The West-of-N pairs of one sampling run and their counts; the pairs of a run that sampled with the chat
+    template are conversations. What the filter stage stores, and what DPO trains on with `samples_run_id`."""
+    samples = run_samples(store, run_id)
     chat_template = sampled_with_chat_template(samples, run_id)
     pairs, skipped = west_of_n(samples, source=source, chat_template=chat_template)
-    inserted = store.insert_new("preference_pairs", pairs)
-    return {"filter/prompts": samples["prompt_id"].n_unique(), "filter/pairs": pairs.height,
-            "filter/pairs_inserted": inserted, "filter/skipped_ties": skipped,
-            "filter/chat_template": int(chat_template)}
+    return pairs, {"filter/prompts": samples["prompt_id"].n_unique(), "filter/pairs": pairs.height,
+                   "filter/skipped_ties": skipped, "filter/chat_template": int(chat_template)}
+
+
+def run_west_of_n_stage(store: Store, *, run_id: str, source: str = "west_of_n") -> dict[str, int]:
+    """West-of-N pairs of a sampling run into preference_pairs under `source` (idempotent: content-hash ids)."""
+    pairs, stats = west_of_n_of_run(store, run_id, source)
+    return stats | {"filter/pairs_inserted": store.insert_new("preference_pairs", pairs)}
 
 
 def sampled_with_chat_template(samples: pl.DataFrame, run_id: str) -> bool:
@@ -193,7 +208,7 @@ def sampled_with_chat_template(samples: pl.DataFrame, run_id: str) -> bool:
     warning."""
     flags = set(samples["chat_template"].drop_nulls()) if "chat_template" in samples.columns else set()
     if len(flags) > 1:
-        raise ValueError(f"samples: run_id {run_id!r} has rows sampled with and without the chat template "
+        raise SamplesError(f"samples: run_id {run_id!r} has rows sampled with and without the chat template "
                          "(a run_id reused with another chat_template); sample into a new run_id")
     if not flags:
         warnings.warn(f"samples: run_id {run_id!r} was sampled before alignflow recorded the chat template; its "
@@ -204,9 +219,7 @@ def sampled_with_chat_template(samples: pl.DataFrame, run_id: str) -> bool:
 def run_best_of_n_stage(store: Store, *, run_id: str) -> dict[str, float]:
     """Best-of-N statistics of a sampling run (the selection itself is RS-SFT's data, `data: best_of_n`):
     the reward and accuracy of the selected completions against all samples'."""
-    samples = store.read("samples", run_id=run_id)
-    if samples.height == 0:
-        raise ValueError(f"samples: no rows for run_id {run_id!r}; run the sampling stage first")
+    samples = run_samples(store, run_id)
     best = best_of_n(samples).join(samples.select("prompt_id", "completion", "is_correct").unique(),
                                    on=["prompt_id", "completion"], how="left")
     return {"filter/prompts": best.height, "filter/best_reward_mean": float(best["reward"].mean()),
@@ -217,6 +230,5 @@ def run_best_of_n_stage(store: Store, *, run_id: str) -> dict[str, float]:
 
 def run_dynamic_filter_stage(store: Store, *, run_id: str, group_size: int) -> dict[str, int]:
     """DAPO dynamic-sampling statistics of a sampling run: how many groups carry a learning signal."""
-    samples = store.read("samples", run_id=run_id)
-    _, stats = dynamic_sampling(samples, group_size)
+    _, stats = dynamic_sampling(run_samples(store, run_id), group_size)
     return {f"filter/{key}": value for key, value in stats.items()}

@@ -15,12 +15,12 @@ STAGES = {"best_of_n": run_best_of_n_stage, "west_of_n": run_west_of_n_stage, "d
 
 # cached on the sampling run's rows (its id and their fingerprint); retries: store writes
 @task(name="filter", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_on_io, **CACHED)
-def filter_task(kind: str, run_id: str, group_size: int | None = None, inputs_fingerprint: str | None = None
-                ) -> dict:
+def filter_task(kind: str, run_id: str, group_size: int | None = None, inputs_fingerprint: str | None = None,
+                source: str = "west_of_n") -> dict:
     workspace = current_workspace()
-    params = {"kind": kind, "samples_run_id": run_id} | ({"group_size": group_size} if group_size else {})
+    extra = {"dynamic": {"group_size": group_size}, "west_of_n": {"source": source}}.get(kind, {})
+    params = {"kind": kind, "samples_run_id": run_id} | extra
     with tracking.stage_run(workspace, kind, params, tags=run_tags(inputs_fingerprint), echo=False) as log:
-        extra = {"group_size": group_size} if kind == "dynamic" else {}
         with open_store(workspace.store_path) as store:
             stats = STAGES[kind](store, run_id=run_id, **extra)
         log(stats, 0)

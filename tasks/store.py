@@ -50,6 +50,13 @@ def samples_fingerprint_task(run_id: str) -> str:
         return frame_fingerprint(store.read("samples", run_id=run_id))
 
 
+@task(name="samples-count")
+def samples_count_task(run_id: str) -> int:
+    """How many rows a sampling run holds in the store now."""
+    with open_store(current_workspace().store_path) as store:
+        return store.count("samples", run_id=run_id)
+
+
 @task(name="corpus-fingerprint")
 def corpus_fingerprint_task(sources: tuple[str, ...] | None) -> str:
     """Fingerprint of the texts a tokenizer would be trained on."""

@@ -89,7 +89,10 @@ def sft_task(cfg: SFTConfig, inputs_fingerprint: str = "", force: bool = False) 
     with open_store(workspace.store_path, read_only=True) as store:
         rows, eval_rows = load_sft_data(store, cfg)
     stage = sft_stage(cfg)
-    out_dir = stage_dir(workspace.models_dir, stage, cfg, rows)  # models/rs_sft/...: eval names it after its stage
+    # models/rs_sft/...: eval names it after its stage. The held-out rows key the dir too: its final's eval/loss
+    # is theirs, so a changed held-out set trains again (the same weights) rather than report a stale loss
+    held_out = () if eval_rows is None else (eval_rows,)
+    out_dir = stage_dir(workspace.models_dir, stage, cfg, rows, *held_out)
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
     history: list[tuple[int, dict[str, float]]] = []

@@ -63,6 +63,7 @@ def test_demo_preset_validates_and_resolves_references():
     refs = {(stage, field): target for stage, field, target in cfg.stage_refs()}
     assert refs[("ppo", "reward_model_path")] == "rm"
     assert refs[("rs_sft", "samples_run_id")] == "sample"
+    assert cfg.resolved("dpo", {"sft": "/m/sft", "sample": "sample-1"}).samples_run_id == "sample-1"
     resolved = cfg.resolved("ppo", {"sft": "/m/sft", "rm": "/m/rm"})
     assert resolved.policy_path == "/m/sft" and resolved.reward_model_path == "/m/rm"
     assert cfg.ppo.policy_path == "from:sft"  # the preset itself is unchanged (frozen)
@@ -74,6 +75,11 @@ def test_reference_to_a_later_or_disabled_stage_is_rejected():
         validate_config(PipelineConfig, base | {"dpo": {"policy_path": "from:grpo"}})
     with pytest.raises(ConfigError, match="from:rm"):
         validate_config(PipelineConfig, base | {"dpo": {"policy_path": "from:rm"}})
+
+
+def test_dpo_reads_stored_pairs_or_one_sampling_runs_not_both():
+    with pytest.raises(ConfigError, match=r"set one of source \(stored pairs\) and samples_run_id"):
+        validate_config(DPOConfig, {"policy_path": "/m", "source": "west_of_n", "samples_run_id": "sample-1"})
 
 
 def test_explicit_paths_are_kept():

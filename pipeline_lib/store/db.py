@@ -214,8 +214,14 @@ class Store:
 
     # ---- reads
 
-    def count(self, table: str) -> int:
-        return self._run(f"SELECT count(*) FROM {_check_table(table)}")[0][0]
+    def count(self, table: str, **equals: object) -> int:
+        """Rows of `table`, optionally filtered by column equality as in `read`."""
+        _check_table(table)
+        for column in equals:
+            if column not in TABLES[table]:
+                raise StoreError(f"table {table} has no column {column!r}")
+        where = " AND ".join(f"{column} IS NOT DISTINCT FROM ?" for column in equals) or "TRUE"
+        return self._run(f"SELECT count(*) FROM {table} WHERE {where}", list(equals.values()))[0][0]
 
     def read(self, table: str, **equals: object) -> pl.DataFrame:
         """All rows of `table`, optionally filtered by column equality (`split="test"`)."""

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from pipeline_lib.config import DPOConfig
 from pipeline_lib.errors import AlignflowError
+from pipeline_lib.filters import west_of_n_of_run
 from pipeline_lib.fingerprint import content_id, fingerprint_path
 from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.losses import dpo_loss
@@ -58,7 +59,10 @@ from pipeline_lib.train.data import (
 
 
 def load_dpo_data(store: Store, cfg: DPOConfig) -> pl.DataFrame:
-    """preference_pairs from the store, optionally one source (e.g. West-of-N pairs of a sampling run)."""
+    """preference_pairs from the store, optionally one source; with samples_run_id, the West-of-N pairs of that
+    sampling run alone (made from its samples as the filter stage makes them: no pair of another run)."""
+    if cfg.samples_run_id:
+        return west_of_n_of_run(store, cfg.samples_run_id)[0]
     return store.read("preference_pairs", **({"source": cfg.source} if cfg.source else {}))
 
 

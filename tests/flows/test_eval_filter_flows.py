@@ -7,15 +7,19 @@ from __future__ import annotations
 import json
 
 import polars as pl
+import pytest
 from mlflow.tracking import MlflowClient
 
 from flows.evaluate import eval_flow
 from flows.filters import filter_flow
 from pipeline_lib import tracking
-from pipeline_lib.config import EvalConfig
+from pipeline_lib.config import DPOConfig, EvalConfig
+from pipeline_lib.errors import AlignflowError
+from pipeline_lib.filters import SamplesError
 from pipeline_lib.fingerprint import frame_fingerprint
 from pipeline_lib.models import build_tiny_model
 from pipeline_lib.store.db import open_store
+from pipeline_lib.train.dpo import load_dpo_data
 from tasks.evaluation import model_label
 from tasks.filters import filter_task
 from tasks.store import inputs_fingerprint_task
@@ -109,6 +113,28 @@ def test_filter_flows_on_a_sampling_run(flow_workspace, the_run, prefect_run):
     dyn = filter_flow("dynamic", "r1", group_size=4)
     assert dyn == {"filter/groups_total": 3, "filter/groups_kept": 1, "filter/dropped_all_correct": 1,
                    "filter/dropped_all_wrong": 1}
+
+
+def test_west_of_n_pairs_go_under_their_source_and_dpo_trains_on_one_runs_alone(flow_workspace):
+    """Two sampling runs (an earlier SFT model's, this one's) both leave West-of-N pairs under the pipeline's
+    source; DPO with samples_run_id reads the pairs of its run alone, not the earlier run's."""
+    later = SAMPLES.with_columns(run_id=pl.lit("r2"), completion=pl.col("completion").replace({"3": "7", "5": "6"}))
+    with open_store(flow_workspace.store_path) as store:
+        store.insert_new("samples", pl.concat([SAMPLES, later]))
+    for run in ("r1", "r2"):
+        assert filter_flow("west_of_n", run, source="won_custom")["filter/pairs_inserted"] == 1
+    with open_store(flow_workspace.store_path) as store:
+        assert store.count("preference_pairs", source="won_custom") == 2
+        assert store.count("preference_pairs", source="west_of_n") == 0
+        pairs = load_dpo_data(store, DPOConfig(policy_path="/m", samples_run_id="r2"))
+    assert pairs.select("prompt", "chosen", "rejected").rows() == [("1+1=", "2", "7")]
+
+
+def test_a_filter_on_a_run_without_rows_is_one_line_and_not_retried(flow_workspace):
+    with pytest.raises(SamplesError, match=r"^samples: no rows for run_id 'nosuch'; run the sampling stage first$"):
+        filter_flow("west_of_n", "nosuch")
+    assert isinstance(SamplesError("x"), AlignflowError)
+    assert len(tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'west_of_n'")) == 1  # no retry
 
 
 def test_west_of_n_of_a_chat_template_run_stores_conversations(flow_workspace, the_run):

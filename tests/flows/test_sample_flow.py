@@ -60,3 +60,17 @@ def test_sample_task_rerun_resumes_and_writes_nothing(flow_workspace, tmp_path):
     second = sample_task.fn(cfg, "fingerprint")
     assert first["run_id"] == second["run_id"]
     assert (second["prompts_skipped"], second["rows_written_now"], second["n_rows"]) == (3, 0, 6)
+
+
+def test_a_cache_hit_whose_rows_left_the_store_samples_again(flow_workspace, tmp_path):
+    """Rows deleted by hand after a run: the cached result would hand the filters an empty run."""
+    cfg = SampleConfig(model_path=_setup(flow_workspace, tmp_path), n=2, max_new_tokens=4, device="cpu")
+    first = sample_flow(cfg)
+    assert sample_flow(cfg) == first  # a cache hit
+    with open_store(flow_workspace.store_path) as store:
+        store.con.execute("DELETE FROM samples WHERE run_id = ? AND prompt_id = 'p2'", [first["run_id"]])
+    again = sample_flow(cfg)
+    assert (again["run_id"], again["prompts_skipped"], again["rows_written_now"], again["n_rows"]) == (
+        first["run_id"], 2, 2, 6)
+    with open_store(flow_workspace.store_path) as store:
+        assert store.count("samples", run_id=first["run_id"]) == 6

@@ -94,6 +94,19 @@ def test_sft_task_rerun_returns_the_finished_model(flow_workspace, tiny):
     assert other != first
 
 
+def test_a_new_held_out_problem_gives_sft_a_new_final_with_its_eval_loss(flow_workspace, tiny):
+    """The held-out rows are an input of the stage (its eval/loss): a test problem ingested since is not
+    answered with the earlier final and its earlier loss."""
+    cfg = SFTConfig(model_path=tiny, **FAST)
+    first = sft_flow(cfg)
+    with open_store(flow_workspace.store_path) as store:
+        store.insert_new("problems", pl.DataFrame({"problem_id": ["p99"], "source": "demo", "split": "test",
+                                                   "prompt": ["77+77="], "answer": ["154"]}))
+    again = sft_flow(cfg)
+    assert again != first
+    assert final_metrics(Path(again))["eval/loss"] != final_metrics(Path(first))["eval/loss"]
+
+
 def test_a_cached_stage_whose_model_dir_was_deleted_trains_again(flow_workspace, tiny):
     cfg = SFTConfig(model_path=tiny, **FAST)
     first = sft_flow(cfg)
