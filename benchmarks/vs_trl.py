@@ -7,8 +7,9 @@ model, data, hyper-parameters, torch threads and machine; each run in its own su
 Per run: mean step time over the steps after `--warmup` (a step ends at our log call / TRL's on_step_end, so data,
 forward, backward, optimizer and logging are all inside it; a GRPO step also holds generation and scoring), the
 wall time of the whole algorithm (model load, tokenization, our reference log-prob precompute and held-out evals,
-TRL's dataset map, N steps, the final save), and the child's peak RSS (getrusage ru_maxrss). fp32, CPU, no
-gradient checkpointing on either side. The model is random-init, so GRPO completions mostly run to max_new_tokens.
+TRL's dataset map, N steps, the final save), and the child's peak RSS (VmHWM; each library's imports are inside
+it). fp32, CPU, no gradient checkpointing on either side. The model is random-init: GRPO completions end at a
+random EOS or at max_new_tokens, and both sides pad a rollout to its longest.
 On a 2-core machine that other processes use, `--threads 1` gives much steadier numbers than the default 2.
 """
 
@@ -18,7 +19,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -82,6 +82,13 @@ def grpo_problems(name: str):
 def _rss_mib() -> float:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak RSS (VmHWM). Not getrusage's ru_maxrss: Linux carries that over exec, so a child
+    started by a larger driver would report at least the driver's RSS."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
 
 
 class StepClock:
@@ -241,7 +248,7 @@ def worker(args: argparse.Namespace) -> None:
     steady = steps[settings["warmup"]:]
     print("RESULT " + json.dumps({
         "step_s": statistics.mean(steady), "steps_s": steady, "first_step_end_s": clock.ends[0] - start,
-        "wall_s": wall, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "wall_s": wall, "peak_rss_mib": _peak_rss_mib(),
         "rss_start_mib": rss_start,
     }), flush=True)
 
