@@ -27,7 +27,8 @@ def short_demo() -> PipelineConfig:
         data[stage] |= {"max_steps": steps, "save_every": 1000}
     data["sample"] |= {"max_problems": 32}
     data["rs_sft"] |= {"batch_size": 8, "min_reward": None}  # the best of every prompt: 32 rows whatever SFT learnt
-    data["dpo"] |= {"batch_size": 4, "source": "demo"}  # a 20-step SFT model makes too few West-of-N pairs
+    # a 20-step SFT model makes too few West-of-N pairs: the demo pairs instead
+    data["dpo"] |= {"batch_size": 4, "source": "demo", "samples_run_id": None}
     for stage in ("grpo", "dapo"):
         data[stage] |= {"prompts_per_step": 4}
     data["ppo"] |= {"prompts_per_step": 8, "mini_batch_size": 8}
