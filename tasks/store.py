@@ -1,4 +1,5 @@
-"""Fingerprint tasks: what a stage reads, reduced to a hash that keys the stage's cache."""
+"""Fingerprint tasks: what a stage reads, reduced to a hash that keys the stage's cache; and counts of what a
+stage wrote, which tell a cache hit whose rows have left the store since."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pipeline_lib.config import (
     model_paths,
 )
 from pipeline_lib.fingerprint import content_id, frame_fingerprint, model_fingerprint
-from pipeline_lib.sampling.stage import select_problems
+from pipeline_lib.sampling.stage import sample_run_id, select_problems
 from pipeline_lib.store.db import open_store
 from pipeline_lib.train.dpo import load_dpo_data
 from pipeline_lib.train.grpo import load_grpo_data
@@ -55,6 +56,13 @@ def samples_count_task(run_id: str) -> int:
     """How many rows a sampling run holds in the store now."""
     with open_store(current_workspace().store_path) as store:
         return store.count("samples", run_id=run_id)
+
+
+@task(name="eval-results-count")
+def eval_results_count_task(cfg: EvalConfig) -> int:
+    """How many eval_results rows the store holds now for this evaluation (its sampling run, its model name)."""
+    with open_store(current_workspace().store_path) as store:
+        return store.count("eval_results", run_id=sample_run_id(cfg.sample_config), model=cfg.label)
 
 
 @task(name="corpus-fingerprint")

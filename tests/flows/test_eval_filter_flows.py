@@ -70,6 +70,20 @@ def test_eval_flow_writes_results_metrics_and_plots(flow_workspace, tmp_path, pr
             ("base", 1), ("base", 2), ("base", 4), ("tiny", 1), ("tiny", 2), ("tiny", 4)]
 
 
+def test_a_cache_hit_whose_results_left_the_store_evaluates_again(flow_workspace, tmp_path):
+    add_problems(flow_workspace)
+    model = build_tiny_model(tmp_path / "tiny", ["0123456789+="])
+    cfg = EvalConfig(model_path=str(model), model_name="tiny", n=2, ks=(1, 2), max_new_tokens=3, device="cpu")
+    rows = eval_flow(cfg)
+    assert eval_flow(cfg) == rows  # a cache hit
+    assert len(tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'eval-tiny'")) == 1
+    with open_store(flow_workspace.store_path) as store:
+        store.con.execute("DELETE FROM eval_results")
+    assert eval_flow(cfg) == rows
+    with open_store(flow_workspace.store_path) as store:
+        assert store.read("eval_results").sort("k").select("model", "k").rows() == [("tiny", 1), ("tiny", 2)]
+
+
 def test_an_unnamed_model_is_named_after_the_stage_that_wrote_it(flow_workspace, tmp_path, prefect_run):
     """`alignflow eval --model ws/models/sft/<hash>/final` shows as eval-sft, not eval-/abs/path/.../final."""
     add_problems(flow_workspace)
