@@ -424,7 +424,9 @@ class SampleConfig(Config):
     same config resumes (skips prompts already sampled) and a retrained model starts a new run. A crash-resumed
     run holds exactly the rows of an uninterrupted one; problems ingested after a run started are sampled in
     batches of their own (with the hf backend, other random draws than a fresh run's, from the same policy);
-    `device` is not part of the id, and CPU and CUDA draw different random streams."""
+    `device` is not part of the id, and CPU and CUDA draw different random streams. With max_problems, the
+    selected problems' ids are part of it too (another first K is another run). An explicit run_id reused with
+    another `n` is an error; its rows are not checked against the rest of the config."""
     policy_name: str | None = None
     """samples.policy label; None uses model_path."""
 

@@ -62,7 +62,8 @@ def samples_count_task(run_id: str) -> int:
 def eval_results_count_task(cfg: EvalConfig) -> int:
     """How many eval_results rows the store holds now for this evaluation (its sampling run, its model name)."""
     with open_store(current_workspace().store_path) as store:
-        return store.count("eval_results", run_id=sample_run_id(cfg.sample_config), model=cfg.label)
+        problem_ids = select_problems(store, cfg.sample_config)["problem_id"].to_list()
+        return store.count("eval_results", run_id=sample_run_id(cfg.sample_config, problem_ids), model=cfg.label)
 
 
 @task(name="corpus-fingerprint")

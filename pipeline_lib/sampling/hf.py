@@ -192,6 +192,10 @@ class HFSampler:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         if stop_at is not None and end == stop_at:
             text = text[:min(i for i in (text.find(s) for s in stop) if i >= 0)]
+        else:
+            # the bytes of a character the row ended inside decode to U+FFFD; vLLM's incremental detokenizer
+            # holds them back until the character completes, so its text ends before them
+            text = text.rstrip("\ufffd")
         logps = None if token_logps is None else token_logps[:end]
         return Completion(text=text, token_ids=ids, finish_reason=reason, logprobs=logps)
 

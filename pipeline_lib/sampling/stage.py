@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from pipeline_lib import alignflow_version
 from pipeline_lib.config import SampleConfig
-from pipeline_lib.fingerprint import model_fingerprint
+from pipeline_lib.fingerprint import content_id, model_fingerprint
 from pipeline_lib.models.loading import resolve_model_dir
 from pipeline_lib.rewards.math import is_correct
 from pipeline_lib.rewards.registry import build_reward
@@ -120,6 +120,10 @@ def sample_problems(
         raise SamplingError(f"batch_size={batch_size}: expected at least 1")
     problems = problems.sort("problem_id")
     ids, prompts, answers = (problems[c].to_list() for c in ("problem_id", "prompt", "answer"))
+    held = store.samples_per_prompt(run_id) - {n}
+    if held:  # an explicit run_id reused with another n: resuming would keep rows of the other size silently
+        raise SamplingError(f"run_id {run_id!r} holds {min(held)} samples per prompt, this config asks n={n}; "
+                            "sample into another run_id (or leave run_id unset: each config then has its own)")
     store.record_chat_template(run_id, render is not None)  # rows of this run sampled before the store recorded it
     done = store.sampled_prompt_ids(run_id)
     skipped = sum(pid in done for pid in ids)
@@ -192,15 +196,21 @@ def _report(store: Store, run_id: str, policy: str, n_problems: int, skipped: in
 # ---- the stage from its config (what the Prefect task calls)
 
 
-def sample_run_id(cfg: SampleConfig) -> str:
+def sample_run_id(cfg: SampleConfig, problem_ids: Sequence[str]) -> str:
     """cfg.run_id, else `sample-<hash>` of the sampling-relevant config fields, the fingerprints of the
-    policy and (when set) the reward model that scores the samples, and alignflow's version."""
+    policy and (when set) the reward model that scores the samples, and alignflow's version.
+
+    With max_problems, also the ids of the problems it selected (`problem_ids`): problems ingested since can
+    make the first K others, and the run of the earlier K must not resume on them and keep the ones that left
+    (its rows would no longer be the first K). Without it a new problem extends the same run."""
     if cfg.run_id:
         return cfg.run_id
     fields = cfg.model_dump(mode="json", exclude=_RUN_ID_EXCLUDE)
     key = {"config": fields, "model": model_fingerprint(cfg.model_path), "alignflow": alignflow_version()}
     if cfg.reward_model_path:
         key["reward_model"] = model_fingerprint(cfg.reward_model_path)
+    if cfg.max_problems is not None:
+        key["problems"] = content_id(*problem_ids)
     text = json.dumps(key, sort_keys=True)
     return "sample-" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -281,7 +291,8 @@ def run_sample_stage(cfg: SampleConfig, store: Store, *, log: LogFn = no_log, pr
     render = chat_renderer(cfg.model_path) if cfg.chat_template else None
     with open_sampler(cfg) as sampler:
         return sample_problems(
-            sampler, problems, store, run_id=sample_run_id(cfg), n=cfg.n, reward_fn=reward_fn,
+            sampler, problems, store, run_id=sample_run_id(cfg, problems["problem_id"].to_list()), n=cfg.n,
+            reward_fn=reward_fn,
             policy_name=cfg.policy_name or cfg.model_path, batch_size=cfg.batch_size,
             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
             stop=cfg.stop, render=render, progress=progress, log=log,

@@ -240,6 +240,11 @@ class Store:
         rows = self._run("SELECT DISTINCT prompt_id FROM samples WHERE run_id = ?", [run_id])
         return {r[0] for r in rows}
 
+    def samples_per_prompt(self, run_id: str) -> set[int]:
+        """The distinct numbers of samples the prompts of `run_id` hold (one number in a consistent run)."""
+        rows = self._run("SELECT DISTINCT count(*) FROM samples WHERE run_id = ? GROUP BY prompt_id", [run_id])
+        return {r[0] for r in rows}
+
     def latest_eval_results(self) -> pl.DataFrame:
         """eval_results of each model's most recent evaluation run (model, dataset, k, pass_at_k, maj_at_k)."""
         return self.con.sql(

@@ -10,7 +10,7 @@ from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaFor
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from pipeline_lib.models import load_tokenizer
+from pipeline_lib.models import build_tiny_model, load_tokenizer
 from pipeline_lib.sampling import hf as hf_module
 from pipeline_lib.sampling.base import Completion, SamplingError
 from pipeline_lib.sampling.hf import HFSampler, _ReservedLayer
@@ -265,6 +265,19 @@ def test_stop_string_cuts_the_text_and_keeps_the_prefix(hf_sampler):
                 assert before.token_ids[: after.n_tokens] == after.token_ids
             else:
                 assert after == before
+
+
+def test_a_row_that_ends_inside_a_character_drops_its_bytes_as_vllm_does(tmp_path):
+    """Byte-level tokens of a character cut off by max_new_tokens (or eos) decode to U+FFFD; vLLM's incremental
+    detokenizer holds such bytes back, so both backends store the text before them."""
+    model_dir = build_tiny_model(tmp_path / "m", ["0123456789+=", "日本"])
+    sampler = HFSampler.from_pretrained(model_dir, device="cpu")
+    tok = sampler.tokenizer
+    seven, nichi = (tok(text, add_special_tokens=False)["input_ids"] for text in ("7", "日"))
+    assert len(nichi) == 3 and tok.decode(seven + nichi[:2]) == "7\ufffd"  # the three bytes of 日, two of them
+    assert sampler._completion(seven + nichi[:2], None, ()).text == "7"
+    assert sampler._completion(seven + nichi[:2] + [tok.eos_token_id], None, ()).text == "7"
+    assert sampler._completion(seven + nichi, None, ()).text == "7日"
 
 
 def test_a_stop_string_is_matched_in_the_completion_alone(hf_sampler):

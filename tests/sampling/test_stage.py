@@ -104,7 +104,7 @@ def test_run_sample_stage_from_config(store, tiny_model_dir):
                        max_new_tokens=6, batch_size=3, device="cpu")
     report = run_sample_stage(cfg, store, progress=False)
     rows = store.read("samples", run_id=report.run_id)
-    assert report.run_id == sample_run_id(cfg) and report.run_id.startswith("sample-")
+    assert report.run_id == sample_run_id(cfg, [f"demo-0{i}" for i in range(4)]) and report.run_id.startswith("sample-")
     assert sorted(set(rows["prompt_id"])) == ["demo-00", "demo-01", "demo-02", "demo-03"]
     assert rows.height == 8 and report.n_rows == 8 and rows["n_tokens"].max() <= 6
     assert set(rows["policy"]) == {str(tiny_model_dir)}
@@ -113,25 +113,32 @@ def test_run_sample_stage_from_config(store, tiny_model_dir):
     assert run_sample_stage(cfg, store, progress=False).rows_written_now == 0
 
 
+IDS = ["p0", "p1", "p2"]
+
+
 def test_run_id_follows_sampling_config_and_model_weights(tiny_model_dir, tmp_path):
     model_dir = shutil.copytree(tiny_model_dir, tmp_path / "model")
     cfg = SampleConfig(model_path=str(model_dir), n=4)
-    assert sample_run_id(cfg) == sample_run_id(SampleConfig(model_path=str(model_dir), n=4, device="cpu"))
-    assert sample_run_id(cfg) != sample_run_id(cfg.model_copy(update={"seed": 1}))
-    assert sample_run_id(cfg) != sample_run_id(cfg.model_copy(update={"n": 8}))
-    assert sample_run_id(cfg) != sample_run_id(cfg.model_copy(update={"max_problems": 2}))  # other batches
-    assert sample_run_id(cfg.model_copy(update={"run_id": "mine"})) == "mine"
-    before = sample_run_id(cfg)
+    assert sample_run_id(cfg, IDS) == sample_run_id(SampleConfig(model_path=str(model_dir), n=4, device="cpu"), IDS)
+    assert sample_run_id(cfg, IDS) != sample_run_id(cfg.model_copy(update={"seed": 1}), IDS)
+    assert sample_run_id(cfg, IDS) != sample_run_id(cfg.model_copy(update={"n": 8}), IDS)
+    assert sample_run_id(cfg, IDS) != sample_run_id(cfg.model_copy(update={"max_problems": 2}), IDS)  # other batches
+    assert sample_run_id(cfg.model_copy(update={"run_id": "mine"}), IDS) == "mine"
+    # the problems: without max_problems a new one extends the run; with it, another selection is another run
+    assert sample_run_id(cfg, [*IDS, "p3"]) == sample_run_id(cfg, IDS)
+    capped = cfg.model_copy(update={"max_problems": 2})
+    assert sample_run_id(capped, ["p0", "p1"]) != sample_run_id(capped, ["p0", "p3"])
+    before = sample_run_id(cfg, IDS)
     weights = model_dir / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF  # "retrained" in place: one weight byte differs
     weights.write_bytes(bytes(data))
-    assert sample_run_id(cfg) != before
+    assert sample_run_id(cfg, IDS) != before
     # the reward model scoring the samples is part of the run too: replaced in place, a new run
     scored = cfg.model_copy(update={"rewards": ({"name": "reward_model"},), "reward_model_path": str(tiny_model_dir)})
-    rm_before = sample_run_id(scored)
-    assert rm_before != sample_run_id(cfg)
-    assert sample_run_id(scored.model_copy(update={"reward_model_path": str(model_dir)})) != rm_before
+    rm_before = sample_run_id(scored, IDS)
+    assert rm_before != sample_run_id(cfg, IDS)
+    assert sample_run_id(scored.model_copy(update={"reward_model_path": str(model_dir)}), IDS) != rm_before
 
 
 def test_chat_template_renders_prompts_and_keeps_the_raw_prompt(store, tiny_model_dir):
@@ -165,6 +172,32 @@ def test_rewards_score_the_text_the_model_read(store, problems):
     first = problems.head(2).sort("problem_id")["prompt"][0]
     assert seen[:2] == [f"<u>{first}<a>{answers[f'<u>{first}<a>']}", f"<u>{first}<a>0"]
     assert set(store.read("samples", run_id="run")["prompt"]) == set(problems.head(2)["prompt"])
+
+
+def test_an_explicit_run_id_reused_with_another_n_is_a_one_line_error(store, problems):
+    """Resuming would skip every prompt and keep 4 samples each where the config asks for 6."""
+    answers = dict(zip(problems["prompt"], problems["answer"]))
+    _sample(GoldEveryOtherSampler(answers), problems, store, run_id="fixed", n=4)
+    with pytest.raises(SamplingError, match=r"^run_id 'fixed' holds 4 samples per prompt, this config asks n=6; "):
+        _sample(GoldEveryOtherSampler(answers), problems, store, run_id="fixed", n=6)
+    assert _sample(GoldEveryOtherSampler(answers), problems, store, run_id="fixed", n=4).rows_written_now == 0
+
+
+def test_a_new_problem_among_the_first_max_problems_is_a_new_run_of_exactly_them(store, tiny_model_dir):
+    """The first K problems in problem_id order change when one sorting before them is ingested: the earlier run
+    must not resume on the new selection and keep the problem that left it (eval would score K + 1)."""
+    cfg = SampleConfig(model_path=str(tiny_model_dir), problems_source="demo", max_problems=2, n=2,
+                       max_new_tokens=4, device="cpu")
+    first = run_sample_stage(cfg, store, progress=False)
+    store.insert_new("problems", pl.DataFrame({"problem_id": ["demo-", "zz"], "source": "demo", "split": "test",
+                                               "prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}))
+    second = run_sample_stage(cfg, store, progress=False)
+    assert second.run_id != first.run_id
+    assert sorted(set(store.read("samples", run_id=second.run_id)["prompt_id"])) == ["demo-", "demo-00"]
+    assert sorted(set(store.read("samples", run_id=first.run_id)["prompt_id"])) == ["demo-00", "demo-01"]
+    store.insert_new("problems", pl.DataFrame({"problem_id": ["zzz"], "source": "demo", "split": "test",
+                                               "prompt": ["3+3="], "answer": ["6"]}))
+    assert run_sample_stage(cfg, store, progress=False).run_id == second.run_id  # past the first 2: the same run
 
 
 def test_bad_inputs_are_one_line_errors(store, tiny_model_dir):
