@@ -209,7 +209,7 @@ def sampled_with_chat_template(samples: pl.DataFrame, run_id: str) -> bool:
     flags = set(samples["chat_template"].drop_nulls()) if "chat_template" in samples.columns else set()
     if len(flags) > 1:
         raise SamplesError(f"samples: run_id {run_id!r} has rows sampled with and without the chat template "
-                         "(a run_id reused with another chat_template); sample into a new run_id")
+                           "(a run_id reused with another chat_template); sample into a new run_id")
     if not flags:
         warnings.warn(f"samples: run_id {run_id!r} was sampled before alignflow recorded the chat template; its "
                       "West-of-N pairs are plain prompts (rerun its sampling stage to record it)", stacklevel=2)

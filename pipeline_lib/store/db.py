@@ -110,6 +110,16 @@ def _check_table(table: str) -> str:
     return table
 
 
+def _where(table: str, equals: dict[str, object]) -> tuple[str, list]:
+    """The WHERE condition (TRUE when empty) and parameters of column equality filters; None matches NULL."""
+    _check_table(table)
+    for column in equals:
+        if column not in TABLES[table]:
+            raise StoreError(f"table {table} has no column {column!r}")
+    condition = " AND ".join(f"{column} IS NOT DISTINCT FROM ?" for column in equals) or "TRUE"
+    return condition, list(equals.values())
+
+
 class Store:
     """An open DuckDB connection on the workspace's store file, schema ensured."""
 
@@ -216,24 +226,14 @@ class Store:
 
     def count(self, table: str, **equals: object) -> int:
         """Rows of `table`, optionally filtered by column equality as in `read`."""
-        _check_table(table)
-        for column in equals:
-            if column not in TABLES[table]:
-                raise StoreError(f"table {table} has no column {column!r}")
-        where = " AND ".join(f"{column} IS NOT DISTINCT FROM ?" for column in equals) or "TRUE"
-        return self._run(f"SELECT count(*) FROM {table} WHERE {where}", list(equals.values()))[0][0]
+        where, params = _where(table, equals)
+        return self._run(f"SELECT count(*) FROM {table} WHERE {where}", params)[0][0]
 
     def read(self, table: str, **equals: object) -> pl.DataFrame:
         """All rows of `table`, optionally filtered by column equality (`split="test"`)."""
-        _check_table(table)
-        for column in equals:
-            if column not in TABLES[table]:
-                raise StoreError(f"table {table} has no column {column!r}")
-        where = " AND ".join(f"{column} IS NOT DISTINCT FROM ?" for column in equals)  # None matches NULL
-        sql = f"SELECT * EXCLUDE (ingested_at) FROM {table}" if "ingested_at" in TABLES[table] else f"SELECT * FROM {table}"
-        if where:
-            sql += f" WHERE {where}"
-        return self.con.sql(sql, params=list(equals.values())).pl()
+        where, params = _where(table, equals)
+        columns = "* EXCLUDE (ingested_at)" if "ingested_at" in TABLES[table] else "*"
+        return self.con.sql(f"SELECT {columns} FROM {table} WHERE {where}", params=params).pl()
 
     def sampled_prompt_ids(self, run_id: str) -> set[str]:
         """Prompt ids that already have samples in `run_id` (resumable sampling)."""
@@ -268,15 +268,11 @@ class Store:
 
     def fingerprint(self, table: str, **equals: object) -> str:
         """md5 over the sorted content ids of the selected rows: changes iff the selected data changes."""
-        _check_table(table)
+        where, params = _where(table, equals)
         key = ", ".join(TABLE_KEYS[table])
-        where = " AND ".join(f"{column} IS NOT DISTINCT FROM ?" for column in equals) or "TRUE"
-        for column in equals:
-            if column not in TABLES[table]:
-                raise StoreError(f"table {table} has no column {column!r}")
         row = self._run(
             f"SELECT count(*), md5(coalesce(string_agg(concat_ws('|', {key}), ',' ORDER BY {key}), '')) "
-            f"FROM {table} WHERE {where}", list(equals.values()))[0]
+            f"FROM {table} WHERE {where}", params)[0]
         return f"{table}:{row[0]}:{row[1]}"
 
     def stats(self) -> pl.DataFrame:
