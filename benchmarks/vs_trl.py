@@ -79,16 +79,11 @@ def grpo_problems(name: str):
                        pl.col("answer").str.split("####").list.last().str.strip_chars().alias("answer"))
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _peak_rss_mib() -> float:
-    """This process's peak RSS (VmHWM). Not getrusage's ru_maxrss: Linux carries that over exec, so a child
-    started by a larger driver would report at least the driver's RSS."""
+def _status_mib(field: str) -> float:
+    """A size field of /proc/self/status in MiB: VmRSS (now) or VmHWM (this process's peak; not getrusage's
+    ru_maxrss, which Linux carries over exec, so a child would report at least its driver's RSS)."""
     with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+        return next(int(line.split()[1]) for line in status if line.startswith(f"{field}:")) / 1024
 
 
 class StepClock:
@@ -237,7 +232,7 @@ def worker(args: argparse.Namespace) -> None:
         from trl import DPOTrainer, GRPOTrainer  # noqa: F401  (trl imports its trainers lazily)
 
         run = {"dpo": lambda *a: _trl_dpo(*a, precompute=args.impl == "trl_precompute"), "grpo": _trl_grpo}[algo]
-    rss_start = _rss_mib()
+    rss_start = _status_mib("VmRSS")
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
         start = time.perf_counter()
         run(args.model_dir, settings, Path(tmp) / "out", clock)
@@ -248,7 +243,7 @@ def worker(args: argparse.Namespace) -> None:
     steady = steps[settings["warmup"]:]
     print("RESULT " + json.dumps({
         "step_s": statistics.mean(steady), "steps_s": steady, "first_step_end_s": clock.ends[0] - start,
-        "wall_s": wall, "peak_rss_mib": _peak_rss_mib(),
+        "wall_s": wall, "peak_rss_mib": _status_mib("VmHWM"),
         "rss_start_mib": rss_start,
     }), flush=True)
 

@@ -226,9 +226,11 @@ class _CompletionStops(StoppingCriteria):
         tails = self.tokenizer.batch_decode(input_ids[:, max(self.start, input_ids.shape[1] - self.window):].tolist(),
                                             skip_special_tokens=True)
         for row, tail in enumerate(tails):
+            if row in self.done or not any(s in tail for s in self.stop):
+                continue
             # a window can start inside a character; the whole completion's text decides
-            if row not in self.done and any(s in tail for s in self.stop) and any(
-                    s in self.tokenizer.decode(input_ids[row, self.start:], skip_special_tokens=True) for s in self.stop):
+            text = self.tokenizer.decode(input_ids[row, self.start:], skip_special_tokens=True)
+            if any(s in text for s in self.stop):
                 self.done.add(row)
         return torch.tensor([row in self.done for row in range(len(tails))], device=input_ids.device)
 

@@ -94,12 +94,13 @@ def make_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def check_finite(loss: Tensor, step: int, name: str = "train/loss") -> None:
+def check_finite(loss: Tensor | float, step: int, name: str = "train/loss") -> None:
     """The NaN guard: one-line error naming the step, counted from 1 as the metrics are logged. Each loop checks
     its loss, and its gradient norm before the update: a finite loss can still have inf/NaN gradients, which would
     step every weight to NaN (in the last step, unseen by any later loss, into the final model)."""
-    if not torch.isfinite(loss).all():
-        raise NonFiniteLossError(f"{name} is {loss.item()} at step {step}; stopping, no final model written")
+    value = torch.as_tensor(loss)
+    if not torch.isfinite(value).all():
+        raise NonFiniteLossError(f"{name} is {value.item()} at step {step}; stopping, no final model written")
 
 
 def clip_gradients(model: nn.Module, max_norm: float | None) -> float:
@@ -406,10 +407,18 @@ def model_dir_complete(path: str | Path) -> bool:
     if not path.is_dir():
         return False
     try:
-        marker = json.loads((path / FINAL_MARKER).read_text()) if (path / FINAL_MARKER).is_file() else {}
+        marker = _read_marker(path) if (path / FINAL_MARKER).is_file() else {}
     except (OSError, ValueError):
         return False
-    return isinstance(marker, dict) and not _missing_files(path, marker)
+    return not _missing_files(path, marker)
+
+
+def _read_marker(final: Path) -> dict:
+    """A final's marker: a JSON object, else OSError/ValueError."""
+    marker = json.loads((final / FINAL_MARKER).read_text())
+    if not isinstance(marker, dict):
+        raise ValueError(f"expected a JSON object, got {type(marker).__name__}")
+    return marker
 
 
 def finished_final(out_dir: Path, log: LogFn, step: int, run_key: str) -> Path | None:
@@ -422,9 +431,7 @@ def finished_final(out_dir: Path, log: LogFn, step: int, run_key: str) -> Path |
     if not (final / FINAL_MARKER).is_file():
         return None
     try:
-        marker = json.loads((final / FINAL_MARKER).read_text())
-        if not isinstance(marker, dict):
-            raise ValueError(f"expected a JSON object, got {type(marker).__name__}")
+        marker = _read_marker(final)
     except (OSError, ValueError) as exc:
         warnings.warn(f"{final}: unreadable {FINAL_MARKER} ({first_line(exc)}); training again", RuntimeWarning,
                       stacklevel=2)

@@ -231,11 +231,11 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
             for key, value in {"train/loss": loss, **stats}.items():
                 step_stats[key] = step_stats.get(key, 0.0) + value.detach() / len(chunks)
         reduced = mean_over_ranks(ctx, step_stats)
-        check_finite(torch.tensor(reduced["train/loss"]), step + 1)
+        check_finite(reduced["train/loss"], step + 1)
 
         # ---- update
         grad_norm = clip_gradients(model, cfg.max_grad_norm)
-        check_finite(torch.tensor(grad_norm), step + 1, "train/grad_norm")
+        check_finite(grad_norm, step + 1, "train/grad_norm")
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

@@ -251,7 +251,7 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                         check_finite(loss, step + 1)
                         loss.backward()
                         grad_norm = clip_gradients(policy, cfg.max_grad_norm)
-                        check_finite(torch.tensor(grad_norm), step + 1, "train/grad_norm")
+                        check_finite(grad_norm, step + 1, "train/grad_norm")
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
                         stats |= {"train/loss": loss.detach(), "train/grad_norm": grad_norm,

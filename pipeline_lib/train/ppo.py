@@ -207,7 +207,7 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
                     check_finite(loss, step + 1)
                     loss.backward()
                     grad_norm = clip_gradients(trained, cfg.max_grad_norm)
-                    check_finite(torch.tensor(grad_norm), step + 1, "train/grad_norm")
+                    check_finite(grad_norm, step + 1, "train/grad_norm")
                     optimizer.step()
                     scheduler.step()
                     optimizer.zero_grad(set_to_none=True)

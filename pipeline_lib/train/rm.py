@@ -195,11 +195,11 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
                 weights[key] = weights.get(key, 0.0) + weight
         sums = mean_over_ranks(ctx, {**step_stats, **{f"{key} weight": w for key, w in weights.items()}})
         reduced = {key: sums[key] / sums[f"{key} weight"] for key in step_stats}
-        check_finite(torch.tensor(reduced["train/loss"]), step + 1)
+        check_finite(reduced["train/loss"], step + 1)
 
         # ---- update
         grad_norm = clip_gradients(model, cfg.max_grad_norm)
-        check_finite(torch.tensor(grad_norm), step + 1, "train/grad_norm")
+        check_finite(grad_norm, step + 1, "train/grad_norm")
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

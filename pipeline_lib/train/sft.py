@@ -172,7 +172,7 @@ def train_sft(cfg: SFTConfig, rows: pl.DataFrame, out_dir: Path, log: LogFn = no
 
         # ---- update
         grad_norm = clip_gradients(model, cfg.max_grad_norm)
-        check_finite(torch.tensor(grad_norm), step + 1, "train/grad_norm")
+        check_finite(grad_norm, step + 1, "train/grad_norm")
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

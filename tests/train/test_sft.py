@@ -4,6 +4,7 @@ Pass@1 on the demo task, and rejection-sampling SFT (Best-of-N -> SFT) raising i
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import time
@@ -130,7 +131,7 @@ def test_a_non_finite_gradient_under_a_finite_loss_stops_before_the_update(tiny,
     seen by no later loss; the guard on the gradient norm stops before optimizer.step."""
     def load_with_a_nan_gradient(*args, **kwargs):
         model = load_policy(*args, **kwargs)
-        backwards = iter(range(10**6))
+        backwards = itertools.count()
         model.get_input_embeddings().weight.register_hook(lambda g: g * float("nan") if next(backwards) == 2 else g)
         return model
 
