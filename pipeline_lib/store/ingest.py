@@ -19,12 +19,11 @@ from pathlib import Path
 
 import orjson
 import polars as pl
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import content_id, fingerprint_path
 from pipeline_lib.store.db import Store
+from pipeline_lib.store.parquet import ParquetError, read_parquet_lines
 from pipeline_lib.store.shapes import FIELDS, SCHEMAS, TABLE_OF, TOO_DEEP, Rows, shape_records
 
 FORMATS = ("pairs", "hh", "chat", "ranking", "problem")
@@ -194,7 +193,11 @@ def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], Sequence[int], di
         lines = _array_items(data) if items else []
         return lines, range(len(lines)), {}
     if suffix == ".parquet":
-        return _parquet_lines(path, data)
+        try:
+            lines, pre_bad = read_parquet_lines(data)
+        except ParquetError as exc:
+            raise IngestError(f"{path}: {exc}") from None
+        return lines, range(len(lines)), pre_bad
     return _csv_lines(path, data)
 
 
@@ -216,88 +219,6 @@ def _array_items(data: bytes) -> list[bytes]:
             commas.append(token.start())
     starts, ends = [first] + [comma + 1 for comma in commas], commas + [last]
     return [data[start:end].strip().replace(b"\n", b" ").replace(b"\r", b" ") for start, end in zip(starts, ends)]
-
-
-def _parquet_lines(path: Path, data: bytes) -> tuple[list[bytes], Sequence[int], dict[int, str]]:
-    """Parquet rows as JSON lines. Binary values, at any depth (lists, structs, maps), become UTF-8 text (writers often
-    store strings as binary, and polars cannot write binary as JSON); a row whose bytes are not UTF-8 is rejected,
-    its `raw` readable with replacement characters. Map keys become text, as JSON object keys are, and a UUID column
-    (binary to polars) its canonical text."""
-    try:
-        frame = pl.read_parquet(io.BytesIO(data))
-        uuid_columns = _uuid_columns(data)
-    # a damaged file can make polars' Rust code panic: its PanicException derives from BaseException only
-    except (pl.exceptions.PolarsError, pl.exceptions.PanicException, pa.ArrowException, OSError, ValueError) as exc:
-        raise IngestError(f"{path}: unreadable parquet file ({str(exc).splitlines()[0]})") from None
-    frame = frame.with_columns(_uuid_text(name) for name in uuid_columns)
-    pre_bad: dict[int, str] = {}
-    for name, dtype in frame.schema.items():
-        try:
-            text_dtype = _text_dtype(dtype)
-        except ValueError as exc:
-            raise IngestError(f"{path}: column '{name}' cannot be written as JSON: {exc}") from None
-        if text_dtype == dtype:
-            continue
-        try:
-            frame = frame.with_columns(frame[name].cast(text_dtype))  # every value UTF-8: one vectorised cast
-        # some are not (find their rows), or map keys that polars does not cast (convert them one by one)
-        except (pl.exceptions.ComputeError, pl.exceptions.InvalidOperationError):
-            texts = []
-            for i, value in enumerate(frame[name].to_list()):
-                try:
-                    texts.append(_decoded(value, "strict"))
-                except UnicodeDecodeError:
-                    pre_bad.setdefault(i, f"invalid UTF-8 in field '{name}'")
-                    texts.append(_decoded(value, "replace"))
-            frame = frame.with_columns(pl.Series(name, texts, dtype=text_dtype))
-    try:
-        text = frame.write_ndjson()
-    except (pl.exceptions.PolarsError, pl.exceptions.PanicException) as exc:  # a type polars cannot write as JSON
-        raise IngestError(f"{path}: cannot write the parquet rows as JSON ({str(exc).splitlines()[0]})") from None
-    return text.encode().splitlines(), range(frame.height), pre_bad
-
-
-def _uuid_columns(data: bytes) -> list[str]:
-    """Top-level columns of parquet's UUID type (DuckDB writes its uuid columns so), which polars reads as binary."""
-    return [column.name for column in pq.ParquetFile(io.BytesIO(data)).schema
-            if column.logical_type.type == "UUID" and column.path == column.name]
-
-
-def _uuid_text(name: str) -> pl.Expr:
-    """The 16 bytes of each UUID in column `name` as the canonical text, 8-4-4-4-12 lowercase hex digits (RFC 9562)."""
-    digits = pl.col(name).bin.encode("hex")
-    groups = [digits.str.slice(start, length) for start, length in ((0, 8), (8, 4), (12, 4), (16, 4), (20, 12))]
-    return pl.concat_str(groups, separator="-").alias(name)
-
-
-def _decoded(value: object, errors: str) -> object:
-    """A parquet value with its bytes, at any depth, decoded as UTF-8 (`errors` as in bytes.decode), and the keys of
-    its maps as text."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", errors)
-    if isinstance(value, list):
-        return [_decoded(item, errors) for item in value]
-    if isinstance(value, dict):  # a struct (text keys) or a map (keys of its key type: 1 -> "1")
-        return {str(_decoded(key, errors)): _decoded(item, errors) for key, item in value.items()}
-    return value
-
-
-def _text_dtype(dtype: pl.DataType) -> pl.DataType:
-    """`dtype` with Binary replaced by String at any depth (lists, arrays, structs, maps), and map keys by String;
-    ValueError for a map keyed by a nested type, which no JSON object key can hold."""
-    if dtype == pl.Binary:
-        return pl.String
-    if isinstance(dtype, pl.List):
-        return pl.List(_text_dtype(dtype.inner))
-    if isinstance(dtype, pl.Array):
-        return pl.Array(_text_dtype(dtype.inner), dtype.shape)
-    if isinstance(dtype, pl.Struct):
-        return pl.Struct({field.name: _text_dtype(field.dtype) for field in dtype.fields})
-    if isinstance(dtype, pl.Map):
-        if dtype.key.is_nested():
-            raise ValueError(f"its map keys are {dtype.key}, and a JSON object key is text")
-        return pl.Map(pl.String, _text_dtype(dtype.value))
-    return dtype
 
 
 def _csv_lines(path: Path, data: bytes) -> tuple[list[bytes], list[int], dict[int, str]]:

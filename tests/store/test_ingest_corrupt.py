@@ -8,8 +8,11 @@ import gzip
 import io
 import os
 import random
+import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -21,6 +24,7 @@ import pytest
 
 from pipeline_lib.store.db import TABLES, open_store
 from pipeline_lib.store.ingest import IngestError, ingest_file
+from pipeline_lib.store.parquet import ParquetError, parquet_json_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = [{"prompt": f"question {i}?", "chosen": f"answer {i}", "rejected": f"wrong {7 * i}"} for i in range(40)]
@@ -149,14 +153,46 @@ def test_parquet_that_makes_polars_panic_is_one_line_error(tmp_path, store):
 
 
 @pytest.mark.parametrize("where", ["read_parquet", "write_ndjson"])
-def test_a_polars_panic_in_reading_or_converting_parquet_is_one_line_error(tmp_path, store, monkeypatch, where):
+def test_a_polars_panic_in_reading_or_converting_parquet_is_one_line_error(monkeypatch, where):
+    """The reader's own conversion (what the child process runs), in this process so polars can be made to panic."""
     def panic(*args, **kwargs):
         raise pl.exceptions.PanicException("index out of bounds: the len is 0 but the index is 0")
 
     monkeypatch.setattr(pl if where == "read_parquet" else pl.DataFrame, where, panic)
+    with pytest.raises(ParquetError) as err:
+        parquet_json_lines(parquet_bytes("zstd"))
+    assert "\n" not in str(err.value) and "(index out of bounds: the len is 0 but the index is 0)" in str(err.value)
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGABRT, signal.SIGKILL])
+def test_a_parquet_reader_that_dies_is_one_line_error(tmp_path, store, signal_number):
+    """A damaged page header can make polars allocate without bound and abort its process: the reader is a child
+    process, so here it is killed while it reads, and the ingest refuses the file in one line, writing nothing."""
     path = tmp_path / "p.parquet"
     path.write_bytes(parquet_bytes("zstd"))
-    refused(path, store, "(index out of bounds: the len is 0 but the index is 0)")
+    me = os.getpid()
+
+    def kill_the_reader() -> None:
+        while True:
+            for pid in os.listdir("/proc"):
+                if pid.isdigit() and int(pid) != me and _is_parquet_reader_of(int(pid), me):
+                    os.kill(int(pid), signal_number)
+                    return
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_the_reader, daemon=True)
+    killer.start()
+    refused(path, store, f"unreadable parquet file (its reader crashed: {signal.Signals(signal_number).name})")
+    killer.join(timeout=5)
+
+
+def _is_parquet_reader_of(pid: int, parent: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return False
+    return int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"pipeline_lib.store.parquet" in cmdline
 
 
 def write_pairs_parquet(path: Path, **columns: pa.Array) -> Path:
