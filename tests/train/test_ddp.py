@@ -1,6 +1,7 @@
 """Multi-process DPO: `torchrun --standalone --nproc_per_node 2 -m pipeline_lib.train.dpo --config X.json` on
 gloo runs, the ranks stay in sync (the loop checks it; the result matches one process on the same global
-batch), only rank 0 prints and writes (rank 1's file-system calls are recorded with an audit hook)."""
+batch), only rank 0 prints and writes (rank 1's file-system calls are recorded with an audit hook), and a
+write that fails on rank 0 ends every rank with one error line."""
 
 from __future__ import annotations
 
@@ -43,6 +44,13 @@ if os.environ.get("RANK") is not None and os.environ.get("AUDIT_DIR"):
                 handle.write(f"{event} {os.fsdecode(path)}\\n")
 
     sys.addaudithook(_hook)
+if os.environ.get("RANK") == "0" and os.environ.get("FAIL_RANK_0_SAVE"):  # a full disk, on rank 0 only
+    import errno, torch
+
+    def _full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    torch.save = _full_disk
 '''
 
 
@@ -104,3 +112,37 @@ def test_torchrun_two_ranks_match_one_process_and_only_rank_0_writes(tmp_path):
     start = load_file(str(model / "model.safetensors"))
     assert max(float((a[k] - start[k]).abs().max()) for k in a) > 1e-3  # it trained
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_checkpoint_write_failing_on_rank_0_ends_every_rank_with_one_error_line(tmp_path):
+    """Rank 0 alone writes checkpoints: when its write fails (a full disk) it stops with the one-line
+    CheckpointWriteError while rank 1 goes on to its next collective. torchrun then ends rank 1 too; nothing waits
+    for good, and no `final` is written."""
+    model = build_tiny_model(tmp_path / "base", ["0123456789+=", "no idea!"], hidden_size=64, num_heads=2,
+                             intermediate_size=128)
+    cfg = DPOConfig(policy_path=str(model), max_steps=6, batch_size=8, lr=1e-3, save_every=2, log_every=1,
+                    device="cpu")
+    run_file = write_run_file(tmp_path / "ddp.json", cfg, {"pairs": toy_pairs(40)}, tmp_path / "ddp")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "FAIL_RANK_0_SAVE": "1"}
+    ddp = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "--log-dir", str(tmp_path / "logs"), "--redirects", "3",
+         "-m", "pipeline_lib.train.dpo", "--config", str(run_file)],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = ddp.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(ddp.pid, signal.SIGKILL)
+        raise AssertionError("a rank was left waiting: torchrun did not end within 180 s") from None
+    assert ddp.returncode != 0
+    errors = {int(p.parent.name): [line for line in p.read_text().splitlines() if line.startswith("error: ")]
+              for p in (tmp_path / "logs").rglob("stderr.log")}
+    assert len(errors[0]) == 1 and "cannot write the step 2 checkpoint (" in errors[0][0], errors
+    assert not (tmp_path / "ddp" / "final").exists()
+    # every process of the run's session is gone
+    group = subprocess.run(["pgrep", "-g", str(ddp.pid)], capture_output=True, text=True)
+    assert group.stdout.strip() == "", group.stdout
