@@ -164,10 +164,20 @@ def test_a_polars_panic_in_reading_or_converting_parquet_is_one_line_error(monke
     assert "\n" not in str(err.value) and "(index out of bounds: the len is 0 but the index is 0)" in str(err.value)
 
 
-@pytest.mark.parametrize("signal_number", [signal.SIGABRT, signal.SIGKILL])
-def test_a_parquet_reader_that_dies_is_one_line_error(tmp_path, store, signal_number):
-    """A damaged page header can make polars allocate without bound and abort its process: the reader is a child
-    process, so here it is killed while it reads, and the ingest refuses the file in one line, writing nothing."""
+def test_parquet_that_makes_polars_abort_its_process_is_one_line_error(tmp_path, store):
+    """A data page header whose value count reads as -1 makes polars allocate 2**61 bytes, and Rust aborts the
+    process on the failed allocation (no exception): that was the ingest task's, the flow's or the CLI's own process.
+    The reader is a child process now, so only it dies, and the file is refused in one line."""
+    data = parquet_bytes("uncompressed")
+    page = data.index(b"\x2c\x15", 4)  # the first data page header: its num_values field, zigzag varint 0x50 (40)
+    path = tmp_path / "abort.parquet"
+    path.write_bytes(data[:page + 2] + b"\x01" + data[page + 3:])  # zigzag 1 = -1
+    refused(path, store, "unreadable parquet file (its reader crashed: SIGABRT)")
+
+
+def test_a_parquet_reader_killed_while_it_reads_is_one_line_error(tmp_path, store):
+    """The reader process SIGKILLed (the kernel's OOM killer does so) while it reads: one line, nothing written."""
+    signal_number = signal.SIGKILL
     path = tmp_path / "p.parquet"
     path.write_bytes(parquet_bytes("zstd"))
     me = os.getpid()
