@@ -1,1 +1,2 @@
-"""The DuckDB store: schema and queries (db.py, the only module that runs SQL) and ingest (ingest.py)."""
+"""The DuckDB store: schema and queries (db.py, the only module that runs SQL), ingest (ingest.py) and its parquet
+reader, run in a child process (parquet.py)."""
