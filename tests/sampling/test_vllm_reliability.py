@@ -69,9 +69,6 @@ def sample_counts(store_path: Path) -> pl.DataFrame:
                              "GROUP BY run_id, prompt_id").pl()
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.skipif(find_vllm_python() is None, reason=f"no vLLM env: run `make vllm-env` or set ${PYTHON_ENV}")
 def start_sampling(store_path: Path, model_dir: Path, demo_problems: pl.DataFrame) -> tuple[list[str], dict,
                                                                                           subprocess.Popen, psutil.Process]:
     """(command, env, the running stage, its API server) once the server is up and two batches are in the store."""
@@ -90,6 +87,9 @@ def start_sampling(store_path: Path, model_dir: Path, demo_problems: pl.DataFram
     pytest.fail(f"the stage ended before sampling: {runner.stderr.read()[-2000:]}")
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(find_vllm_python() is None, reason=f"no vLLM env: run `make vllm-env` or set ${PYTHON_ENV}")
 def test_server_sigkilled_mid_sampling_stops_in_one_line_and_the_rerun_resumes_without_duplicates(
         tiny_model_dir, demo_problems, tmp_path):
     store_path = tmp_path / "store.duckdb"
