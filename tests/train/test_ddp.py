@@ -61,33 +61,43 @@ def toy_pairs(n: int) -> pl.DataFrame:
                          "rejected": [str(a + b + 1) if i % 2 else "no idea!" for i, (a, b) in enumerate(rows)]})
 
 
+def tiny_dpo_model(tmp_path: Path) -> Path:
+    return build_tiny_model(tmp_path / "base", ["0123456789+=", "no idea!"], hidden_size=64, num_heads=2,
+                            intermediate_size=128)
+
+
+def torchrun_dpo(tmp_path: Path, run_file: Path, timeout: float, **env_vars: str) -> tuple[subprocess.Popen, str]:
+    """`torchrun --nproc_per_node 2 -m pipeline_lib.train.dpo` on `run_file`, with SITECUSTOMIZE loaded in every
+    process; per-rank logs under tmp_path/logs. (process, output) once it ended; killed and raised on a timeout."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", **env_vars}
+    # own session: on a timeout the whole torchrun group (agent + workers) is killed, no orphans left
+    ddp = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "--log-dir", str(tmp_path / "logs"), "--redirects", "3",
+         "-m", "pipeline_lib.train.dpo", "--config", str(run_file)],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = ddp.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(ddp.pid, signal.SIGKILL)
+        raise AssertionError(f"torchrun did not end within {timeout} s: a rank was left waiting") from None
+    return ddp, output
+
+
 @pytest.mark.slow
 def test_torchrun_two_ranks_match_one_process_and_only_rank_0_writes(tmp_path):
-    model = build_tiny_model(tmp_path / "base", ["0123456789+=", "no idea!"], hidden_size=64, num_heads=2,
-                             intermediate_size=128)
+    model = tiny_dpo_model(tmp_path)
     cfg = DPOConfig(policy_path=str(model), max_steps=6, batch_size=8, grad_accum_steps=2, lr=1e-3, save_every=2,
                     log_every=1, device="cpu")
     frames = {"pairs": toy_pairs(40)}
     ddp_file = write_run_file(tmp_path / "ddp.json", cfg, frames, tmp_path / "ddp")
     single_file = write_run_file(tmp_path / "single.json", cfg, frames, tmp_path / "single")
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    audit = tmp_path / "writes"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{site}{os.pathsep}{ROOT}",
-           "AUDIT_DIR": str(tmp_path / "ddp"), "AUDIT_LOG": str(audit)}
-
-    # own session: on a timeout the whole torchrun group (agent + workers) is killed, no orphans left
-    ddp = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "--log-dir", str(tmp_path / "logs"), "--redirects", "3",
-         "-m", "pipeline_lib.train.dpo", "--config", str(ddp_file)],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = ddp.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(ddp.pid, signal.SIGKILL)
-        raise
+    ddp, output = torchrun_dpo(tmp_path, ddp_file, 300, AUDIT_DIR=str(tmp_path / "ddp"),
+                               AUDIT_LOG=str(tmp_path / "writes"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     logs = {int(p.parent.name): p.read_text() for p in (tmp_path / "logs").rglob("stdout.log")}
     assert ddp.returncode == 0, output + "".join(logs.values())
     single = subprocess.run([sys.executable, "-m", "pipeline_lib.train.dpo", "--config", str(single_file)],
@@ -119,25 +129,10 @@ def test_a_checkpoint_write_failing_on_rank_0_ends_every_rank_with_one_error_lin
     """Rank 0 alone writes checkpoints: when its write fails (a full disk) it stops with the one-line
     CheckpointWriteError while rank 1 goes on to its next collective. torchrun then ends rank 1 too; nothing waits
     for good, and no `final` is written."""
-    model = build_tiny_model(tmp_path / "base", ["0123456789+=", "no idea!"], hidden_size=64, num_heads=2,
-                             intermediate_size=128)
-    cfg = DPOConfig(policy_path=str(model), max_steps=6, batch_size=8, lr=1e-3, save_every=2, log_every=1,
-                    device="cpu")
+    cfg = DPOConfig(policy_path=str(tiny_dpo_model(tmp_path)), max_steps=6, batch_size=8, lr=1e-3, save_every=2,
+                    log_every=1, device="cpu")
     run_file = write_run_file(tmp_path / "ddp.json", cfg, {"pairs": toy_pairs(40)}, tmp_path / "ddp")
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "FAIL_RANK_0_SAVE": "1"}
-    ddp = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "--log-dir", str(tmp_path / "logs"), "--redirects", "3",
-         "-m", "pipeline_lib.train.dpo", "--config", str(run_file)],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = ddp.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(ddp.pid, signal.SIGKILL)
-        raise AssertionError("a rank was left waiting: torchrun did not end within 180 s") from None
+    ddp, _ = torchrun_dpo(tmp_path, run_file, 180, FAIL_RANK_0_SAVE="1")
     assert ddp.returncode != 0
     errors = {int(p.parent.name): [line for line in p.read_text().splitlines() if line.startswith("error: ")]
               for p in (tmp_path / "logs").rglob("stderr.log")}
