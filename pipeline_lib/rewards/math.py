@@ -25,7 +25,7 @@ TOLERANCE = Fraction(1, 10**6)
 # A space inside a number token: any whitespace but a line break (str.splitlines' boundaries), so a number ending
 # one line never joins a markdown bullet or a `/` starting the next (`12\n* 10^2` is 12 and 10^2, not 1200).
 _INLINE_SPACE = r"[^\S\n\r\v\f\x1c-\x1e\x85\u2028\u2029]"
-# One number token: optional sign and `$`; digits with optional thousands separators (commas, or the no-break,
+# One number token: optional sign and `$` (the sign before or after it: `-$5`, `$-5`); digits with optional thousands separators (commas, or the no-break,
 # thin and narrow no-break spaces of `1 000 000`, one kind per number; a plain space is not one: `2 100-dollar
 # bills` are 2) and decimals (or `.5`); then an optional integer power (`2^10`, `10^{-2}`) or exponent (`2e3`, or
 # a power of ten: `2 × 10^3`, `2 \times 10^{3}`, `2\cdot10^3`, `2 x 10^3`, braces optional); then an optional
@@ -40,7 +40,7 @@ _POWER = (rf"{_INLINE_SPACE}?\^{_INLINE_SPACE}?"
           r"(?P<{0}_brace>\{{)?(?P<{0}>[-+]?\d+)(?({0}_brace)\}}|(?!\.\d|\w))")
 _EXPONENT = rf"{_INLINE_SPACE}?\^{_INLINE_SPACE}?(?:\{{[^{{}}]*\}}|\([^()]*\)|[-+]?[\w.]+)"
 _NUMBER = re.compile(
-    rf"(?<![\w.^])(?P<sign>-)?(?:\${_INLINE_SPACE}?)?"
+    rf"(?<![\w.^])(?P<sign>-)?(?:\${_INLINE_SPACE}?(?P<dollar_sign>-)?)?"
     r"(?P<body>\d{1,3}(?P<group>[,\u00a0\u2009\u202f])\d{3}(?:(?P=group)\d{3})*(?!\d)(?:\.\d+)?"
     r"|\d+(?:\.\d+)?|\.\d+)"
     rf"(?:{_POWER.format('body_pow')}|[eE](?P<exp>[-+]?\d+)"
@@ -57,6 +57,11 @@ _A_COLON = re.compile(r"\bA:")
 _UNITS = re.compile(r"[A-Za-z]+(?:\s+[A-Za-z]+)*")
 _SPACES = re.compile(r"\s+")
 _CLAUSE_END = re.compile(r"[.,;!?]")
+# The arithmetic a marker may be followed by (`The answer is 5 + 7 = 12`): digits, operators, `=`, brackets, `$`,
+# spaces within the line and a `.` only before a digit (a sentence end stops it). Single characters from disjoint
+# classes: one linear pass. `/` is no operator here: `2/3 = 0.667` keeps the fraction, whose value is the answer.
+_EQUATION = re.compile(rf"(?:[\d,+\-*/×·÷x()$=]|\.(?=\d)|{_INLINE_SPACE})*")
+_OPERATOR = re.compile(r"[+\-*×·÷x]")
 _DIGIT = re.compile(r"\d")
 
 # LaTeX that wraps numbers: \frac{a}{b} -> a/b, \text{..} -> .., spacing, \left/\right and the math delimiters
@@ -121,7 +126,7 @@ def _token_value(match: re.Match[str], max_chars: int = MAX_NUMBER_CHARS) -> tup
         value = None if not denominator else value / (-denominator if match["den_sign"] else denominator)
     if value is None or len(format_number(value, match["den"] is not None)) > MAX_ANSWER_CHARS:
         return None
-    return (-value if match["sign"] else value), match["den"] is not None
+    return (-value if match["sign"] or match["dollar_sign"] else value), match["den"] is not None
 
 
 def format_number(value: Fraction, as_fraction: bool = False) -> str:
@@ -163,9 +168,14 @@ def _text_answer(text: str) -> str | None:
 
 
 def _segment_answer(segment: str, numeric: bool) -> str | None:
-    """The answer right after a marker: the number it starts with; else, unless `numeric`, its first clause as
-    text (`yes`, `B`) if that clause has no digit; else None (`A: Janet has 16 eggs...` is reasoning)."""
+    """The answer right after a marker: the number it starts with (after the last `=` when it starts with arithmetic:
+    `5 + 7 = 12.` gives 12); else, unless `numeric`, its first clause as text (`yes`, `B`) if that clause has no digit;
+    else None (`A: Janet has 16 eggs...` is reasoning)."""
     segment = segment.lstrip(" \t:*")
+    equation = _EQUATION.match(segment)[0]
+    result = equation.rfind("=")
+    if result > 0 and _OPERATOR.search(equation, 0, result):  # `5 + 7 = 12`: what the working comes to
+        segment = segment[result + 1:].lstrip()
     match = _NUMBER.match(segment)
     if match is not None:
         parsed = _token_value(match)
@@ -179,14 +189,19 @@ def _segment_answer(segment: str, numeric: bool) -> str | None:
 
 
 def _after_last(pattern: re.Pattern[str], text: str) -> str | None:
-    """The rest of the line after the last match of `pattern`, or None if it does not occur."""
+    """The rest of the line after the last match of `pattern`, or None if it does not occur. When that rest is blank
+    (`Final answer:` ends its line), the next non-blank line instead, if it starts with a number."""
     last = None
     for last in pattern.finditer(text):
         pass
     if last is None:
         return None
-    rest = text[last.end():]
-    return rest.split("\n", 1)[0]
+    line, _, rest = text[last.end():].partition("\n")
+    if line.strip(" \t:*"):
+        return line
+    following = next((candidate for candidate in rest.split("\n") if candidate.strip()), "")
+    number = _NUMBER.match(following.lstrip(" \t:*"))
+    return following if number is not None and _token_value(number) is not None else line
 
 
 def _boxed_content(text: str) -> str | None:
@@ -221,7 +236,9 @@ def extract_answer(text: str | None, *, numeric: bool = False) -> str | None:
 
     Priority: the last `#### x` (GSM8K), then the last `\\boxed{x}`, then the last `answer is x` /
     `answer: x`, then the last `A: x`. A marker counts only when a number follows it directly (or, for
-    non-numeric answers, a clause without digits: `The answer is yes.`); otherwise the next rule applies.
+    non-numeric answers, a clause without digits: `The answer is yes.`); otherwise the next rule applies. Arithmetic
+    right after a marker gives what it comes to (`The answer is 5 + 7 = 12.` -> 12), and a marker ending its line
+    takes the number starting the next non-blank line (`Final answer:\n18`).
     `numeric` (the gold answer is a number) drops that text case: `A: Let me think. 5+7 = 12` gives 12.
     Without any usable marker: the last number in the text. Numbers come back
     canonical: commas, `$`, `%`, units and trailing zeros/periods stripped (`$1,234.50` -> `1234.5`,

@@ -380,6 +380,11 @@ HOSTILE = {
     "powers on denominators": "1/2^" * 300_000,
     "huge power": "The answer is 9^999999",
     "long exponent": "2^" + "9" * 1_000_000,
+    "arithmetic without an equals sign": "The answer is " + "1 + " * 300_000,
+    "equals signs": "The answer is " + "1 = " * 300_000,
+    "signs inside dollars": "$-" * 500_000,
+    "markers ending their lines": "The answer is:\n" * 100_000,
+    "a marker then blank lines": "The answer is:" + "\n" * 1_000_000 + "5",
 }
 
 
@@ -469,3 +474,39 @@ def test_malicious_completion_is_read_as_text_never_run(name, tmp_path, monkeypa
 )
 def test_extract_answer_reads_space_separated_thousands(text, expected):
     assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # a minus after the dollar sign (`$-5$` in LaTeX math) is the number's sign; before it, as before
+        ("The answer is $-5$. Check: 3 - 8 = -5, plus 2.", "-5"),
+        ("#### $-5 (2 left)", "-5"),
+        ("The answer is $ -5$, i.e. 2 fewer.", "-5"),
+        ("It lost -$5 today", "-5"),
+        ("$10-$5", "5"),  # the minus of an expression is still no sign
+        # a marker followed by arithmetic: what the working comes to, after its last `=`
+        ("The answer is 5 + 7 = 12.", "12"),
+        ("Q: What is 12+30? A: 12+30=42", "42"),
+        ("#### 5+7=12", "12"),
+        ("The answer is 3 * 4 = 12", "12"),
+        ("The answer is 3 x 4 = 12 apples", "12"),
+        ("The answer is 2 × 3 + 1 = 7 = 7", "7"),
+        # ...but a sentence end stops the arithmetic, and a fraction alone is no working
+        ("The answer is 12. 3 + 8 = 11", "12"),
+        ("The answer is 5 dollars. 3 + 4 = 7", "5"),
+        ("The answer is 3.", "3"),
+        ("The answer is -2.5.", "-2.5"),
+        ("The answer is 2/3 = 0.667", "2/3"),
+        # a marker that ends its line: the number starting the next non-blank line
+        ("Final answer:\n18 dollars (9 x 2)", "18"),
+        ("The answer is:\n\n42", "42"),
+        ("**Answer:**\n  $1,200", "1200"),
+        ("A:\nLet me think. 5+7 = 12 so 3", "3"),  # no number starts the next line: the last number wins
+    ],
+)
+def test_extract_answer_reads_signs_in_dollars_worked_equations_and_the_line_after_a_marker(text, expected):
+    """Wrong answers a review of ordinary completions found (2026-12-02): before, these gave -5 -> 2 (the last
+    number), 5 + 7 = 12 -> 5 (the first operand), `Final answer:\\n18 ... (9 x 2)` -> 2."""
+    assert extract_answer(text) == expected
+
