@@ -25,17 +25,17 @@ TOLERANCE = Fraction(1, 10**6)
 # A space inside a number token: any whitespace but a line break (str.splitlines' boundaries), so a number ending
 # one line never joins a markdown bullet or a `/` starting the next (`12\n* 10^2` is 12 and 10^2, not 1200).
 _INLINE_SPACE = r"[^\S\n\r\v\f\x1c-\x1e\x85\u2028\u2029]"
-# One number token: optional sign and `$` (the sign before or after it: `-$5`, `$-5`); digits with optional thousands separators (commas, or the no-break,
-# thin and narrow no-break spaces of `1 000 000`, one kind per number; a plain space is not one: `2 100-dollar
-# bills` are 2) and decimals (or `.5`); then an optional integer power (`2^10`, `10^{-2}`) or exponent (`2e3`, or
-# a power of ten: `2 × 10^3`, `2 \times 10^{3}`, `2\cdot10^3`, `2 x 10^3`, braces optional); then an optional
-# `/denominator`, itself with an optional power. An exponent the token cannot read (`2^x`, `4^0.5`, `(3/2)^2`,
-# `2^10^2`) is captured as `unread`: the token is then no number, and the scan goes on after it. An exponent with
-# no number before it (`cm^{2}`, `x^-2`, `e^{10}`) is matched whole (no `body`), so its digits are never a
-# number. The lookbehind keeps tokens from starting inside a word (`x2`) or after a minus that belongs to an
-# expression (`16-3` yields 16 and 3, not -3). Every repetition is over a character class disjoint from what
-# follows it and no lookahead rejects a whole token: no catastrophic backtracking, one pass over the text.
-# A readable power: an integer exponent, in braces or not followed by a decimal part or a letter (`4^0.5`, `2^10x`).
+# One number token: optional sign and `$` (the sign before or after it: `-$5`, `$-5`); digits with optional thousands
+# separators (commas, or the no-break, thin and narrow no-break spaces of `1 000 000`, one kind per number; a plain
+# space is not one: `2 100-dollar bills` are 2) and decimals (or `.5`); then an optional integer power (`2^10`,
+# `10^{-2}`) or exponent (`2e3`, or a power of ten: `2 × 10^3`, `2 \times 10^{3}`, `2\cdot10^3`, `2 x 10^3`, braces
+# optional); then an optional `/denominator`, itself with an optional power. An exponent the token cannot read (`2^x`,
+# `4^0.5`, `(3/2)^2`, `2^10^2`) is captured as `unread`: the token is then no number, and the scan goes on after it.
+# An exponent with no number before it (`cm^{2}`, `x^-2`, `e^{10}`) is matched whole (no `body`), so its digits are
+# never a number. The lookbehind keeps tokens from starting inside a word (`x2`) or after a minus that belongs to an
+# expression (`16-3` yields 16 and 3, not -3). Every repetition is over a character class disjoint from what follows
+# it and no lookahead rejects a whole token: no catastrophic backtracking, one pass over the text. A readable power:
+# an integer exponent, in braces or not followed by a decimal part or a letter (`4^0.5`, `2^10x`).
 _POWER = (rf"{_INLINE_SPACE}?\^{_INLINE_SPACE}?"
           r"(?P<{0}_brace>\{{)?(?P<{0}>[-+]?\d+)(?({0}_brace)\}}|(?!\.\d|\w))")
 _EXPONENT = rf"{_INLINE_SPACE}?\^{_INLINE_SPACE}?(?:\{{[^{{}}]*\}}|\([^()]*\)|[-+]?[\w.]+)"

@@ -30,7 +30,7 @@ def read_parquet_lines(data: bytes) -> tuple[list[bytes], dict[int, str]]:
     child = subprocess.run([sys.executable, "-m", "pipeline_lib.store.parquet"], input=data, capture_output=True,
                            env=env)
     if child.returncode < 0:
-        raise ParquetError(f"unreadable parquet file (its reader crashed: {signal.Signals(-child.returncode).name})")
+        raise ParquetError(f"unreadable parquet file (its reader crashed: {_signal_name(-child.returncode)})")
     if child.returncode != 0:
         last = child.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit {child.returncode}"]
         raise ParquetError(f"unreadable parquet file (its reader failed: {last[0]})")
@@ -39,6 +39,13 @@ def read_parquet_lines(data: bytes) -> tuple[list[bytes], dict[int, str]]:
     if outcome["error"] is not None:
         raise ParquetError(outcome["error"])
     return rows.splitlines(), {int(row): reason for row, reason in outcome["pre_bad"].items()}
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name  # SIGABRT
+    except ValueError:  # a real-time signal has no name
+        return f"signal {number}"
 
 
 def parquet_json_lines(data: bytes) -> tuple[list[bytes], dict[int, str]]:
