@@ -92,12 +92,16 @@ def test_dapo_raises_held_out_pass_at_1_by_15_points(sft_model, tmp_path):
 
 def test_ppo_raises_the_reward_model_score_with_bounded_kl(sft_model, tmp_path):
     """An RM trained by the RM stage on the demo pairs (from the SFT backbone) scores held-out samples; PPO with
-    a fixed β = 0.1 must raise its mean score while the per-sequence KL to the reference stays small."""
+    a fixed β = 0.1 must raise its mean score by 0.3 while the per-sequence KL to the reference stays small.
+
+    16 samples per held-out problem (3,200) measure the gain to ±0.05 (one standard error); 120 steps gain
+    0.35-0.44 over 5 training x 3 sampling seeds (60 steps gained 0.24-0.29: 0.3 passed or failed by chance).
+    The last 10 steps' KL, 1.2-1.7 nats per sequence there, must stay below 2."""
     pairs = pl.read_ndjson(DEMO / "pairs.jsonl").select("prompt", "chosen", "rejected")
     rm_cfg = RMConfig(model_path=str(sft_model), max_steps=300, batch_size=64, lr=3e-4, device="cpu",
                       save_every=1000)
     reward_model = train_rm(rm_cfg, pairs, tmp_path / "rm")
-    cfg = PPOConfig(policy_path=str(sft_model), reward_model_path=str(reward_model), max_steps=60,
+    cfg = PPOConfig(policy_path=str(sft_model), reward_model_path=str(reward_model), max_steps=120,
                     prompts_per_step=64, mini_batch_size=32, ppo_epochs=2, lr=3e-5, critic_lr=1e-4,
                     warmup_steps=20, kl_coef=0.1, max_new_tokens=6, device="cpu", save_every=1000)
     final, seconds, logged = run_rl(train_ppo, cfg, TRAIN, tmp_path / "ppo")
@@ -106,7 +110,7 @@ def test_ppo_raises_the_reward_model_score_with_bounded_kl(sft_model, tmp_path):
                               batch_size=256)
 
     def mean_score(model_dir: Path) -> float:
-        samples = held_out_samples(model_dir, n=4)
+        samples = held_out_samples(model_dir, n=16)
         return float(np.mean(score([p + t for p, group in zip(TEST["prompt"], samples) for t in group])))
 
     before, after = mean_score(sft_model), mean_score(final)
@@ -115,4 +119,4 @@ def test_ppo_raises_the_reward_model_score_with_bounded_kl(sft_model, tmp_path):
           f"KL to ref per sequence: max {max(kls):.2f}, last 10 steps {np.mean(kls[-10:]):.2f}; Pass@1 "
           f"{pass_at_1(sft_model):.3f} -> {pass_at_1(final):.3f}")
     assert after >= before + 0.3
-    assert max(kls) < 3.0
+    assert np.mean(kls[-10:]) < 2.0
