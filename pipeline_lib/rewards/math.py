@@ -25,6 +25,8 @@ TOLERANCE = Fraction(1, 10**6)
 # A space inside a number token: any whitespace but a line break (str.splitlines' boundaries), so a number ending
 # one line never joins a markdown bullet or a `/` starting the next (`12\n* 10^2` is 12 and 10^2, not 1200).
 _INLINE_SPACE = r"[^\S\n\r\v\f\x1c-\x1e\x85\u2028\u2029]"
+# Han, kana and Hangul: written without spaces, so a number right after them starts a token
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
 # One number token: optional sign and `$` (the sign before or after it: `-$5`, `$-5`); digits with optional thousands
 # separators (commas, or the no-break, thin and narrow no-break spaces of `1 000 000`, one kind per number; a plain
 # space is not one: `2 100-dollar bills` are 2) and decimals (or `.5`); then an optional integer power (`2^10`,
@@ -32,15 +34,16 @@ _INLINE_SPACE = r"[^\S\n\r\v\f\x1c-\x1e\x85\u2028\u2029]"
 # optional); then an optional `/denominator`, itself with an optional power. An exponent the token cannot read (`2^x`,
 # `4^0.5`, `(3/2)^2`, `2^10^2`) is captured as `unread`: the token is then no number, and the scan goes on after it.
 # An exponent with no number before it (`cm^{2}`, `x^-2`, `e^{10}`) is matched whole (no `body`), so its digits are
-# never a number. The lookbehind keeps tokens from starting inside a word (`x2`) or after a minus that belongs to an
-# expression (`16-3` yields 16 and 3, not -3). Every repetition is over a character class disjoint from what follows
-# it and no lookahead rejects a whole token: no catastrophic backtracking, one pass over the text. A readable power:
-# an integer exponent, in braces or not followed by a decimal part or a letter (`4^0.5`, `2^10x`).
+# never a number. The lookbehind keeps tokens from starting inside a word (`x2`; a CJK character is no such word:
+# `答案是72`) or after a minus that belongs to an expression (`16-3` yields 16 and 3, not -3). Every repetition is
+# over a character class disjoint from what follows it and no lookahead rejects a whole token: no catastrophic
+# backtracking, one pass over the text. A readable power: an integer exponent, in braces or not followed by a decimal
+# part or a letter (`4^0.5`, `2^10x`).
 _POWER = (rf"{_INLINE_SPACE}?\^{_INLINE_SPACE}?"
           r"(?P<{0}_brace>\{{)?(?P<{0}>[-+]?\d+)(?({0}_brace)\}}|(?!\.\d|\w))")
 _EXPONENT = rf"{_INLINE_SPACE}?\^{_INLINE_SPACE}?(?:\{{[^{{}}]*\}}|\([^()]*\)|[-+]?[\w.]+)"
 _NUMBER = re.compile(
-    rf"(?<![\w.^])(?P<sign>-)?(?:\${_INLINE_SPACE}?(?P<dollar_sign>-)?)?"
+    rf"(?<![^\W{_CJK}]|[.^])(?P<sign>-)?(?:\${_INLINE_SPACE}?(?P<dollar_sign>-)?)?"
     r"(?P<body>\d{1,3}(?P<group>[,\u00a0\u2009\u202f])\d{3}(?:(?P=group)\d{3})*(?!\d)(?:\.\d+)?"
     r"|\d+(?:\.\d+)?|\.\d+)"
     rf"(?:{_POWER.format('body_pow')}|[eE](?P<exp>[-+]?\d+)"
@@ -50,11 +53,17 @@ _NUMBER = re.compile(
     rf"|{_EXPONENT}"
 )
 _GROUP_SEPARATORS = re.compile("[,\u00a0\u2009\u202f]")
-_HASHES = re.compile(r"####")
+# GSM8K's `#### 72`, not a markdown heading whose line goes on after its number (`#### 2. Add the costs`)
+# The characters a number token can hold (ASCII: a cut through CJK text keeps it)
+_CUT_TOKEN = re.compile(r"[0-9A-Za-z_.,^{}\\$/+\-\u00a0\u2009\u202f]*")
+_UNSIGNED_START = frozenset("0123456789.$")
+_HASHES = re.compile(r"####(?![ \t]*\d+[.)][ \t]+[^\W\d_])")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_ANSWER_IS = re.compile(r"\banswer\s{0,10}(?:is\b|:|=)", re.IGNORECASE)
+_ANSWER_IS = re.compile(r"\banswer\s{0,10}(?:is\b|:|=)|答案\s{0,10}(?:是|为|為|：|:|=)", re.IGNORECASE)
 _A_COLON = re.compile(r"\bA:")
-_UNITS = re.compile(r"[A-Za-z]+(?:\s+[A-Za-z]+)*")
+# Unit words after a number: `dollars`, `square feet`, `cm^2`, `m/s^{2}`
+_UNIT = r"[A-Za-z]+(?:\^\{?-?\d+\}?)?"
+_UNITS = re.compile(rf"{_UNIT}(?:(?:\s+|/){_UNIT})*")
 _SPACES = re.compile(r"\s+")
 _CLAUSE_END = re.compile(r"[.,;!?]")
 # The arithmetic a marker may be followed by (`The answer is 5 + 7 = 12`): digits, operators, `=`, brackets, `$`,
@@ -63,24 +72,55 @@ _CLAUSE_END = re.compile(r"[.,;!?]")
 _EQUATION = re.compile(rf"(?:[\d,+\-*/×·÷x()$=]|\.(?=\d)|{_INLINE_SPACE})*")
 _OPERATOR = re.compile(r"[+\-*×·÷x]")
 _DIGIT = re.compile(r"\d")
+# What may stand between a marker and its answer: `The answer is: **$\$18$**` (the `$` of LaTeX math before the
+# number's own; a sign after it stays: `$-5$`)
+_LEAD = " \t:*$"
 
-# LaTeX that wraps numbers: \frac{a}{b} -> a/b, \text{..} -> .., spacing, \left/\right and the math delimiters
-# \( \) \[ \] dropped (`The answer is \(1234\).` reads like `The answer is $1234$.`).
+# Unicode spellings of signs and numbers: the minus signs, superscript powers (`10³` -> `10^{3}`), vulgar fractions
+# (`2½` -> `5/2`, `¾` -> `3/4`) and the fraction slash.
+_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\uff0d": "-", "\u2044": "/"})
+_SUPERSCRIPT = re.compile("[⁺⁻]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")
+_SUPERSCRIPT_DIGITS = str.maketrans("⁺⁻⁰¹²³⁴⁵⁶⁷⁸⁹", "+-0123456789")
+_VULGAR = {"½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4), "⅕": (1, 5), "⅖": (2, 5), "⅗": (3, 5),
+           "⅘": (4, 5), "⅙": (1, 6), "⅚": (5, 6), "⅐": (1, 7), "⅛": (1, 8), "⅜": (3, 8), "⅝": (5, 8), "⅞": (7, 8),
+           "⅑": (1, 9), "⅒": (1, 10)}
+_INTEGER = rf"\d{{1,{MAX_NUMBER_CHARS}}}"
+_WHOLE = rf"(?<![^\W{_CJK}]|[.,^])({_INTEGER})"  # a whole number that starts a token
+_MIXED_VULGAR = re.compile(rf"(?:{_WHOLE} ?)?([{''.join(_VULGAR)}])")
+# A mixed number in LaTeX: a whole number right before a fraction of integers (`1\frac{1}{2}`, `2 \frac34`) is
+# their sum, as it is read, not the digits run together (`11/2`)
+_MIXED_FRAC = re.compile(
+    rf"{_WHOLE}[ ]*\\[dt]?frac\s*(?:\{{\s*({_INTEGER})\s*\}}\s*\{{\s*({_INTEGER})\s*\}}|(\d)(\d))")
+# LaTeX that wraps numbers: \frac{a}{b} -> a/b, \text{..} -> .. (and the other text and font commands), spacing,
+# \left/\right and the math delimiters \( \) \[ \] dropped (`The answer is \(1234\).` reads like
+# `The answer is $1234$.`).
 _LATEX_SUBS = (
     (re.compile(r"\\[()\[\]]"), ""),
     (re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}"), r"\1/\2"),
     (re.compile(r"\\[dt]?frac(\d)(\d)"), r"\1/\2"),
-    (re.compile(r"\\(?:text|textbf|textrm|mathrm|mbox)\s*\{([^{}]*)\}"), r"\1"),
+    (re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|boldsymbol|bm|mbox|emph|operatorname)\s*"
+                r"\{([^{}]*)\}"), r"\1"),
     (re.compile(r"\^\s*\{?\\circ\}?"), ""),
     (re.compile(r"\\(?:left|right)\b|\\[!,;: ]"), ""),
     (re.compile(r"\\([%$])"), r"\1"),
 )
 
 
-def _strip_latex(text: str) -> str:
-    text = text.replace("{,}", ",")  # `1{,}000`: a comma in braces is LaTeX's plain comma (no space after it)
+def _mixed_number(whole: str | None, numerator: str, denominator: str) -> str:
+    """`1`, `1`, `2` -> `3/2`: the value of a mixed number as a fraction (a zero denominator stays one)."""
+    whole_value, num, den = int(whole or "0"), int(numerator), int(denominator)
+    return f"{whole_value * den + num}/{den}" if den else f"{whole_value} {num}/0"
+
+
+def _normalize(text: str) -> str:
+    """Unicode signs and numbers in ASCII, LaTeX unwrapped: the text the number scan reads."""
+    text = text.translate(_MINUS_SIGNS).replace("{,}", ",")  # `1{,}000`: LaTeX's plain comma
+    if not text.isascii():
+        text = _SUPERSCRIPT.sub(lambda m: f"^{{{m[0].translate(_SUPERSCRIPT_DIGITS)}}}", text)
+        text = _MIXED_VULGAR.sub(lambda m: _mixed_number(m[1], *map(str, _VULGAR[m[2]])), text)
     if "\\" not in text:
         return text
+    text = _MIXED_FRAC.sub(lambda m: _mixed_number(m[1], m[2] or m[4], m[3] or m[5]), text)
     for pattern, replacement in _LATEX_SUBS:
         text = pattern.sub(replacement, text)
     return text
@@ -171,7 +211,7 @@ def _segment_answer(segment: str, numeric: bool) -> str | None:
     """The answer right after a marker: the number it starts with (after the last `=` when it starts with arithmetic:
     `5 + 7 = 12.` gives 12); else, unless `numeric`, its first clause as text (`yes`, `B`) if that clause has no digit;
     else None (`A: Janet has 16 eggs...` is reasoning)."""
-    segment = segment.lstrip(" \t:*")
+    segment = segment.lstrip(_LEAD)
     equation = _EQUATION.match(segment)[0]
     result = equation.rfind("=")
     if result > 0 and _OPERATOR.search(equation, 0, result):  # `5 + 7 = 12`: what the working comes to
@@ -197,10 +237,10 @@ def _after_last(pattern: re.Pattern[str], text: str) -> str | None:
     if last is None:
         return None
     line, _, rest = text[last.end():].partition("\n")
-    if line.strip(" \t:*"):
+    if line.strip(_LEAD):
         return line
     following = next((candidate for candidate in rest.split("\n") if candidate.strip()), "")
-    number = _NUMBER.match(following.lstrip(" \t:*"))
+    number = _NUMBER.match(following.lstrip(_LEAD))
     return following if number is not None and _token_value(number) is not None else line
 
 
@@ -249,8 +289,8 @@ def extract_answer(text: str | None, *, numeric: bool = False) -> str | None:
         return None
     if len(text) > MAX_SCAN_CHARS:
         text = text[-MAX_SCAN_CHARS:]
-        text = text[re.match(r"\S*", text).end():]  # drop the token the cut went through
-    text = _strip_latex(text.replace("\u2212", "-"))
+        text = text[_CUT_TOKEN.match(text).end():]  # drop what the cut may have left of a number token
+    text = _normalize(text)
     segment = _after_last(_HASHES, text)
     if segment is not None and (found := _segment_answer(segment, numeric)) is not None:
         return found
@@ -271,7 +311,9 @@ def _parse_number(text: str, max_chars: int = MAX_NUMBER_CHARS) -> tuple[Fractio
         return None
     if text.isascii() and text.isdigit() and len(text) <= max_chars:
         return Fraction(int(text)), False  # the common case, `72`, without regexes
-    text = _strip_latex(text.replace("\u2212", "-")).strip().rstrip(".").strip()
+    text = _normalize(text).strip().rstrip(".").strip()
+    if text[:1] == "+" and text[1:2] in _UNSIGNED_START:  # `+5`: an explicit plus sign
+        text = text[1:]
     match = _NUMBER.match(text)
     if match is None:
         return None
@@ -287,7 +329,7 @@ def answer_value(answer: str) -> Fraction | str:
     Equal values are the same answer (Maj@K votes on them); `is_equivalent` adds the tolerance for repeating values.
     Numbers up to MAX_ANSWER_CHARS are read, so the canonical text `extract_answer` gives reads back as its value."""
     if len(answer) > MAX_SCAN_CHARS:  # never a number; kept out of the cache so it cannot hold huge strings
-        return _clean_text(_strip_latex(answer)).casefold()
+        return _clean_text(_normalize(answer)).casefold()
     return _cached_answer_value(answer)
 
 
@@ -296,7 +338,7 @@ def _cached_answer_value(answer: str) -> Fraction | str:
     parsed = _parse_number(answer, MAX_ANSWER_CHARS)
     if parsed is not None:
         return parsed[0]
-    return _clean_text(_strip_latex(answer)).casefold()
+    return _clean_text(_normalize(answer)).casefold()
 
 
 def is_numeric_answer(answer: str | None) -> bool:

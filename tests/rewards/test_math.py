@@ -385,6 +385,13 @@ HOSTILE = {
     "signs inside dollars": "$-" * 500_000,
     "markers ending their lines": "The answer is:\n" * 100_000,
     "a marker then blank lines": "The answer is:" + "\n" * 1_000_000 + "5",
+    "mixed numbers": "1\\frac{2}{3}" * 100_000,
+    "long whole numbers before fractions": ("9" * 150 + " \\frac12") * 5_000,
+    "vulgar fractions": "1½" * 300_000,
+    "superscripts": "10³⁴" * 300_000,
+    "Chinese markers": "答案是" * 300_000,
+    "headings": "#### 2. Step\n" * 100_000,
+    "unit powers": r"\boxed{5 " + "m^2/" * 100_000 + "}",
 }
 
 
@@ -509,4 +516,52 @@ def test_extract_answer_reads_signs_in_dollars_worked_equations_and_the_line_aft
     """Wrong answers a review of ordinary completions found (2026-12-02): before, these gave -5 -> 2 (the last
     number), 5 + 7 = 12 -> 5 (the first operand), `Final answer:\\n18 ... (9 x 2)` -> 2."""
     assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # mixed numbers, in LaTeX and Unicode: the whole number and the fraction add up (were digits run together)
+        (r"\boxed{1\frac{1}{2}}", "3/2"),
+        (r"The answer is 2 \frac34 cups.", "11/4"),
+        (r"\boxed{-1\dfrac{1}{2}}", "-3/2"),
+        ("She ate 2½ pies", "5/2"),
+        ("The answer is ¾.", "3/4"),
+        ("1⁄2", "1/2"),
+        (r"x = \frac{1}{2}", "1/2"),  # a fraction alone is as before
+        # superscript powers and other minus signs
+        ("There are 10³ cells", "1000"),
+        ("The answer is －5", "-5"),
+        # a markdown heading is no GSM8K marker; GSM8K's own markers are read as before
+        ("#### 2. Add the costs\n5 + 7 = 12", "12"),
+        ("#### 1) Setup\nSo the total is 30", "30"),
+        ("#### 72", "72"),
+        ("#### 72.", "72"),
+        # boxed answers with units, fonts and a plus sign
+        (r"\boxed{16 \text{ cm}^2}", "16"),
+        (r"\boxed{5 \text{ m/s}^{2}}", "5"),
+        (r"\boxed{\mathbf{12}}", "12"),
+        (r"\boxed{+5}", "5"),
+        # LaTeX math's `$` before a marker's number
+        (r"The answer is $\$18$.", "18"),
+        ("The answer is: **$25**", "25"),
+        # Chinese: numbers right after Han characters, and the `答案是` marker
+        ("所以答案是72。", "72"),
+        ("答案：18元，共3天", "18"),
+        ("共有72个苹果，吃了5个", "5"),
+        ("答案是" * 5_000 + "所以答案是72。", "72"),  # a tail without spaces past MAX_SCAN_CHARS is kept
+        ("x2", None),  # a Latin letter still starts a word
+    ],
+)
+def test_extract_answer_reads_mixed_numbers_units_headings_and_chinese(text, expected):
+    """Wrong answers the verifier review of 2026-12-02 listed as left: `1\\frac{1}{2}` gave 11/2, `2½` and `10³` gave
+    2 and 10, `#### 2. Step` was read as GSM8K's answer, boxed units in LaTeX, `\\mathbf` and `+5` were text, and
+    `答案是72` gave nothing (a number after a Han character was taken for part of a word)."""
+    assert extract_answer(text) == expected
+
+
+def test_answers_spelled_differently_are_one_value():
+    assert is_correct("The answer is 2½", "2.5") and is_correct(r"\boxed{\frac{5}{2}}", r"2\frac12")
+    assert answer_value("x²") == answer_value("x^{2}")
+    assert answer_value("+5") == answer_value("5") == 5
 
