@@ -53,10 +53,10 @@ _NUMBER = re.compile(
     rf"|{_EXPONENT}"
 )
 _GROUP_SEPARATORS = re.compile("[,\u00a0\u2009\u202f]")
-# GSM8K's `#### 72`, not a markdown heading whose line goes on after its number (`#### 2. Add the costs`)
 # The characters a number token can hold (ASCII: a cut through CJK text keeps it)
 _CUT_TOKEN = re.compile(r"[0-9A-Za-z_.,^{}\\$/+\-\u00a0\u2009\u202f]*")
 _UNSIGNED_START = frozenset("0123456789.$")
+# GSM8K's `#### 72`, not a markdown heading whose line goes on after its number (`#### 2. Add the costs`)
 _HASHES = re.compile(r"####(?![ \t]*\d+[.)][ \t]+[^\W\d_])")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_IS = re.compile(r"\banswer\s{0,10}(?:is\b|:|=)|答案\s{0,10}(?:是|为|為|：|:|=)", re.IGNORECASE)
@@ -78,7 +78,7 @@ _LEAD = " \t:*$"
 
 # Unicode spellings of signs and numbers: the minus signs, superscript powers (`10³` -> `10^{3}`), vulgar fractions
 # (`2½` -> `5/2`, `¾` -> `3/4`) and the fraction slash.
-_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\uff0d": "-", "\u2044": "/"})
+_UNICODE_SIGNS = str.maketrans({"\u2212": "-", "\uff0d": "-", "\u2044": "/"})
 _SUPERSCRIPT = re.compile("[⁺⁻]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")
 _SUPERSCRIPT_DIGITS = str.maketrans("⁺⁻⁰¹²³⁴⁵⁶⁷⁸⁹", "+-0123456789")
 _VULGAR = {"½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4), "⅕": (1, 5), "⅖": (2, 5), "⅗": (3, 5),
@@ -106,21 +106,22 @@ _LATEX_SUBS = (
 )
 
 
-def _mixed_number(whole: str | None, numerator: str, denominator: str) -> str:
-    """`1`, `1`, `2` -> `3/2`: the value of a mixed number as a fraction (a zero denominator stays one)."""
-    whole_value, num, den = int(whole or "0"), int(numerator), int(denominator)
-    return f"{whole_value * den + num}/{den}" if den else f"{whole_value} {num}/0"
+def _mixed_number(match: re.Match[str], whole: str | None, numerator: int, denominator: int) -> str:
+    """The value of a mixed number as a fraction (`1`, 1, 2 -> `3/2`); with a zero denominator, the text as written."""
+    if denominator == 0:
+        return match[0]
+    return f"{int(whole or '0') * denominator + numerator}/{denominator}"
 
 
 def _normalize(text: str) -> str:
     """Unicode signs and numbers in ASCII, LaTeX unwrapped: the text the number scan reads."""
-    text = text.translate(_MINUS_SIGNS).replace("{,}", ",")  # `1{,}000`: LaTeX's plain comma
+    text = text.translate(_UNICODE_SIGNS).replace("{,}", ",")  # `1{,}000`: LaTeX's plain comma
     if not text.isascii():
         text = _SUPERSCRIPT.sub(lambda m: f"^{{{m[0].translate(_SUPERSCRIPT_DIGITS)}}}", text)
-        text = _MIXED_VULGAR.sub(lambda m: _mixed_number(m[1], *map(str, _VULGAR[m[2]])), text)
+        text = _MIXED_VULGAR.sub(lambda m: _mixed_number(m, m[1], *_VULGAR[m[2]]), text)
     if "\\" not in text:
         return text
-    text = _MIXED_FRAC.sub(lambda m: _mixed_number(m[1], m[2] or m[4], m[3] or m[5]), text)
+    text = _MIXED_FRAC.sub(lambda m: _mixed_number(m, m[1], int(m[2] or m[4]), int(m[3] or m[5])), text)
     for pattern, replacement in _LATEX_SUBS:
         text = pattern.sub(replacement, text)
     return text
