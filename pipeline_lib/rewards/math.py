@@ -78,12 +78,14 @@ _LEAD = " \t:*$"
 
 # Unicode spellings of signs and numbers: the minus signs, superscript powers (`10³` -> `10^{3}`), vulgar fractions
 # (`2½` -> `5/2`, `¾` -> `3/4`) and the fraction slash.
-_UNICODE_SIGNS = str.maketrans({"\u2212": "-", "\uff0d": "-", "\u2044": "/"})
+_UNICODE_SIGNS = (("\u2212", "-"), ("\uff0d", "-"), ("\u2044", "/"))
 _SUPERSCRIPT = re.compile("[⁺⁻]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")
 _SUPERSCRIPT_DIGITS = str.maketrans("⁺⁻⁰¹²³⁴⁵⁶⁷⁸⁹", "+-0123456789")
 _VULGAR = {"½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4), "⅕": (1, 5), "⅖": (2, 5), "⅗": (3, 5),
            "⅘": (4, 5), "⅙": (1, 6), "⅚": (5, 6), "⅐": (1, 7), "⅛": (1, 8), "⅜": (3, 8), "⅝": (5, 8), "⅞": (7, 8),
            "⅑": (1, 9), "⅒": (1, 10)}
+_VULGAR_TEXT = {char: f"{numerator}/{denominator}" for char, (numerator, denominator) in _VULGAR.items()}
+_VULGAR_CHAR = re.compile(f"[{''.join(_VULGAR)}]")
 _INTEGER = rf"\d{{1,{MAX_NUMBER_CHARS}}}"
 _WHOLE = rf"(?<![^\W{_CJK}]|[.,^])({_INTEGER})"  # a whole number that starts a token
 _MIXED_VULGAR = re.compile(rf"(?:{_WHOLE} ?)?([{''.join(_VULGAR)}])")
@@ -106,22 +108,35 @@ _LATEX_SUBS = (
 )
 
 
-def _mixed_number(match: re.Match[str], whole: str | None, numerator: int, denominator: int) -> str:
-    """The value of a mixed number as a fraction (`1`, 1, 2 -> `3/2`); with a zero denominator, the text as written."""
+def _mixed_fraction(match: re.Match[str]) -> str:
+    """A LaTeX mixed number as a fraction (`1\\frac{1}{2}` -> `3/2`); with a zero denominator, the text as written."""
+    numerator, denominator = int(match[2] or match[4]), int(match[3] or match[5])
     if denominator == 0:
         return match[0]
-    return f"{int(whole or '0') * denominator + numerator}/{denominator}"
+    return f"{int(match[1]) * denominator + numerator}/{denominator}"
+
+
+def _vulgar_number(match: re.Match[str]) -> str:
+    """A vulgar fraction and the whole number before it as a fraction: `2½` -> `5/2`, `¾` -> `3/4`."""
+    if match[1] is None:
+        return _VULGAR_TEXT[match[2]]
+    numerator, denominator = _VULGAR[match[2]]
+    return f"{int(match[1]) * denominator + numerator}/{denominator}"
 
 
 def _normalize(text: str) -> str:
     """Unicode signs and numbers in ASCII, LaTeX unwrapped: the text the number scan reads."""
-    text = text.translate(_UNICODE_SIGNS).replace("{,}", ",")  # `1{,}000`: LaTeX's plain comma
-    if not text.isascii():
+    text = text.replace("{,}", ",")  # `1{,}000`: LaTeX's plain comma
+    if not text.isascii():  # str.replace and a search first: a sub that matches nothing still costs on 1 M characters
+        for sign, ascii_sign in _UNICODE_SIGNS:
+            text = text.replace(sign, ascii_sign)
         text = _SUPERSCRIPT.sub(lambda m: f"^{{{m[0].translate(_SUPERSCRIPT_DIGITS)}}}", text)
-        text = _MIXED_VULGAR.sub(lambda m: _mixed_number(m, m[1], *_VULGAR[m[2]]), text)
+        if _VULGAR_CHAR.search(text):
+            text = _MIXED_VULGAR.sub(_vulgar_number, text)
     if "\\" not in text:
         return text
-    text = _MIXED_FRAC.sub(lambda m: _mixed_number(m, m[1], int(m[2] or m[4]), int(m[3] or m[5])), text)
+    if "frac" in text:
+        text = _MIXED_FRAC.sub(_mixed_fraction, text)
     for pattern, replacement in _LATEX_SUBS:
         text = pattern.sub(replacement, text)
     return text
