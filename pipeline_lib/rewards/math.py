@@ -66,6 +66,7 @@ _UNIT = r"[A-Za-z]+(?:\^\{?-?\d+\}?)?"
 _UNITS = re.compile(rf"{_UNIT}(?:(?:\s+|/){_UNIT})*")
 _SPACES = re.compile(r"\s+")
 _CLAUSE_END = re.compile(r"[.,;!?]")
+_CHOICE = re.compile(r"\(([A-Za-z])\)")  # a multiple-choice letter in parentheses
 # The arithmetic a marker may be followed by (`The answer is 5 + 7 = 12`): digits, operators, `=`, brackets, `$`,
 # spaces within the line and a `.` only before a digit (a sentence end stops it). Single characters from disjoint
 # classes: one linear pass. `/` is no operator here: `2/3 = 0.667` keeps the fraction, whose value is the answer.
@@ -213,8 +214,10 @@ def _last_number(text: str) -> str | None:
 
 
 def _clean_text(text: str) -> str:
-    """Whitespace collapsed, surrounding punctuation and `$` removed."""
-    return _SPACES.sub(" ", text).strip().strip("$*").strip(" :.*").strip()
+    """Whitespace collapsed, surrounding punctuation and `$` removed, a choice letter unwrapped (`(B)` -> `B`)."""
+    text = _SPACES.sub(" ", text).strip().strip("$*").strip(" :.*").strip()
+    choice = _CHOICE.fullmatch(text)
+    return text if choice is None else choice[1]
 
 
 def _text_answer(text: str) -> str | None:

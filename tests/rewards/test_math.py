@@ -76,6 +76,8 @@ def test_every_shipped_gsm8k_gold_answer_extracts_to_the_number_after_hashes():
         ("16 - 3 - 4 = 9", "9"),
         ("5-3 is 2", "2"),  # the minus of an expression is not a sign
         ("The answer is yes.", "yes"),
+        ("So the answer is (B).", "B"),  # a choice letter unwrapped
+        ("The answer is **(c)**", "c"),
         # priority: #### beats boxed beats "answer is" beats "A:" beats the last number
         (r"\boxed{3} #### 4", "4"),
         (r"The answer is 3. \boxed{5} and then 9", "5"),
@@ -122,6 +124,9 @@ def test_only_the_tail_of_a_long_completion_is_read():
         ("-2", "2", False),
         ("Yes", "yes.", True),
         ("  Paris ", "paris", True),
+        ("(B)", "B", True),
+        ("(B)", "C", False),
+        ("(x+1)", "x+1", False),  # only a single letter is a choice
         ("paris", "london", False),
         ("72", "seventy-two", False),
         (None, "72", False),
