@@ -177,7 +177,13 @@ def load_stage(stage: str, config: Path):
 
     if stage not in STAGES:
         fail(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
-    cfg = config_module.load_config(getattr(config_module, STAGES[stage][0]), config)
+    model = getattr(config_module, STAGES[stage][0])
+    data = config_module.load_yaml(config)
+    if stage != "pipeline" and isinstance(data, dict) and stage in data and stage not in model.model_fields:
+        force = f" (`--force {stage}` recomputes this one)" if stage in config_module.FORCEABLE else ""
+        fail(f"{config}: a pipeline preset (it has a {stage!r} section), not one stage's config; "
+             f"`alignflow run pipeline -c {config}` runs it, reusing the stages already cached{force}")
+    cfg = config_module.load_config(model, config)
     for field in config_module.REF_FIELDS if stage != "pipeline" else ():
         value = getattr(cfg, field, None)
         if isinstance(value, str) and value.startswith(config_module.FROM):

@@ -79,6 +79,15 @@ def test_a_single_stage_config_with_a_pipeline_reference_is_one_line(tmp_path):
     assert result.stderr.strip().startswith(f"error: {config}: model_path: 'from:base' names a pipeline stage")
 
 
+def test_a_pipeline_preset_given_to_one_stage_is_one_line_naming_the_pipeline_command(tmp_path):
+    result = alignflow("run", "sft", "--config", "flows/configs/demo.yaml", workspace=tmp_path / "ws")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: flows/configs/demo.yaml: a pipeline preset (it has a 'sft' section), not one stage's config; "
+        "`alignflow run pipeline -c flows/configs/demo.yaml` runs it, reusing the stages already cached "
+        "(`--force sft` recomputes this one)")
+
+
 def test_misspelled_config_field_is_one_line(tmp_path):
     config = tmp_path / "dpo.yaml"
     config.write_text("policy_path: /m\nbetta: 0.2\n")
