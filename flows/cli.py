@@ -183,7 +183,8 @@ def load_stage(stage: str, config: Path):
         force = f" (`--force {stage}` recomputes this one)" if stage in config_module.FORCEABLE else ""
         fail(f"{config}: a pipeline preset (it has a {stage!r} section), not one stage's config; "
              f"`alignflow run pipeline -c {config}` runs it, reusing the stages already cached{force}")
-    cfg = config_module.load_config(model, config)
+    cfg = config_module.validate_config(model, data, origin=str(config))
+    config_module.check_ingest_files(cfg, origin=str(config))
     for field in config_module.REF_FIELDS if stage != "pipeline" else ():
         value = getattr(cfg, field, None)
         if isinstance(value, str) and value.startswith(config_module.FROM):

@@ -86,10 +86,10 @@ _VULGAR = {"½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4
            "⅘": (4, 5), "⅙": (1, 6), "⅚": (5, 6), "⅐": (1, 7), "⅛": (1, 8), "⅜": (3, 8), "⅝": (5, 8), "⅞": (7, 8),
            "⅑": (1, 9), "⅒": (1, 10)}
 _VULGAR_TEXT = {char: f"{numerator}/{denominator}" for char, (numerator, denominator) in _VULGAR.items()}
-_VULGAR_CHAR = re.compile(f"[{''.join(_VULGAR)}]")
+_VULGAR_CHAR = f"[{''.join(_VULGAR)}]"
 _INTEGER = rf"\d{{1,{MAX_NUMBER_CHARS}}}"
 _WHOLE = rf"(?<![^\W{_CJK}]|[.,^])({_INTEGER})"  # a whole number that starts a token
-_MIXED_VULGAR = re.compile(rf"(?:{_WHOLE} ?)?([{''.join(_VULGAR)}])")
+_MIXED_VULGAR = re.compile(rf"(?:{_WHOLE} ?)?({_VULGAR_CHAR})")
 # A mixed number in LaTeX: a whole number right before a fraction of integers (`1\frac{1}{2}`, `2 \frac34`) is
 # their sum, as it is read, not the digits run together (`11/2`)
 _MIXED_FRAC = re.compile(
@@ -132,7 +132,7 @@ def _normalize(text: str) -> str:
         for sign, ascii_sign in _UNICODE_SIGNS:
             text = text.replace(sign, ascii_sign)
         text = _SUPERSCRIPT.sub(lambda m: f"^{{{m[0].translate(_SUPERSCRIPT_DIGITS)}}}", text)
-        if _VULGAR_CHAR.search(text):
+        if re.search(_VULGAR_CHAR, text):
             text = _MIXED_VULGAR.sub(_vulgar_number, text)
     if "\\" not in text:
         return text
