@@ -416,7 +416,8 @@ class SampleConfig(Config):
     since the hf backend's random stream depends on the batch."""
     rewards: RewardSpecs = ({"name": "verifier", "weight": 1.0},)
     """Reward specs `{name, weight, **options}` summed into `samples.reward` (pipeline_lib.rewards.registry):
-    `verifier` (1 if correct), `overlong` (DAPO shaping, max_len/cache_len), `reward_model`."""
+    `verifier` (1 if correct, else its option `incorrect`, default 0), `overlong` (DAPO shaping,
+    max_len/cache_len), `reward_model`."""
     reward_model_path: str | None = None
     """Reward model dir scoring prompt + completion, needed when `rewards` names `reward_model`."""
     run_id: str | None = None
@@ -466,11 +467,13 @@ class GRPOConfig(Config):
     False sends the problem text raw (the demo's `12+34=`)."""
     rewards: RewardSpecs = ({"name": "verifier", "weight": 1.0},)
     """Reward specs `{name, weight, **options}` summed per sample (pipeline_lib.rewards.registry):
-    `verifier` (1 if correct), `overlong` (DAPO shaping, max_len/cache_len), `reward_model`."""
+    `verifier` (1 if correct, else its option `incorrect`, default 0), `overlong` (DAPO shaping,
+    max_len/cache_len), `reward_model`."""
     reward_model_path: str | None = None
     """Reward model dir, needed when `rewards` names `reward_model`."""
-    loss: Literal["grpo", "dapo"] = "grpo"
-    """Policy loss from losses.LOSSES: `grpo` (per-sequence token mean, symmetric clip, k3 KL) or `dapo`
+    loss: Literal["grpo", "dr_grpo", "dapo"] = "grpo"
+    """Policy loss from losses.LOSSES: `grpo` (per-sequence token mean, symmetric clip, k3 KL), `dr_grpo` (the
+    same terms summed over tokens / (completions · max_new_tokens), with scale_rewards false: Dr.GRPO) or `dapo`
     (token-level mean, clip-higher, no KL term)."""
     max_steps: int = Field(200, ge=1)
     """Rollout steps: each generates one batch, then runs num_iterations passes of mini-batch updates."""
@@ -508,7 +511,8 @@ class GRPOConfig(Config):
     clip_eps_high: float = Field(0.2, gt=0)
     """ε_high: the ratio is clipped above at 1 + ε_high; DAPO's clip-higher uses 0.28, GRPO keeps it = ε_low."""
     scale_rewards: bool = True
-    """Divide the group-centred rewards by the group std (GRPO); False is Dr.GRPO (arXiv:2503.20783)."""
+    """Divide the group-centred rewards by the group std (GRPO); False centres only, as Dr.GRPO (arXiv:2503.20783)
+    does; its other change, no 1/|o_i| length normalization, is `loss: dr_grpo`."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: keep only groups with 0 < #correct < G (raw verifier outcome) and refill."""
     max_refill_rounds: int = Field(4, ge=0)
@@ -532,8 +536,12 @@ class GRPOConfig(Config):
     @model_validator(mode="after")
     def _check_loss_options(self):
         _check_reward_specs(self.rewards, self.reward_model_path)
-        if self.loss == "grpo" and self.clip_eps_high != self.clip_eps_low:
-            raise ValueError("loss 'grpo' clips symmetrically: clip_eps_high must equal clip_eps_low (use loss 'dapo')")
+        if self.loss in ("grpo", "dr_grpo") and self.clip_eps_high != self.clip_eps_low:
+            raise ValueError(f"loss '{self.loss}' clips symmetrically: clip_eps_high must equal clip_eps_low "
+                             "(use loss 'dapo')")
+        if self.loss == "dr_grpo" and self.scale_rewards:
+            raise ValueError("loss 'dr_grpo' centres the rewards without dividing by their std: scale_rewards must be "
+                             "false (Dr.GRPO)")
         if self.clip_eps_high < self.clip_eps_low:
             raise ValueError(f"clip_eps_high {self.clip_eps_high} < clip_eps_low {self.clip_eps_low}: clip-higher "
                              "(DAPO §3.1) widens the upper bound, expected clip_eps_high >= clip_eps_low")
@@ -555,10 +563,11 @@ class DAPOConfig(GRPOConfig):
     dynamic sampling, no KL. Only the defaults differ; the loop is train_grpo."""
 
     rewards: RewardSpecs = (
-        {"name": "verifier", "weight": 1.0},
+        {"name": "verifier", "weight": 1.0, "incorrect": -1.0},
         {"name": "overlong", "weight": 1.0, "max_len": 20480, "cache_len": 4096},
     )
-    """Verifier plus the soft overlong punishment: L_max = 20480, L_cache = 4096 (DAPO §3.4)."""
+    """R = ±1 from the verifier (DAPO §2.4) plus the soft overlong punishment: L_max = 20480, L_cache = 4096
+    (DAPO §3.4)."""
     loss: Literal["grpo", "dapo"] = "dapo"
     """Token-level policy-gradient loss (DAPO §3.3)."""
     prompts_per_step: int = Field(512, ge=1)

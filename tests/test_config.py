@@ -196,6 +196,8 @@ def test_numbers_written_as_strings_are_still_read():
     ([{"name": "verifier", "weight": float("inf")}], "rewards[0].weight: expected a finite number, got inf"),
     ([{"name": "verifier", "weight": float("nan")}], "rewards[0].weight: expected a finite number, got nan"),
     ([{"name": "overlong", "max_len": 8, "cache_len": True}], "rewards[0].cache_len: expected an integer, got True"),
+    ([{"name": "verifier", "incorrect": 1}], "verifier incorrect=1: expected a score below a correct answer's 1"),
+    ([{"name": "verifier", "incorrect": "low"}], "rewards[0].incorrect: expected a finite number, got 'low'"),
 ])
 @pytest.mark.parametrize("model", [SampleConfig, GRPOConfig, PPOConfig])
 def test_reward_specs_are_checked_when_the_config_loads(model, rewards, message):

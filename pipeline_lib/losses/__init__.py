@@ -1,11 +1,12 @@
 """Alignment losses as pure functions of tensors, each returning `(loss, stats)`; LOSSES dispatches RL policy losses.
 
-GRPO and DAPO share PPO's clipped surrogate and differ in reduction: `seq_mean_token_mean` vs `token_mean`."""
+GRPO, Dr.GRPO and DAPO share PPO's clipped surrogate and differ in reduction: `seq_mean_token_mean`, a sum over
+B·max_len, `token_mean`."""
 
 from pipeline_lib.losses._masked import masked_mean, masked_sum, masked_whiten, seq_mean_token_mean, token_mean
 from pipeline_lib.losses.dapo import dapo_loss, overlong_penalty
 from pipeline_lib.losses.dpo import dpo_loss
-from pipeline_lib.losses.grpo import group_advantages, grpo_loss, kl_k3
+from pipeline_lib.losses.grpo import dr_grpo_loss, group_advantages, grpo_loss, kl_k3
 from pipeline_lib.losses.ppo import (
     clipped_surrogate,
     compute_gae,
@@ -16,8 +17,9 @@ from pipeline_lib.losses.ppo import (
 from pipeline_lib.losses.reward import bradley_terry_loss, plackett_luce_loss
 
 # critic-free policy losses selectable by name in the GRPO-family training loop (STYLE.md §2).
-# Their keyword arguments differ (grpo: ref_logps, clip_eps, beta; dapo: eps_low, eps_high).
-LOSSES = {"grpo": grpo_loss, "dapo": dapo_loss}
+# Their keyword arguments differ (grpo: ref_logps, clip_eps, beta; dr_grpo: those and max_len; dapo: eps_low,
+# eps_high).
+LOSSES = {"grpo": grpo_loss, "dr_grpo": dr_grpo_loss, "dapo": dapo_loss}
 
 __all__ = [
     "LOSSES",
@@ -26,6 +28,7 @@ __all__ = [
     "compute_gae",
     "dapo_loss",
     "dpo_loss",
+    "dr_grpo_loss",
     "group_advantages",
     "grpo_loss",
     "kl_k3",

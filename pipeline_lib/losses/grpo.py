@@ -1,13 +1,21 @@
 """GRPO (DeepSeekMath, arXiv:2402.03300): group-normalized advantages instead of a critic, k3 KL to the reference.
 
-Dr.GRPO (arXiv:2503.20783) is `group_advantages(..., scale=False)`: mean centering without the std."""
+Dr.GRPO (arXiv:2503.20783) removes GRPO's two normalizations: the std (`group_advantages(..., scale=False)`)
+and the 1/|o_i| per-answer length (`dr_grpo_loss`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from pipeline_lib.losses._masked import check_shape, seq_mean_token_mean, token_mean, valid_mask, zero_invalid
+from pipeline_lib.losses._masked import (
+    check_shape,
+    masked_sum,
+    seq_mean_token_mean,
+    token_mean,
+    valid_mask,
+    zero_invalid,
+)
 from pipeline_lib.losses.ppo import MAX_LOG_RATIO, clipped_surrogate
 
 
@@ -44,6 +52,24 @@ def kl_k3(policy_logps: Tensor, ref_logps: Tensor) -> Tensor:
     return torch.expm1(log_ratio) - log_ratio
 
 
+def _grpo_per_token(
+    logps: Tensor, old_logps: Tensor, ref_logps: Tensor | None, advantages: Tensor, mask: Tensor, *, clip_eps: float,
+    beta: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """-[min(ρA, clip(ρ, 1-ε, 1+ε)A) - β·k3(π‖π_ref)] per token (B, T), before any reduction."""
+    per_token, stats = clipped_surrogate(logps, old_logps, advantages, mask, eps_low=clip_eps, eps_high=clip_eps)
+    if ref_logps is not None:
+        check_shape("ref_logps", ref_logps, mask.shape)
+        valid = valid_mask(mask, logps)
+        # zero both sides on padding so kl there is exactly 0 whatever the inputs held
+        kl = kl_k3(zero_invalid(logps, valid), zero_invalid(ref_logps.detach(), valid))  # (B, T)
+        stats["policy/kl_ref"] = token_mean(kl.detach(), valid)
+        per_token = per_token + beta * kl
+    elif beta != 0:
+        raise ValueError(f"ref_logps: required when beta != 0 (got beta={beta})")
+    return per_token, stats
+
+
 def grpo_loss(
     logps: Tensor,  # (B, T)
     old_logps: Tensor,  # (B, T)
@@ -58,14 +84,26 @@ def grpo_loss(
 
     Aggregation: mean over each sequence's valid tokens, then over sequences
     (`seq_mean_token_mean`). beta = 0 drops the KL term (ref_logps may then be None)."""
-    per_token, stats = clipped_surrogate(logps, old_logps, advantages, mask, eps_low=clip_eps, eps_high=clip_eps)
-    if ref_logps is not None:
-        check_shape("ref_logps", ref_logps, mask.shape)
-        valid = valid_mask(mask, logps)
-        # zero both sides on padding so kl there is exactly 0 whatever the inputs held
-        kl = kl_k3(zero_invalid(logps, valid), zero_invalid(ref_logps.detach(), valid))  # (B, T)
-        stats["policy/kl_ref"] = token_mean(kl.detach(), valid)
-        per_token = per_token + beta * kl
-    elif beta != 0:
-        raise ValueError(f"ref_logps: required when beta != 0 (got beta={beta})")
+    per_token, stats = _grpo_per_token(logps, old_logps, ref_logps, advantages, mask, clip_eps=clip_eps, beta=beta)
     return seq_mean_token_mean(per_token, mask), stats
+
+
+def dr_grpo_loss(
+    logps: Tensor,  # (B, T)
+    old_logps: Tensor,  # (B, T)
+    ref_logps: Tensor | None,  # (B, T); may be None when beta == 0
+    advantages: Tensor,  # (B,) one per sequence, or (B, T)
+    mask: Tensor,  # (B, T)
+    *,
+    max_len: int,
+    clip_eps: float = 0.2,
+    beta: float = 0.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Dr.GRPO (arXiv:2503.20783 §3.2), negated: GRPO's per-token objective summed over every valid token and
+    divided by the constant B·max_len (max_len: the generation budget) instead of 1/G Σ_i 1/|o_i|, so a token
+    weighs the same in a short answer as in a long one and wrong answers are not pushed to grow. Its advantages
+    are centred without the std (`group_advantages(..., scale=False)`)."""
+    if max_len < 1:
+        raise ValueError(f"max_len={max_len}: expected >= 1 (the generation budget in tokens)")
+    per_token, stats = _grpo_per_token(logps, old_logps, ref_logps, advantages, mask, clip_eps=clip_eps, beta=beta)
+    return masked_sum(per_token, mask) / (mask.shape[0] * max_len), stats

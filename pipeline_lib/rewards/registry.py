@@ -51,10 +51,18 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 
 @register_reward("verifier")
 def verifier(
-    prompts: list[str], completions: list[str], *, answers: list[str | None], lengths: list[int]
+    prompts: list[str],
+    completions: list[str],
+    *,
+    answers: list[str | None],
+    lengths: list[int],
+    incorrect: float = 0.0,
 ) -> list[float]:
-    """1.0 when the extracted answer is equivalent to the gold answer, else 0.0 (a None answer scores 0)."""
-    return [1.0 if is_correct(completion, answer) else 0.0 for completion, answer in zip(completions, answers)]
+    """1.0 when the extracted answer is equivalent to the gold answer, else `incorrect` (a None answer too):
+    0 by default, -1 for DAPO's R(ŷ, y) = ±1 (DAPO §2.4)."""
+    if not float(incorrect) < 1.0:
+        raise ValueError(f"verifier incorrect={incorrect}: expected a score below a correct answer's 1")
+    return [1.0 if is_correct(completion, answer) else incorrect for completion, answer in zip(completions, answers)]
 
 
 @register_reward("overlong")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeline_lib.losses import LOSSES, dapo_loss
-from pipeline_lib.losses.grpo import group_advantages, grpo_loss, kl_k3
+from pipeline_lib.losses.grpo import dr_grpo_loss, group_advantages, grpo_loss, kl_k3
 
 NAN = float("nan")
 
@@ -84,6 +84,36 @@ def test_dr_grpo_only_centers():
     """scale=False: [1, 0, 0, 0] - 0.25 = [0.75, -0.25, -0.25, -0.25]."""
     advantages = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), group_size=4, scale=False)
     torch.testing.assert_close(advantages, torch.tensor([0.75, -0.25, -0.25, -0.25]))
+
+
+def test_dr_grpo_loss_weighs_every_token_alike_whatever_its_answer_length():
+    """ρ = 1, A = -0.5 for answers of 2 and 10 tokens, max_len 10: per-token loss -ρA = 0.5.
+    Dr.GRPO: 12 · 0.5 / (2 · 10) = 0.3, d/dlogπ = -A/(B·L) = 0.025 on every token.
+    GRPO: mean(0.5, 0.5) = 0.5, d/dlogπ = 0.5/2/2 = 0.125 on the short answer's tokens, 0.025 on the long one's."""
+    mask = torch.zeros(2, 10)
+    mask[0, :2], mask[1] = 1, 1
+    advantages = torch.tensor([-0.5, -0.5])
+    grads = []
+    for loss_fn, kwargs, expected in ((dr_grpo_loss, {"max_len": 10}, 0.3), (grpo_loss, {}, 0.5)):
+        logps = torch.full((2, 10), -1.0, requires_grad=True)
+        loss, _ = loss_fn(logps, logps.detach(), None, advantages, mask, beta=0.0, **kwargs)
+        loss.backward()
+        assert loss.item() == pytest.approx(expected)
+        grads.append(logps.grad)
+    torch.testing.assert_close(grads[0], 0.025 * mask)
+    assert grads[1][0, 0].item() == pytest.approx(0.125) and grads[1][1, 0].item() == pytest.approx(0.025)
+
+
+def test_dr_grpo_loss_keeps_grpos_kl_term_and_refuses_a_budget_below_one():
+    """With ρ = 1 and A = 0 only β·k3 is left: Σ kl / (B · max_len)."""
+    logps, ref = torch.tensor([[-1.0, -2.0, 0.0]]), torch.tensor([[-1.5, -1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    loss, stats = dr_grpo_loss(logps, logps, ref, torch.zeros(1), mask, max_len=4, beta=0.1)
+    kl = kl_k3(logps[:, :2], ref[:, :2]).sum()
+    assert loss.item() == pytest.approx(0.1 * kl.item() / 4)
+    assert "policy/kl_ref" in stats
+    with pytest.raises(ValueError, match="max_len=0: expected >= 1"):
+        dr_grpo_loss(logps, logps, None, torch.zeros(1), mask, max_len=0)
 
 
 def test_group_advantages_rejects_a_non_divisible_length():

@@ -25,6 +25,12 @@ def test_verifier_scores_correct_answers_one():
     assert scores == [1.0, 0.0, 1.0, 0.0]  # None gold never matches
 
 
+def test_verifier_scores_wrong_answers_its_incorrect_option():
+    """DAPO's R = ±1: a wrong or unscorable answer gets `incorrect`, a right one still 1."""
+    scores = REWARDS["verifier"](PROMPTS, COMPLETIONS, answers=ANSWERS, lengths=LENGTHS, incorrect=-1.0)
+    assert scores == [1.0, -1.0, 1.0, -1.0]
+
+
 def test_overlong_ramps_from_the_soft_limit():
     """max_len 20, cache_len 10: soft start 10. 5 -> 0, 10 -> 0, 15 -> (10-15)/10 = -0.5, 25 -> -1."""
     scores = REWARDS["overlong"](PROMPTS, COMPLETIONS, answers=ANSWERS, lengths=LENGTHS, max_len=20, cache_len=10)

@@ -5,6 +5,7 @@ uninterrupted run, the NaN guard, the DAPO preset; vllm: weights reach the serve
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -109,6 +110,18 @@ def test_dynamic_sampling_keeps_informative_groups_by_raw_correctness_and_refill
     assert m["rewards/overlong"] == pytest.approx(-1.5 / 16)
     assert m["rewards/mean"] == pytest.approx((7 - 1.5) / 16)
     assert m["completions/mean_length"] == pytest.approx((4 + 4 + 10 + 4) / 16)
+
+
+def test_dynamic_sampling_reads_correctness_from_a_plus_minus_one_verifier():
+    """DAPO's R = ±1 (verifier incorrect -1): the same groups are kept, wrong answers score -1."""
+    cfg = scripted_config(dynamic_sampling=True, max_refill_rounds=3,
+                          rewards=({"name": "verifier", "incorrect": -1.0},))
+    stream = iter([(0, [0, 1]), (1, [2, 3]), (2, [0, 1])])
+    rollout = sample_groups(ScriptedSampler(SCRIPT), stream, PROMPTS, ANSWERS, combined_reward(cfg.rewards), cfg,
+                            step=5)
+    assert rollout.prompts == ["2+2="] * 4 + ["4+4="] * 4
+    assert rollout.rewards == [1.0, 1.0, -1.0, -1.0, 1.0, -1.0, -1.0, -1.0]
+    assert rollout.metrics["rewards/accuracy"] == pytest.approx(7 / 16)
 
 
 def test_dynamic_sampling_gives_up_after_max_refill_rounds():
@@ -282,6 +295,19 @@ def test_dapo_preset_runs_the_same_loop_with_its_loss(tiny, problems, tmp_path, 
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+def test_dr_grpo_runs_the_grpo_loop_and_needs_unscaled_rewards(tiny, problems, tmp_path, collect):
+    """loss dr_grpo through LOSSES with the KL to the reference; scale_rewards true is refused at load time."""
+    logged, log = collect()
+    final = train_grpo(small_config(tiny, max_steps=1, loss="dr_grpo", scale_rewards=False), problems,
+                       tmp_path / "dr", log=log)
+    assert "policy/kl_ref" in logged[0][1] and math.isfinite(logged[0][1]["train/loss"])
+    before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(ConfigError, match="loss 'dr_grpo' centres the rewards without dividing by their std: "
+                                          "scale_rewards must be false"):
+        validate_config(GRPOConfig, {"policy_path": "m", "loss": "dr_grpo"})
+
+
 def test_dapo_step_without_an_informative_group_updates_nothing(tiny, problems, tmp_path, collect):
     """The random model never answers correctly: every group is filtered, the refills run out, no update."""
     logged, log = collect()
@@ -306,6 +332,7 @@ def test_dapo_preset_has_the_papers_settings_and_configs_reject_mixed_ones():
     assert (dapo.loss, dapo.beta, dapo.clip_eps_low, dapo.clip_eps_high, dapo.dynamic_sampling) == \
         ("dapo", 0.0, 0.2, 0.28, True)
     assert {"name": "overlong", "weight": 1.0, "max_len": 20480, "cache_len": 4096} in dapo.rewards
+    assert {"name": "verifier", "weight": 1.0, "incorrect": -1.0} in dapo.rewards  # R = ±1 (DAPO §2.4)
     assert isinstance(dapo, GRPOConfig)
     grpo = GRPOConfig(policy_path="m")
     assert (grpo.loss, grpo.beta, grpo.group_size, grpo.clip_eps_high, grpo.dynamic_sampling) == \

@@ -74,12 +74,13 @@ def test_grpo_raises_held_out_pass_at_1_by_15_points(sft_model, tmp_path):
 
 
 def test_dapo_raises_held_out_pass_at_1_by_15_points(sft_model, tmp_path):
-    """The DAPO preset with the demo's sizes: clip-higher, token-level loss, no KL, dynamic sampling, and
+    """The DAPO preset with the demo's sizes: clip-higher, token-level loss, no KL, dynamic sampling, R = ±1, and
     overlong shaping over the last 2 of 6 tokens (answers take at most 4)."""
     cfg = DAPOConfig(policy_path=str(sft_model), max_steps=300, prompts_per_step=32, group_size=8,
                      num_iterations=2, mini_batch_size=None, lr=2e-4, weight_decay=0.0, warmup_steps=0,
                      max_new_tokens=6, device="cpu", save_every=1000,
-                     rewards=({"name": "verifier"}, {"name": "overlong", "max_len": 6, "cache_len": 2}))
+                     rewards=({"name": "verifier", "incorrect": -1.0},
+                              {"name": "overlong", "max_len": 6, "cache_len": 2}))
     final, seconds, logged = run_rl(train_grpo, cfg, TRAIN, tmp_path / "dapo")
     before, after = pass_at_1(sft_model), pass_at_1(final)
     filtered = np.mean([m["rollout/groups_filtered_frac"] for m in logged])
