@@ -21,7 +21,7 @@ from pipeline_lib.workspace import apply_environment, resolve_workspace, workspa
 
 app = typer.Typer(help="alignflow: reproducible LLM alignment pipelines (Prefect + MLflow + DuckDB).",
                   no_args_is_help=True, pretty_exceptions_enable=False)
-data_app = typer.Typer(help="Inspect the data store.", no_args_is_help=True)
+data_app = typer.Typer(help="Inspect the data store, or delete a source from it.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -129,6 +129,12 @@ def ingest(
         fail(f"{path}: is a directory, expected a data file")
     if not cfg.resolved_path.is_file():
         fail(f"{path}: no such file")
+    from pipeline_lib.store.ingest import IngestError, suffix_of
+
+    try:
+        suffix_of(cfg.resolved_path)  # before the flow starts: its server takes seconds
+    except IngestError as exc:
+        fail(str(exc))
     from flows.ingest import ingest_flow
 
     with run_lock():
@@ -145,6 +151,22 @@ def data_stats() -> None:
         frame = store.stats()
     typer.echo(f"store: {workspace.store_path}")
     echo_frame(frame)
+
+
+@data_app.command("delete")
+def data_delete(
+    source: str = typer.Option(..., "--source", "-s", help="The source whose rows to delete (see `data stats`)."),
+) -> None:
+    """Delete one source's rows (pairs, rankings, problems, quarantine), e.g. to ingest its file again under
+    another --source or --split; samples and evaluation results stay."""
+    from pipeline_lib.store.db import open_store
+
+    workspace = resolve_workspace()
+    with run_lock(), open_store(workspace.store_path) as store, store.transaction():
+        deleted = store.delete_source(source)
+    if not any(deleted.values()):
+        fail(f"source {source!r}: no rows in the store {workspace.store_path} (`alignflow data stats` lists sources)")
+    typer.echo(", ".join(f"{table}: {n} deleted" for table, n in deleted.items() if n))
 
 
 def echo_frame(frame) -> None:

@@ -19,7 +19,7 @@ def alignflow(*args: str, workspace: Path, cwd: Path | None = None) -> subproces
 
 
 @pytest.mark.parametrize("command", [[], ["ingest"], ["run"], ["sample"], ["eval"], ["demo"], ["serve"],
-                                     ["ui"], ["data", "stats"], ["vllm-env"]])
+                                     ["ui"], ["data", "stats"], ["data", "delete"], ["vllm-env"]])
 def test_help_everywhere(tmp_path, command):
     result = alignflow(*command, "--help", workspace=tmp_path / "ws")
     assert result.returncode == 0, result.stderr
@@ -30,6 +30,7 @@ def test_help_everywhere(tmp_path, command):
 @pytest.mark.parametrize("args, expected", [
     (["ingest", "/no/such.jsonl"], "error: /no/such.jsonl: no such file"),
     (["ingest", str(DATA)], f"error: {DATA}: is a directory, expected a data file"),
+    (["ingest", str(DATA / "gsm8k" / "LICENSE")], f"error: {DATA / 'gsm8k' / 'LICENSE'}: unknown file type; expected"),
     (["run", "nosuch", "--config", "x.yaml"], "error: unknown stage 'nosuch'"),
     (["eval", "--model", "/no/model"], "error: /no/model: no such model dir"),
     (["ingest", str(DATA / "demo" / "pairs.jsonl"), "--format", "xml"], "error: alignflow ingest: field 'format'"),
@@ -109,6 +110,24 @@ def test_ingest_then_stats(tmp_path):
     assert small.returncode == 0, small.stderr
     assert "pairs.jsonl (pairs -> preference_pairs): read 3000 = accepted 0 + duplicates 0 + quarantined 3000" \
         in small.stdout
+
+
+def test_a_file_ingested_again_under_another_split_says_where_its_rows_stay_and_data_delete_frees_them(tmp_path):
+    """The GSM8K test file ingested without --split lands in 'train'; ingesting it again with --split test says
+    the rows stay where they are, and `data delete --source` lets the second ingest place them."""
+    test_file = "data/gsm8k/test-first100.jsonl"
+    first = alignflow("ingest", test_file, workspace=tmp_path)
+    assert "accepted 100 + duplicates 0" in first.stdout, first.stderr
+    again = alignflow("ingest", test_file, "--split", "test", "--source", "gsm8k", workspace=tmp_path)
+    assert ("read 100 = accepted 0 + duplicates 100 + quarantined 0; of the duplicates, 100 under source "
+            "'test-first100', split 'train' stay as first ingested") in again.stdout, again.stderr
+    deleted = alignflow("data", "delete", "--source", "test-first100", workspace=tmp_path)
+    assert deleted.returncode == 0 and deleted.stdout.strip() == "problems: 100 deleted", deleted.stderr
+    moved = alignflow("ingest", test_file, "--split", "test", "--source", "gsm8k", workspace=tmp_path)
+    assert "read 100 = accepted 100 + duplicates 0 + quarantined 0" in moved.stdout, moved.stderr
+    assert "of the duplicates" not in moved.stdout
+    missing = alignflow("data", "delete", "--source", "test-first100", workspace=tmp_path)
+    assert missing.returncode == 2 and "error: source 'test-first100': no rows in the store" in missing.stderr
 
 
 @pytest.mark.parametrize(("stage", "text", "field", "hint"), [

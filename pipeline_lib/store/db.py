@@ -187,6 +187,11 @@ class Store:
                 f"WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE {on})"
             )[0][0]
 
+    def delete_source(self, source: str) -> dict[str, int]:
+        """Delete the rows of `source` from the ingested tables and the quarantine; rows deleted per table."""
+        return {table: self._run(f"DELETE FROM {table} WHERE source = ?", [source])[0][0]
+                for table in ("preference_pairs", "rankings", "problems", "quarantine")}
+
     def append(self, table: str, frame: pl.DataFrame) -> int:
         """Append rows as they are, without a key check."""
         cols = self._columns(table, frame)
@@ -234,6 +239,17 @@ class Store:
         where, params = _where(table, equals)
         columns = "* EXCLUDE (ingested_at)" if "ingested_at" in TABLES[table] else "*"
         return self.con.sql(f"SELECT {columns} FROM {table} WHERE {where}", params=params).pl()
+
+    def stored_elsewhere(self, table: str, frame: pl.DataFrame, columns: list[str]) -> list[tuple]:
+        """Rows of `frame` whose key `table` already holds with other values in `columns` (another source or
+        split): (the stored values of `columns`..., how many), most first."""
+        self._columns(table, frame)
+        on = " AND ".join(f"t.{k} = f.{k}" for k in TABLE_KEYS[table])
+        differs = " OR ".join(f"t.{c} IS DISTINCT FROM f.{c}" for c in columns)
+        stored = ", ".join(f"t.{c}" for c in columns)
+        with self._registered(frame) as name:
+            return self._run(f"SELECT {stored}, count(*) AS n FROM {table} t JOIN {name} f ON {on} WHERE {differs} "
+                             f"GROUP BY ALL ORDER BY n DESC, {stored}")
 
     def sampled_prompt_ids(self, run_id: str) -> set[str]:
         """Prompt ids that already have samples in `run_id` (resumable sampling)."""

@@ -24,7 +24,7 @@ from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import content_id, fingerprint_path
 from pipeline_lib.store.db import Store
 from pipeline_lib.store.parquet import ParquetError, read_parquet_lines
-from pipeline_lib.store.shapes import FIELDS, SCHEMAS, TABLE_OF, TOO_DEEP, Rows, shape_records
+from pipeline_lib.store.shapes import FIELDS, HH_TURN, SCHEMAS, TABLE_OF, TOO_DEEP, Rows, shape_records
 
 FORMATS = ("pairs", "hh", "chat", "ranking", "problem")
 SUFFIXES = (".jsonl.gz", ".jsonl", ".json", ".parquet", ".csv")
@@ -38,6 +38,8 @@ _HUGE_NUMBER = re.compile(rb"e\+(?:1[89]|[2-9][0-9]|[0-9]{3})")
 _ARRAY_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]')
 # one object's end and the next one's start with a lone CR between: JSON text holds no raw CR inside a string
 _CR_BETWEEN_RECORDS = re.compile(rb"}\s*\r\s*{")
+# a NaN or Infinity value, as Python writes them; only words the reason of a line that failed to parse
+_NON_JSON_NUMBER = re.compile(rb"[:\[,]\s*-?(?:NaN|Infinity)\s*[,}\]]")
 _ID_FIELDS = {
     "preference_pairs": ("pair_id", ["prompt", "chosen", "rejected"]),
     "rankings": ("ranking_id", ["prompt", "responses"]),
@@ -64,12 +66,16 @@ class IngestReport:
     quarantined: int
     seconds: float
     fingerprint: str
+    elsewhere: str = ""
+    """Duplicates the store holds under another source (or split): where, e.g. "40 under source 'a'"."""
 
     def summary(self) -> str:
-        return (
-            f"{Path(self.file).name} ({self.format} -> {self.table}): read {self.rows_read} = "
-            f"accepted {self.accepted} + duplicates {self.duplicates} + quarantined {self.quarantined}"
-        )
+        line = (f"{Path(self.file).name} ({self.format} -> {self.table}): read {self.rows_read} = "
+                f"accepted {self.accepted} + duplicates {self.duplicates} + quarantined {self.quarantined}")
+        if self.elsewhere:
+            line += (f"; of the duplicates, {self.elsewhere} stay as first ingested (`alignflow data delete "
+                     f"--source NAME` removes a source)")
+        return line
 
     def metrics(self) -> dict[str, float]:
         """`ingest/<count>` metrics for the tracking log."""
@@ -124,6 +130,9 @@ def ingest_file(
     with store.transaction():
         inserted = store.insert_new(table, unique)
         store.insert_new("quarantine", quarantine)
+        # rows already stored under another source (or split) keep it: a new --source/--split does not move them
+        columns = ["source", "split"] if table == "problems" else ["source"]
+        elsewhere = store.stored_elsewhere(table, unique, columns) if inserted < unique.height else []
     report = IngestReport(
         file=str(path),
         format=fmt,
@@ -135,10 +144,16 @@ def ingest_file(
         quarantined=quarantine.height,
         seconds=time.perf_counter() - start,
         fingerprint=fingerprint_path(path),
+        elsewhere=" and ".join(_placement(columns, row) for row in elsewhere),
     )
     if report.rows_read != report.accepted + report.duplicates + report.quarantined:
         raise RuntimeError(f"ingest invariant broken (a bug in alignflow): {report.summary()}")
     return report
+
+
+def _placement(columns: list[str], row: tuple) -> str:
+    """`40 under source 'a', split 'train'` from a stored_elsewhere row."""
+    return f"{row[-1]} under " + ", ".join(f"{column} {value!r}" for column, value in zip(columns, row))
 
 
 # ---- reading: every file type becomes a list of JSON lines (one per record) plus its numbering
@@ -174,18 +189,27 @@ def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], Sequence[int], di
             data = gzip.decompress(data)
         except (OSError, EOFError, zlib.error) as exc:
             raise IngestError(f"{path}: not a readable gzip file ({exc})") from None
-    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark is not part of the first record
+    bom = b"\xef\xbb\xbf"
+    if data.startswith(bom):  # a UTF-8 byte-order mark is not part of the first record
         data = data[3:]
+    if suffix == ".json" and _json_lines(data):  # `Dataset.to_json` writes JSON Lines under this name
+        suffix = ".jsonl"
     if suffix in (".jsonl", ".jsonl.gz"):
         lines = data.split(b"\n")
         if lines and not lines[-1]:
             lines.pop()
+        if bom in data:  # files joined with `cat`: each may start with its own mark
+            lines = [line.removeprefix(bom) for line in lines]
         return lines, range(1, len(lines) + 1), {}
     if suffix == ".json":
         try:
             items = orjson.loads(data)
         except orjson.JSONDecodeError as exc:
-            raise IngestError(f"{path}: not valid JSON ({exc})") from None
+            # an array with a bad record (NaN, a cut end) has its records screened one by one, if any is whole
+            lines = _array_items(data) if data.lstrip().startswith(b"[") else []
+            if not any(_parses(line) for line in lines):
+                raise IngestError(f"{path}: not valid JSON ({exc})") from None
+            return lines, range(len(lines)), {}
         if not isinstance(items, list):
             raise IngestError(f"{path}: expected a JSON array of records, got {_json_type(items)}")
         # each record as written, screened like a JSONL line: orjson's parse of the whole array has already
@@ -201,10 +225,25 @@ def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], Sequence[int], di
     return _csv_lines(path, data)
 
 
+def _parses(text: bytes) -> bool:
+    try:
+        orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return False
+    return True
+
+
+def _json_lines(data: bytes) -> bool:
+    """Whether a .json file holds JSON Lines: its first line is a whole JSON object and a record follows."""
+    first, _, rest = data.lstrip().partition(b"\n")
+    return first.startswith(b"{") and _parses(first) and rest.strip().startswith(b"{")
+
+
 def _array_items(data: bytes) -> list[bytes]:
-    """The text of each record of a valid JSON array as written, one line each: a newline outside a string
-    is whitespace, and a JSON string holds none. Scans strings, brackets and commas only: no depth limit."""
-    commas, depth, first, last = [], 0, 0, 0
+    """The text of each record of a JSON array as written, one line each: a newline outside a string is
+    whitespace, and a JSON string holds none. Scans strings, brackets and commas only: no depth limit. A record
+    that is not valid JSON stays one item (the screen quarantines it); an array cut short ends at the file's end."""
+    commas, depth, first, last = [], 0, 0, len(data)
     for token in _ARRAY_TOKEN.finditer(data):
         char = token[0]
         if char in (b"[", b"{"):
@@ -215,10 +254,13 @@ def _array_items(data: bytes) -> list[bytes]:
             depth -= 1
             if depth == 0:
                 last = token.start()
+                break
         elif char == b"," and depth == 1:
             commas.append(token.start())
     starts, ends = [first] + [comma + 1 for comma in commas], commas + [last]
-    return [data[start:end].strip().replace(b"\n", b" ").replace(b"\r", b" ") for start, end in zip(starts, ends)]
+    items = [data[start:end].strip().replace(b"\n", b" ").replace(b"\r", b" ") for start, end in zip(starts, ends)]
+    trailing = data[last + 1:].strip()
+    return items + [trailing.replace(b"\n", b" ").replace(b"\r", b" ")] if trailing else items
 
 
 def _csv_lines(path: Path, data: bytes) -> tuple[list[bytes], list[int], dict[int, str]]:
@@ -241,9 +283,12 @@ def _csv_lines(path: Path, data: bytes) -> tuple[list[bytes], list[int], dict[in
         orjson.dumps(header)
     except orjson.JSONEncodeError:  # a name holds an undecodable byte (a surrogate escape)
         raise IngestError(f"{path}: invalid UTF-8 in the CSV header on line 1") from None
-    repeated = [name for name, n in Counter(header).items() if n > 1]
+    header = [name.strip() for name in header]  # `prompt, chosen, rejected`
+    repeated = [name for name, n in Counter(header).items() if n > 1 and name]
     if repeated:
         raise IngestError(f"{path}: the header repeats column '{repeated[0]}'")
+    # a spreadsheet's trailing empty columns have no name: their cells must be empty too
+    unnamed = [k for k, name in enumerate(header) if not name]
     lines, line_nos, pre_bad = [], [], {}
     for first, last, row in records:
         if isinstance(row, str):
@@ -252,9 +297,11 @@ def _csv_lines(path: Path, data: bytes) -> tuple[list[bytes], list[int], dict[in
             continue
         elif len(row) != len(header):
             reason = f"row has {len(row)} fields, the header has {len(header)}"
+        elif filled := [k for k in unnamed if row[k].strip()]:
+            reason = f"field {filled[0] + 1} holds text but the header names no column there"
         else:
             try:
-                lines.append(orjson.dumps(dict(zip(header, row))))
+                lines.append(orjson.dumps({name: cell for name, cell in zip(header, row) if name}))
                 line_nos.append(first)
                 continue
             except orjson.JSONEncodeError:  # a cell holds an undecodable byte (a surrogate escape)
@@ -301,8 +348,11 @@ def _shape_of(record: dict) -> str | None:
     if "chosen" in record and "rejected" in record:
         if isinstance(record["chosen"], list) or isinstance(record.get("prompt"), list):
             return "chat"
-        return "pairs" if "prompt" in record else "hh"
-    if "answer" in record and ("question" in record or "prompt" in record):
+        if "prompt" in record:
+            return "pairs"
+        # an HH transcript holds its turn markers; pairs whose prompt sits under another name are no transcript
+        return "hh" if isinstance(record["chosen"], str) and HH_TURN in record["chosen"] else None
+    if "answer" in record and ("question" in record or "prompt" in record or "problem" in record):  # GSM8K, MATH
         return "problem"
     return None
 
@@ -344,6 +394,10 @@ def _detect_format(
     if len(first_keys) == 1 and any(sep in first_keys[0] for sep in ";\t|"):
         raise IngestError(f"{path}: cannot detect the record format (one field {first_keys[0]!r}): "
                           f"only comma-separated CSV is read; convert the file to commas")
+    if {"chosen", "rejected"} <= set(first_keys):
+        raise IngestError(f"{path}: cannot detect the record format (fields {first_keys}): pairs need a 'prompt' "
+                          f"field, and 'chosen' holds no HH-RLHF transcript ({HH_TURN!r} turns); name the "
+                          f"prompt's field 'prompt'")
     raise IngestError(
         f"{path}: cannot detect the record format (fields {first_keys}); pass --format {'|'.join(FORMATS)}"
     )
@@ -478,6 +532,8 @@ def _decode_reason(line: bytes, exc: orjson.JSONDecodeError) -> str:
         return "invalid UTF-8"
     if _CR_BETWEEN_RECORDS.search(line):  # the file's lines end in CR alone (classic Mac OS)
         return "records separated by a lone '\\r': JSON Lines ends each line with '\\n'"
+    if _NON_JSON_NUMBER.search(line):  # Python's json.dumps writes float('nan') so by default
+        return f"malformed JSON: NaN and Infinity are not JSON numbers (write null) ({exc})"
     return f"malformed JSON: {exc}"
 
 
@@ -492,7 +548,7 @@ def _field_problem(record: dict, fields: tuple) -> str | None:
             continue
         if value is None:
             if required:
-                alts = "".join(f" (or '{alt}')" for alt in names[1:])
+                alts = f" (or {' or '.join(repr(alt) for alt in names[1:])})" if len(names) > 1 else ""
                 return f"field '{name}' is null" if name in record else f"missing field '{name}'{alts}"
             continue
         reason = _value_problem(name, value, kind)

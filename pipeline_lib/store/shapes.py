@@ -16,14 +16,15 @@ FIELDS: dict[str, tuple[tuple[tuple[str, ...], str, bool], ...]] = {
     "hh": ((("chosen",), "text", True), (("rejected",), "text", True)),
     "chat": ((("prompt",), "chat_prompt", False), (("chosen",), "messages", True), (("rejected",), "messages", True)),
     "ranking": ((("prompt",), "text", True), (("responses",), "text_list", True), (("ranks",), "rank_list", False)),
-    "problem": ((("question", "prompt"), "text", True), (("answer",), "answer", True), (("split",), "text", False)),
+    "problem": ((("question", "prompt", "problem"), "text", True), (("answer",), "answer", True), (("split",), "text", False)),
 }
 SCHEMAS: dict[str, dict[str, pl.DataType]] = {
     "pairs": {"prompt": pl.String, "chosen": pl.String, "rejected": pl.String},
     "hh": {"chosen": pl.String, "rejected": pl.String},
     "ranking": {"prompt": pl.String, "responses": pl.List(pl.String), "ranks": pl.List(pl.Int64)},
     # numbers in `answer` (screened as int/float) become their decimal text
-    "problem": {"question": pl.String, "prompt": pl.String, "answer": pl.String, "split": pl.String},
+    "problem": {"question": pl.String, "prompt": pl.String, "problem": pl.String, "answer": pl.String,
+                "split": pl.String},
 }
 TABLE_OF = {"pairs": "preference_pairs", "hh": "preference_pairs", "chat": "preference_pairs",
             "ranking": "rankings", "problem": "problems"}
@@ -141,14 +142,26 @@ def _render(messages: list[dict]) -> str:
     return "\n\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
+def _turns(messages: list[dict]) -> list[tuple[str, str]]:
+    """What makes two messages the same turn: role and content, surrounding whitespace aside. Other keys do not
+    (a parquet column gives every message the union of its struct fields, `name: null` or `tool_calls: []` on
+    one side only), nor does the trailing space of a string prompt."""
+    return [(m["role"], m["content"].strip()) for m in messages]
+
+
+def _message(message: dict) -> dict:
+    """A message as stored: its keys without a null value (a parquet struct's absent fields)."""
+    return {key: value for key, value in message.items() if value is not None}
+
+
 def _conversation(prompt: list[dict] | None, messages: list[dict]) -> list[dict]:
     """The whole conversation of a chosen/rejected list given the record's prompt messages (split_chat)."""
     if not prompt:
         return messages
-    k = len(prompt)
-    if any(messages[i:i + k] == prompt for i in range(len(messages) - k + 1)):
+    k, turns, prompt_turns = len(prompt), _turns(messages), _turns(prompt)
+    if any(turns[i:i + k] == prompt_turns for i in range(len(messages) - k + 1)):
         return messages  # it holds the prompt: a whole conversation (with a system message the prompt lacks)
-    overlap = next((j for j in range(min(k, len(messages)), 0, -1) if prompt[k - j:] == messages[:j]), 0)
+    overlap = next((j for j in range(min(k, len(messages)), 0, -1) if prompt_turns[k - j:] == turns[:j]), 0)
     return prompt + messages[overlap:]
 
 
@@ -165,15 +178,17 @@ def split_chat(record: dict) -> str | tuple[str, str, str, str]:
     given = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     conversations = {name: _conversation(given, record[name]) for name in ("chosen", "rejected")}
     chosen, rejected = conversations["chosen"], conversations["rejected"]
-    if chosen == rejected:
+    chosen_turns, rejected_turns = _turns(chosen), _turns(rejected)
+    if chosen_turns == rejected_turns:
         return "chosen identical to rejected"
     n = 0
-    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+    while n < min(len(chosen), len(rejected)) and chosen_turns[n] == rejected_turns[n]:
         n += 1
     if n == 0:
         missing = "" if given else " and there is no 'prompt'"
         return f"no prompt: 'chosen' and 'rejected' share no first message{missing}"
-    prompt_messages, completions = chosen[:n], {"chosen": chosen[n:], "rejected": rejected[n:]}
+    prompt_messages = [_message(m) for m in chosen[:n]]
+    completions = {"chosen": [_message(m) for m in chosen[n:]], "rejected": [_message(m) for m in rejected[n:]]}
     if not any(m["content"].strip() for m in prompt_messages):
         return "empty field 'prompt'"
     for name, messages in completions.items():
@@ -244,8 +259,10 @@ def _problem(frame: pl.DataFrame, split: str) -> tuple[pl.DataFrame, list[tuple[
     quarantined, as either way one of the two solutions would be lost. `split` is used where a record has no `split`
     field of its own."""
     frame = frame.with_columns(
-        pl.coalesce("question", "prompt").alias("_prompt"),
-        pl.when(pl.col("question").is_not_null()).then(pl.lit("question")).otherwise(pl.lit("prompt")).alias("_name"),
+        pl.coalesce("question", "prompt", "problem").alias("_prompt"),
+        pl.when(pl.col("question").is_not_null()).then(pl.lit("question"))
+        .when(pl.col("prompt").is_not_null()).then(pl.lit("prompt"))
+        .otherwise(pl.lit("problem")).alias("_name"),
         pl.when(pl.col("answer").str.contains("####", literal=True))
         .then(pl.col("answer").str.split("####").list.last().str.strip_chars())
         .otherwise(pl.col("answer"))

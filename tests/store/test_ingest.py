@@ -170,6 +170,30 @@ def test_chat_string_prompt_is_one_user_message(tmp_path, store):
     assert json.loads(row["prompt_messages"])["prompt"] == [{"role": "user", "content": "hi"}]
 
 
+def test_chat_turns_match_on_role_and_content_whatever_other_keys_they_carry(tmp_path, store):
+    """A parquet column gives every message the union of its struct fields (`name: null` where a message had
+    none), lists repeat a string prompt, a prompt string has a trailing space: still one shared user turn, and
+    the null-valued keys are not stored."""
+    user = {"role": "user", "content": "Explain Y", "name": None}
+    good, bad = {"role": "assistant", "content": "Y is..."}, {"role": "assistant", "content": "No."}
+    parquet = tmp_path / "chat.parquet"
+    pl.DataFrame({"prompt": ["Explain Y "], "chosen": [[user, {**good, "name": None}]],
+                  "rejected": [[{"role": "user", "content": "Explain Y"}, bad]]}).write_parquet(parquet)
+    report = ingest_file(parquet, store)
+    check_invariant(report)
+    assert (report.format, report.accepted, report.quarantined) == ("chat", 1, 0)
+    row = store.read("preference_pairs").row(0, named=True)
+    assert (row["prompt"], row["chosen"], row["rejected"]) == ("user: Explain Y", "Y is...", "No.")
+    assert json.loads(row["prompt_messages"]) == {"prompt": [{"role": "user", "content": "Explain Y"}],
+                                                  "chosen": [good], "rejected": [bad]}
+    tools = {"prompt": [{"role": "user", "content": "Q1", "tool_calls": []}],
+             "chosen": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A"}],
+             "rejected": [{"role": "user", "content": "Q1", "name": None}, {"role": "assistant", "content": "B"}]}
+    report = ingest_file(write_jsonl(tmp_path / "tools.jsonl", [tools]), store)
+    assert (report.accepted, report.quarantined) == (1, 0)
+    assert store.read("preference_pairs").filter(pl.col("chosen") == "A")["prompt"].to_list() == ["user: Q1"]
+
+
 def test_rankings_ordered_best_to_worst(tmp_path, store):
     records = [
         {"prompt": "p1", "responses": ["mid", "best", "worst"], "ranks": [2, 1, 3]},
@@ -423,7 +447,7 @@ def test_problem_bad_rows(tmp_path, store):
     check_invariant(report)
     assert quarantine(store) == {
         2: "missing field 'answer'",
-        3: "missing field 'question' (or 'prompt')",
+        3: "missing field 'question' (or 'prompt' or 'problem')",
         4: "empty answer after '####'",
         5: "field 'answer' is a boolean, expected a string or number",
         6: "empty field 'question'",
@@ -701,3 +725,85 @@ def test_whole_harmless_base_file(store):
     # row 30: both responses start with "Human:" text
     assert by_line[30]["chosen"].startswith(" Human: No, you are racist.")
     assert by_line[30]["rejected"].startswith(" Human: She does not like black musicians.")
+
+
+# ---- layouts of public datasets
+
+
+def test_a_json_file_holding_json_lines_is_read_as_json_lines(tmp_path, store):
+    """Hugging Face's `Dataset.to_json` writes JSON Lines under a .json name."""
+    path = tmp_path / "hf.json"
+    path.write_bytes(b"\n".join(orjson.dumps(record) for record in PAIRS) + b"\n")
+    report = ingest_file(path, store)
+    check_invariant(report)
+    assert (report.format, report.accepted) == ("pairs", 3)
+    assert sorted(store.read("preference_pairs")["prompt"]) == sorted(r["prompt"] for r in PAIRS)
+
+
+def test_a_bad_record_in_a_json_array_is_quarantined_not_the_whole_file(tmp_path, store):
+    """Python's json.dumps writes NaN; a cut file ends inside its last record: the other records are kept."""
+    nan = tmp_path / "nan.json"
+    nan.write_bytes(b'[{"prompt": "p", "chosen": "a", "rejected": "b", "score": 1.0},\n'
+                    b' {"prompt": "p2", "chosen": "a", "rejected": "b", "score": NaN},\n'
+                    b' {"prompt": "p3", "chosen": "a, [b]", "rejected": "b"}]')
+    report = ingest_file(nan, store)
+    check_invariant(report)
+    assert (report.rows_read, report.accepted, report.quarantined) == (3, 2, 1)
+    assert quarantine(store)[1].startswith("malformed JSON: NaN and Infinity are not JSON numbers (write null)")
+    cut = tmp_path / "cut.json"
+    cut.write_bytes(b'[{"prompt": "q", "chosen": "a", "rejected": "b"},\n{"prompt": "q2", "ch')
+    report = ingest_file(cut, store)
+    assert (report.rows_read, report.accepted, report.quarantined) == (2, 1, 1)
+    assert set(store.read("preference_pairs")["prompt"]) == {"p", "p3", "q"}
+
+
+def test_pairs_whose_prompt_has_another_name_are_one_line_not_hh_quarantine(tmp_path, store):
+    """Orca-DPO's `question` is no HH transcript: detection names the missing 'prompt' instead of quarantining
+    every record as an HH pair without '\\n\\nAssistant:'."""
+    path = write_jsonl(tmp_path / "orca.jsonl", [{"system": "", "question": "2+2?", "chosen": "4", "rejected": "5"}])
+    with pytest.raises(IngestError, match="pairs need a 'prompt' field, and 'chosen' holds no HH-RLHF transcript"):
+        ingest_file(path, store)
+
+
+def test_math_problems_are_detected_by_their_problem_field(tmp_path, store):
+    """MATH / MATH-500 records: `problem`, `solution`, `answer`; the solution goes to meta."""
+    record = {"problem": "What is $1+1$?", "solution": "It is $\\boxed{2}$.", "answer": "2", "level": "Level 1"}
+    report = ingest_file(write_jsonl(tmp_path / "math500.jsonl", [record]), store)
+    check_invariant(report)
+    assert (report.format, report.accepted) == ("problem", 1)
+    row = store.read("problems").row(0, named=True)
+    assert (row["prompt"], row["answer"]) == ("What is $1+1$?", "2")
+    assert json.loads(row["meta"]) == {"solution": "It is $\\boxed{2}$.", "level": "Level 1"}
+
+
+def test_csv_header_names_are_trimmed_and_unnamed_empty_columns_ignored(tmp_path, store):
+    """A spreadsheet export: spaces after the commas, two trailing unnamed columns; a row with text under an
+    unnamed column is quarantined, not stored without it."""
+    path = tmp_path / "sheet.csv"
+    path.write_text("prompt, chosen, rejected,,\np1,a,b,,\np2,a,b,x,\n")
+    report = ingest_file(path, store)
+    check_invariant(report)
+    assert (report.format, report.accepted, report.quarantined) == ("pairs", 1, 1)
+    assert quarantine(store) == {3: "field 4 holds text but the header names no column there"}
+    row = store.read("preference_pairs").row(0, named=True)
+    assert (row["prompt"], row["chosen"], row["rejected"], row["meta"]) == ("p1", "a", "b", None)
+
+
+def test_jsonl_files_joined_with_their_byte_order_marks_lose_no_record(tmp_path, store):
+    bom = b"\xef\xbb\xbf"
+    path = tmp_path / "joined.jsonl"
+    path.write_bytes(b"".join(bom + orjson.dumps(record) + b"\n" for record in PAIRS))
+    report = ingest_file(path, store)
+    assert (report.accepted, report.quarantined) == (3, 0)
+
+
+def test_pairs_stored_under_another_source_are_named_in_the_summary(tmp_path, store):
+    path = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    ingest_file(path, store, source="first")
+    report = ingest_file(path, store, source="second")
+    assert (report.accepted, report.duplicates, report.elsewhere) == (0, 3, "3 under source 'first'")
+    assert report.summary().endswith("; of the duplicates, 3 under source 'first' stay as first ingested "
+                                     "(`alignflow data delete --source NAME` removes a source)")
+    assert ingest_file(path, store, source="first").elsewhere == ""
+    assert store.delete_source("first") == {"preference_pairs": 3, "rankings": 0, "problems": 0, "quarantine": 0}
+    assert ingest_file(path, store, source="second").accepted == 3
