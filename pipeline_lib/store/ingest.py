@@ -38,6 +38,8 @@ _HUGE_NUMBER = re.compile(rb"e\+(?:1[89]|[2-9][0-9]|[0-9]{3})")
 _ARRAY_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]')
 # one object's end and the next one's start with a lone CR between: JSON text holds no raw CR inside a string
 _CR_BETWEEN_RECORDS = re.compile(rb"}\s*\r\s*{")
+# the first line of a JSON Lines file named .json: an object on one line, and the next record's start
+_FIRST_OF_LINES = re.compile(rb"\s*(\{[^\n]*)\n\s*\{")
 # a NaN or Infinity value, as Python writes them; only words the reason of a line that failed to parse
 _NON_JSON_NUMBER = re.compile(rb"[:\[,]\s*-?(?:NaN|Infinity)\s*[,}\]]")
 _ID_FIELDS = {
@@ -206,7 +208,7 @@ def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], Sequence[int], di
             items = orjson.loads(data)
         except orjson.JSONDecodeError as exc:
             # an array with a bad record (NaN, a cut end) has its records screened one by one, if any is whole
-            lines = _array_items(data) if data.lstrip().startswith(b"[") else []
+            lines = _array_items(data) if re.match(rb"\s*\[", data) else []
             if not any(_parses(line) for line in lines):
                 raise IngestError(f"{path}: not valid JSON ({exc})") from None
             return lines, range(len(lines)), {}
@@ -235,8 +237,8 @@ def _parses(text: bytes) -> bool:
 
 def _json_lines(data: bytes) -> bool:
     """Whether a .json file holds JSON Lines: its first line is a whole JSON object and a record follows."""
-    first, _, rest = data.lstrip().partition(b"\n")
-    return first.startswith(b"{") and _parses(first) and rest.strip().startswith(b"{")
+    first = _FIRST_OF_LINES.match(data)
+    return first is not None and _parses(first[1])
 
 
 def _array_items(data: bytes) -> list[bytes]:
