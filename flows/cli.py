@@ -201,9 +201,10 @@ def load_stage(stage: str, config: Path):
         fail(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
     model = getattr(config_module, STAGES[stage][0])
     data = config_module.load_yaml(config)
-    if stage != "pipeline" and isinstance(data, dict) and stage in data and stage not in model.model_fields:
-        force = f" (`--force {stage}` recomputes this one)" if stage in config_module.FORCEABLE else ""
-        fail(f"{config}: a pipeline preset (it has a {stage!r} section), not one stage's config; "
+    section = "base" if stage == "prepare" else stage  # a preset's section of each stage
+    if stage != "pipeline" and isinstance(data, dict) and section in data and section not in model.model_fields:
+        force = f" (`--force {section}` recomputes this one)" if section in config_module.FORCEABLE else ""
+        fail(f"{config}: a pipeline preset (it has a {section!r} section), not one stage's config; "
              f"`alignflow run pipeline -c {config}` runs it, reusing the stages already cached{force}")
     cfg = config_module.validate_config(model, data, origin=str(config))
     config_module.check_ingest_files(cfg, origin=str(config))
@@ -262,8 +263,7 @@ def sample(
     """N scored samples per problem into the samples table (resumable)."""
     from pipeline_lib.config import SampleConfig, validate_config
 
-    if not model.is_dir():
-        fail(f"{model}: no such model dir")
+    require_model_dir(model)
     cfg = validate_config(SampleConfig, {
         "model_path": str(model), "problems_source": problems, "split": split, "n": n, "backend": backend,
         "max_new_tokens": max_new_tokens, "temperature": temperature, "max_problems": max_problems,
@@ -274,6 +274,18 @@ def sample(
         echo_result("sample", sample_flow(cfg))
 
 
+def default_ks(n: int) -> str:
+    """`eval`'s K values when --ks is not given: the powers of 2 up to n, and n (16: 1,2,4,8,16; 12: 1,2,4,8,12)."""
+    return ",".join(str(k) for k in sorted({2**i for i in range(max(n, 1).bit_length())} | {n}) if k <= n)
+
+
+def require_model_dir(model: Path) -> None:
+    if model.is_file():
+        fail(f"{model}: a file; expected a model dir")
+    if not model.is_dir():
+        fail(f"{model}: no such model dir")
+
+
 @app.command("eval")
 def evaluate(
     model: Path = typer.Option(..., "--model", help="Model dir to evaluate."),
@@ -281,14 +293,15 @@ def evaluate(
     problems: Optional[str] = typer.Option(None, "--problems", help="problems.source (default: all)."),
     split: str = typer.Option("test", "--split"),
     n: int = typer.Option(16, "--n", help="Samples per problem."),
-    ks: str = typer.Option("1,2,4,8,16", "--ks", help="Comma-separated K values (<= n)."),
+    ks: Optional[str] = typer.Option(None, "--ks", help="Comma-separated K values (<= n); default: the powers "
+                                                          "of 2 up to n, and n."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
 ) -> None:
     """Pass@K / Maj@K of a model on held-out problems."""
     from pipeline_lib.config import EvalConfig, validate_config
 
-    if not model.is_dir():
-        fail(f"{model}: no such model dir")
+    require_model_dir(model)
+    ks = default_ks(n) if ks is None else ks
     cfg = validate_config(EvalConfig, {
         "model_path": str(model), "model_name": name, "problems_source": problems, "split": split, "n": n,
         "ks": [k.strip() for k in ks.split(",") if k.strip()], "max_new_tokens": max_new_tokens,  # the config parses
@@ -367,8 +380,8 @@ def serve(
 
 @app.command()
 def ui(
-    prefect_port: int = typer.Option(4200, "--prefect-port"),
-    mlflow_port: int = typer.Option(5000, "--mlflow-port"),
+    prefect_port: int = typer.Option(4200, "--prefect-port", min=1, max=65535),
+    mlflow_port: int = typer.Option(5000, "--mlflow-port", min=1, max=65535),
 ) -> None:
     """Start the Prefect server and the MLflow UI on 127.0.0.1 and print both URLs (Ctrl-C stops both)."""
     from flows.deployments import run_ui

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from pipeline_lib.config import FROM, ConfigError, PipelineConfig
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.workspace import Workspace
 
 # stage (as `alignflow run` names it) -> the preset field whose config is the default parameter of its deployment;
@@ -62,14 +63,14 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float, log: Path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{url} exited with {process.returncode}; see {log}")
+            raise AlignflowError(f"{url} exited with {process.returncode}; see {log}")
         try:
             if httpx.get(url, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"{url} not healthy after {timeout:.0f} s; see {log}")
+    raise AlignflowError(f"{url} not healthy after {timeout:.0f} s; see {log}")
 
 
 def run_ui(workspace: Workspace, *, prefect_port: int, mlflow_port: int) -> None:
@@ -85,6 +86,7 @@ def run_ui(workspace: Workspace, *, prefect_port: int, mlflow_port: int) -> None
                     "--port", str(mlflow_port), "--workers", "1"], f"http://127.0.0.1:{mlflow_port}/health"),
     }
     processes = {}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # before the servers start: `finally` stops them
     try:
         for name, (command, health) in commands.items():
             log = logs / f"{name}-server.log"
@@ -94,7 +96,6 @@ def run_ui(workspace: Workspace, *, prefect_port: int, mlflow_port: int) -> None
         print(f"Prefect UI: http://127.0.0.1:{prefect_port}   (export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api)")
         print(f"MLflow UI:  http://127.0.0.1:{mlflow_port}")
         print("Ctrl-C stops both.", flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         while all(p.poll() is None for p in processes.values()):
             time.sleep(1)
     except KeyboardInterrupt:

@@ -127,6 +127,8 @@ def format_validation_error(exc: ValidationError, origin: str, model: type[BaseM
     if err["type"] == "value_error":  # a validator's own message names the fields and what it expected
         where = f"{field}: " if field else ""
         return f"{origin}: {where}{err['ctx']['error']}"
+    if err["type"] == "missing":  # its input is the whole mapping around the field: naming the field says it all
+        return f"{origin}: missing required field '{field}'"
     got = repr(err.get("input"))
     got = got if len(got) <= 80 else got[:77] + "..."
     return f"{origin}: field '{field or '<root>'}': {err['msg']} (got {got})"
@@ -182,6 +184,8 @@ def load_yaml(path: str | Path) -> dict:
     """Read a YAML preset (as given, else in the checkout) into a dict; one-line errors for a missing file or
     bad YAML."""
     path = shipped_path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: a directory; expected a YAML config file")
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
@@ -193,6 +197,8 @@ def load_yaml(path: str | Path) -> dict:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        raise ConfigError(f"{path}: empty config file; expected the stage's fields (`name: value` lines)")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     return data
@@ -712,6 +718,12 @@ class TinyModelConfig(Config):
     seed: Seed = 0
     """Init seed: same corpus + seed give byte-identical weights."""
 
+    @model_validator(mode="after")
+    def _heads_divide_the_width(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
+        return self
+
 
 # ---- evaluation stage (pipeline_lib/evaluation.py: run_eval_stage)
 
@@ -729,8 +741,9 @@ class EvalConfig(Config):
     """Problems split evaluated (held out from training)."""
     max_problems: int | None = Field(None, ge=1)
     """Evaluate only the first K problems in problem_id order; None evaluates all."""
-    n: int = Field(16, ge=1)
-    """Samples per problem (n >= the largest K; the unbiased estimators use all n)."""
+    n: int = Field(16, ge=1, le=1024)
+    """Samples per problem (n >= the largest K; the unbiased estimators use all n; at most 1024, where Maj@K's
+    subset counts still fit a float64: evaluation.MAX_SAMPLES)."""
     ks: tuple[int, ...] = (1, 2, 4, 8, 16)
     """K values of the Pass@K and Maj@K curves (each <= n)."""
     max_new_tokens: int = Field(64, ge=1)

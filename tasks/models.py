@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from pipeline_lib import tracking
 from pipeline_lib.config import TinyModelConfig
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import keyed_dir
 from pipeline_lib.models.tiny import build_tiny_model
 from pipeline_lib.store.db import open_store
@@ -19,6 +20,10 @@ def build_tiny_model_task(cfg: TinyModelConfig, data_fingerprint: str) -> str:
     workspace = current_workspace()
     with open_store(workspace.store_path) as store:
         corpus = store.corpus_texts(list(cfg.corpus_sources) if cfg.corpus_sources else None)
+    if not corpus:
+        where = f"sources {list(cfg.corpus_sources)}" if cfg.corpus_sources else "the store"
+        raise AlignflowError(f"prepare: no texts in {where} to build the tokenizer from; ingest some first "
+                             "(alignflow ingest data/demo/problems.jsonl --source demo)")
     out_dir = keyed_dir(workspace.models_dir, "tiny_model", cfg.model_dump_json(), data_fingerprint)
     with tracking.stage_run(workspace, "base", cfg, tags=run_tags(data_fingerprint)) as log:
         path = build_tiny_model(out_dir, corpus, **cfg.model_dump(exclude={"corpus_sources"}))

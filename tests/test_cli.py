@@ -33,6 +33,9 @@ def test_help_everywhere(tmp_path, command):
     (["ingest", str(DATA / "gsm8k" / "LICENSE")], f"error: {DATA / 'gsm8k' / 'LICENSE'}: unknown file type; expected"),
     (["run", "nosuch", "--config", "x.yaml"], "error: unknown stage 'nosuch'"),
     (["eval", "--model", "/no/model"], "error: /no/model: no such model dir"),
+    (["eval", "--model", str(DATA / "gsm8k" / "LICENSE")], f"error: {DATA / 'gsm8k' / 'LICENSE'}: a file; expected"),
+    (["eval", "--model", str(DATA), "--n", "2000"], "error: alignflow eval: field 'n': Input should be less than or "
+                                                    "equal to 1024"),
     (["ingest", str(DATA / "demo" / "pairs.jsonl"), "--format", "xml"], "error: alignflow ingest: field 'format'"),
     (["eval", "--model", str(DATA), "--ks", "1,a"], "error: alignflow eval: field 'ks.1': Input should be a valid integer"),
     (["ingest", str(DATA / "demo" / "pairs.jsonl"), "--max-record-bytes", "0"],
@@ -80,13 +83,15 @@ def test_a_single_stage_config_with_a_pipeline_reference_is_one_line(tmp_path):
     assert result.stderr.strip().startswith(f"error: {config}: model_path: 'from:base' names a pipeline stage")
 
 
-def test_a_pipeline_preset_given_to_one_stage_is_one_line_naming_the_pipeline_command(tmp_path):
-    result = alignflow("run", "sft", "--config", "flows/configs/demo.yaml", workspace=tmp_path / "ws")
+@pytest.mark.parametrize(("stage", "section"), [("sft", "sft"), ("prepare", "base")])
+def test_a_pipeline_preset_given_to_one_stage_is_one_line_naming_the_pipeline_command(tmp_path, stage, section):
+    """`prepare` is the preset's `base` section."""
+    result = alignflow("run", stage, "--config", "flows/configs/demo.yaml", workspace=tmp_path / "ws")
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "error: flows/configs/demo.yaml: a pipeline preset (it has a 'sft' section), not one stage's config; "
+        f"error: flows/configs/demo.yaml: a pipeline preset (it has a '{section}' section), not one stage's config; "
         "`alignflow run pipeline -c flows/configs/demo.yaml` runs it, reusing the stages already cached "
-        "(`--force sft` recomputes this one)")
+        f"(`--force {section}` recomputes this one)")
 
 
 def test_misspelled_config_field_is_one_line(tmp_path):
@@ -130,6 +135,16 @@ def test_a_file_ingested_again_under_another_split_says_where_its_rows_stay_and_
     assert missing.returncode == 2 and "error: source 'test-first100': no rows in the store" in missing.stderr
 
 
+def test_prepare_without_texts_in_the_store_is_one_line(tmp_path):
+    config = tmp_path / "prepare.yaml"
+    config.write_text("corpus_sources: [demo]\n")
+    result = alignflow("run", "prepare", "--config", str(config), workspace=tmp_path / "ws")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-2] == (
+        "error: prepare: no texts in sources ['demo'] to build the tokenizer from; ingest some first "
+        "(alignflow ingest data/demo/problems.jsonl --source demo)"), result.stderr
+
+
 @pytest.mark.parametrize(("stage", "text", "field", "hint"), [
     ("pipeline", "base: {corpus_sources: [demo]}\nsft:\n  model_path: from:base\n  max_step: 5\n", "sft.max_step",
      "did you mean 'max_steps'?"),
@@ -144,3 +159,12 @@ def test_misspelled_field_in_any_run_config_is_one_line(tmp_path, stage, text, f
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: {config}: unknown field '{field}' ({hint})"
     assert not (tmp_path / "ws" / "run.lock").exists() and not (tmp_path / "ws" / "store.duckdb").exists()
+
+
+@pytest.mark.parametrize(("n", "ks"), [(16, "1,2,4,8,16"), (12, "1,2,4,8,12"), (4, "1,2,4"), (1, "1"), (0, "0")])
+def test_eval_default_ks_follow_n(n, ks):
+    """`alignflow eval --n 4` without --ks evaluates K = 1, 2, 4 (the old fixed 1..16 failed: K > n); n = 0 is left
+    for the config to refuse."""
+    from flows.cli import default_ks
+
+    assert default_ks(n) == ks

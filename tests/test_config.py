@@ -44,7 +44,9 @@ def test_wrong_type_names_field_and_value(tmp_path):
         load_config(SFTConfig, path)
 
 
-@pytest.mark.parametrize("text, expected", [("", "expected a mapping"), ("a: [1\n", "invalid YAML"),
+@pytest.mark.parametrize("text, expected", [("", "empty config file"), ("# all commented out\n", "empty config file"),
+                                            ("[1, 2]\n", "expected a mapping at the top level, got list"),
+                                            ("a: [1\n", "invalid YAML"),
                                             ("a:\n  b: 1\n c: 2\n", "invalid YAML at line 3, column 2")])
 def test_bad_yaml_files(tmp_path, text, expected):
     path = tmp_path / "x.yaml"
@@ -56,6 +58,17 @@ def test_bad_yaml_files(tmp_path, text, expected):
 def test_missing_file():
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(SFTConfig, "/no/such/file.yaml")
+
+
+def test_a_directory_given_as_config_is_named_a_directory(tmp_path):
+    with pytest.raises(ConfigError, match="a directory; expected a YAML config file"):
+        load_config(SFTConfig, tmp_path)
+
+
+def test_a_missing_required_field_is_named_without_the_whole_input():
+    with pytest.raises(ConfigError) as err:
+        validate_config(SFTConfig, {"lr": 1e-4, "max_steps": 3}, origin="sft.yaml")
+    assert str(err.value) == "sft.yaml: missing required field 'model_path'"
 
 
 def test_demo_preset_validates_and_resolves_references():

@@ -26,15 +26,21 @@ class ModelLoadError(AlignflowError, RuntimeError):
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """"auto" → cuda when available, else cpu; anything else is passed to torch.device."""
+    """"auto" → cuda when available, else cpu; anything else is passed to torch.device, and a CUDA device this
+    machine lacks is a one-line ModelLoadError (torch would fail later, deep inside loading)."""
     if isinstance(device, torch.device):
         return device
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except RuntimeError as exc:
         raise ModelLoadError(f"device={device!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N' ({exc})") from None
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (resolved.index or 0) >= count:
+            raise ModelLoadError(f"device={device!r}: this machine has {count} CUDA device(s); use 'auto' or 'cpu'")
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -176,15 +182,23 @@ def load_pretrained(
     safetensors = check_weights(model_dir, allow_pickle=allow_pickle)
     target = resolve_device(device)
     try:
-        model = auto_cls.from_pretrained(
+        model, info = auto_cls.from_pretrained(
             model_dir,
             dtype=resolve_dtype(dtype, target),
             use_safetensors=safetensors,
             trust_remote_code=trust_remote_code,
             local_files_only=True,
+            output_loading_info=True,
         )
     except Exception as exc:  # noqa: BLE001 - surface one line; the chained cause keeps the detail
         raise ModelLoadError(f"model dir {model_dir}: {auto_cls.__name__} could not load it ({first_line(exc)})") from exc
+    if info["missing_keys"]:  # transformers would start them at random and only log it
+        missing = sorted(info["missing_keys"])
+        heads = [f"a {kind} model dir ({kind}_config.json): " for kind in ("reward", "value")
+                 if (model_dir / f"{kind}_config.json").is_file()]
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelLoadError(f"model dir {model_dir}: {heads[0] if heads else ''}its weights lack "
+                             f"{', '.join(missing[:3])}{more}, which {auto_cls.__name__} needs")
     return model.to(target)
 
 

@@ -49,12 +49,6 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def resolve_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
 def autocast(device: torch.device):
     """bf16 autocast on CUDA; nothing on CPU (tiny fp32 models are faster without it)."""
     if device.type == "cuda":

@@ -21,7 +21,7 @@ from pipeline_lib.fingerprint import content_id, fingerprint_path
 from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.losses import dpo_loss
 from pipeline_lib.models import completion_logprob_sums, load_policy, load_tokenizer
-from pipeline_lib.models.loading import resolve_model_dir
+from pipeline_lib.models.loading import resolve_device, resolve_model_dir
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
     Dist,
@@ -37,7 +37,6 @@ from pipeline_lib.train.common import (
     make_optimizer,
     make_scheduler,
     mean_over_ranks,
-    resolve_device,
     save_checkpoint,
     save_final,
     seed_everything,
@@ -46,6 +45,7 @@ from pipeline_lib.train.common import (
 )
 from pipeline_lib.train.data import (
     Encoded,
+    TrainDataError,
     collate,
     encode,
     holdout_split,
@@ -62,8 +62,16 @@ def load_dpo_data(store: Store, cfg: DPOConfig) -> pl.DataFrame:
     """preference_pairs from the store, optionally one source; with samples_run_id, the West-of-N pairs of that
     sampling run alone (made from its samples as the filter stage makes them: no pair of another run)."""
     if cfg.samples_run_id:
-        return west_of_n_of_run(store, cfg.samples_run_id)[0]
-    return store.read("preference_pairs", **({"source": cfg.source} if cfg.source else {}))
+        pairs, stats = west_of_n_of_run(store, cfg.samples_run_id)
+        if pairs.height == 0:
+            raise TrainDataError(f"samples run {cfg.samples_run_id!r}: no West-of-N pairs to train on (of its "
+                                 f"{stats['filter/prompts']} prompts, none has samples whose rewards differ)")
+        return pairs
+    pairs = store.read("preference_pairs", **({"source": cfg.source} if cfg.source else {}))
+    if pairs.height == 0:
+        raise TrainDataError(f"no preference pairs in the store{f' with source {cfg.source!r}' if cfg.source else ''}; "
+                             "ingest some first")
+    return pairs
 
 
 def encode_pairs(tokenizer, pairs: pl.DataFrame, *, max_length: int) -> Encoded:

@@ -19,6 +19,7 @@ from pipeline_lib.filters import informative_groups
 from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.losses import LOSSES, group_advantages
 from pipeline_lib.models import load_policy, load_tokenizer
+from pipeline_lib.models.loading import resolve_device
 from pipeline_lib.rewards.math import is_correct
 from pipeline_lib.rewards.registry import CombinedReward, build_reward
 from pipeline_lib.sampling import Completion, Sampler
@@ -32,7 +33,6 @@ from pipeline_lib.train.common import (
     load_checkpoint,
     make_optimizer,
     make_scheduler,
-    resolve_device,
     save_checkpoint,
     save_final,
     seed_everything,

@@ -24,6 +24,7 @@ from pipeline_lib.losses import (
     ppo_value_loss,
 )
 from pipeline_lib.models import ValueModel, load_policy, load_tokenizer, sequence_logprobs
+from pipeline_lib.models.loading import resolve_device
 from pipeline_lib.rewards.math import is_correct
 from pipeline_lib.rewards.registry import build_reward
 from pipeline_lib.store.db import Store
@@ -36,7 +37,6 @@ from pipeline_lib.train.common import (
     load_checkpoint,
     make_optimizer,
     make_scheduler,
-    resolve_device,
     save_checkpoint,
     save_final,
     seed_everything,

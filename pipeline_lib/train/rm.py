@@ -16,6 +16,7 @@ from pipeline_lib.config import RMConfig
 from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.losses import bradley_terry_loss, plackett_luce_loss
 from pipeline_lib.models import RewardModel, load_tokenizer
+from pipeline_lib.models.loading import resolve_device
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
     autocast,
@@ -30,7 +31,6 @@ from pipeline_lib.train.common import (
     make_optimizer,
     make_scheduler,
     mean_over_ranks,
-    resolve_device,
     save_checkpoint,
     save_final,
     seed_everything,

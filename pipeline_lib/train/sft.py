@@ -15,6 +15,7 @@ from pipeline_lib.config import SFTConfig
 from pipeline_lib.filters import best_of_n
 from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.models import load_policy, load_tokenizer, sequence_logprobs
+from pipeline_lib.models.loading import resolve_device
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
     autocast,
@@ -28,7 +29,6 @@ from pipeline_lib.train.common import (
     load_checkpoint,
     make_optimizer,
     make_scheduler,
-    resolve_device,
     save_checkpoint,
     save_final,
     seed_everything,

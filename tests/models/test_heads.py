@@ -166,3 +166,15 @@ def test_bad_inputs_are_one_line_errors(policy_dir, tmp_path):
         RewardModel.from_pretrained(policy_dir)
     with pytest.raises(ModelLoadError, match="not a value model dir"):
         ValueModel.from_pretrained(RewardModel.from_policy(policy_dir).save_pretrained(tmp_path / "rm"))
+
+
+def test_a_reward_or_value_model_dir_is_no_policy(policy_dir, tmp_path):
+    """Its backbone has no LM head: transformers would start one at random and only log it, and eval would score a
+    random policy; load_policy refuses the dir instead, naming what it is."""
+    rm_dir = RewardModel.from_policy(policy_dir).save_pretrained(tmp_path / "rm")
+    with pytest.raises(ModelLoadError, match=r"a reward model dir \(reward_config.json\): its weights lack "
+                                             "lm_head.weight, which AutoModelForCausalLM needs"):
+        load_policy(rm_dir, device="cpu")
+    critic_dir = ValueModel.from_policy(policy_dir).save_pretrained(tmp_path / "critic")
+    with pytest.raises(ModelLoadError, match=r"a value model dir \(value_config.json\)"):
+        load_policy(critic_dir, device="cpu")

@@ -141,6 +141,17 @@ def test_auto_dtype_and_device():
         resolve_dtype("fp8", torch.device("cpu"))
 
 
+def test_a_cuda_device_the_machine_lacks_is_one_line():
+    """device: cuda on a CPU machine (or cuda:N past the last GPU) fails before any loading, not with torch's
+    'Torch not compiled with CUDA enabled' from deep inside it."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ModelLoadError, match=f"device='cuda:{count}': this machine has {count} CUDA device"):
+        resolve_device(f"cuda:{count}")
+    if count == 0:
+        with pytest.raises(ModelLoadError, match="device='cuda': this machine has 0 CUDA device"):
+            resolve_device("cuda")
+
+
 def test_load_policy_cpu_is_fp32_and_dtype_override(tiny_dir):
     assert load_policy(tiny_dir, device="cpu").dtype == torch.float32
     assert load_policy(tiny_dir, device="cpu", dtype="bf16").dtype == torch.bfloat16
