@@ -33,7 +33,8 @@ R = typing.TypeVar("R")
 
 
 def stage_flow(name: str, **flow_options) -> Callable[[Callable[..., R]], Flow]:
-    """`@flow(name=name, log_prints=True, **flow_options)` around a body that holds the run lock; re-entrant, so
+    """`@flow(name=name, flow_run_name=name, log_prints=True, **flow_options)` around a body that holds the run
+    lock; re-entrant, so
     the pipeline flow (and the CLI, which takes the lock before Prefect starts) can run stage flows inside it."""
 
     def decorate(body: Callable[..., R]) -> Flow:
@@ -48,7 +49,8 @@ def stage_flow(name: str, **flow_options) -> Callable[[Callable[..., R]], Flow]:
         # annotations (`from __future__ import annotations`) would resolve in this module's namespace
         locked.__signature__ = inspect.signature(body, eval_str=True)
         locked.__annotations__ = typing.get_type_hints(body)
-        return flow(name=name, log_prints=True, **flow_options)(locked)
+        # a flow run is named by its stage (Prefect would pick two random words) unless the stage names it further
+        return flow(name=name, log_prints=True, **({"flow_run_name": name} | flow_options))(locked)
 
     return decorate
 

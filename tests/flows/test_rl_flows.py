@@ -35,9 +35,11 @@ def tiny(flow_workspace, tmp_path) -> str:
                                 intermediate_size=128))
 
 
-def test_grpo_flow_trains_on_the_store_problems_and_logs_curves(flow_workspace, tiny, the_run):
+def test_grpo_flow_trains_on_the_store_problems_and_logs_curves(flow_workspace, tiny, the_run, prefect_run):
     cfg = GRPOConfig(policy_path=tiny, problems_source="demo", group_size=4, rewards=SHAPED, **ROLLOUT)
-    final = Path(grpo_flow(cfg))
+    state = grpo_flow(cfg, return_state=True)
+    assert prefect_run(state)[0] == "grpo"  # named by its stage, not two random words
+    final = Path(state.result())
     assert final.name == "final" and final.parent.parent == flow_workspace.models_dir / "grpo"
     load_policy(final, device="cpu")
     run, artifacts = the_run(flow_workspace, "grpo")
