@@ -232,13 +232,18 @@ def run(
                                                        "pipeline any of its stages or eval; else the stage itself."),
 ) -> None:
     """Run one stage, or the whole pipeline, from a config file."""
-    from pipeline_lib.config import FORCEABLE
+    from pipeline_lib.config import FORCEABLE, ConfigError
 
     allowed = FORCEABLE if stage == "pipeline" else () if stage == "ingest" else (stage,)  # ingest is idempotent
     unknown = [name for name in force if name not in allowed]
     if unknown and stage in STAGES:
         fail(f"--force {unknown[0]!r}: expected one of {', '.join(allowed) or 'nothing (ingest never recomputes)'}")
     cfg, stage_flow = load_stage(stage, config)
+    if stage == "pipeline":
+        try:
+            cfg.check_force(force)
+        except ConfigError as exc:
+            fail(f"{config}: {exc}")
     with run_lock():
         if stage == "pipeline":
             outputs = stage_flow(cfg, force=tuple(force))

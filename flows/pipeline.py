@@ -21,7 +21,7 @@ from flows.rm import rm_flow
 from flows.sample import sample_flow
 from flows.sft import sft_flow
 from pipeline_lib import tracking
-from pipeline_lib.config import FORCEABLE, ConfigError, PipelineConfig
+from pipeline_lib.config import PipelineConfig
 from tasks.common import current_workspace, run_tags
 from tasks.evaluation import compare_task
 
@@ -32,9 +32,7 @@ TRAINING_FLOWS = {"sft": sft_flow, "rm": rm_flow, "rs_sft": sft_flow, "dpo": dpo
 @stage_flow("pipeline")
 def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str, str]:
     """Run every enabled stage in order; returns each stage's output (model dir or sampling run id)."""
-    unknown = sorted(set(force) - set(FORCEABLE))
-    if unknown:
-        raise ConfigError(f"force: unknown stage(s) {unknown}; expected names from {FORCEABLE}")
+    cfg.check_force(force)
     with tracking.pipeline_run(current_workspace(), cfg.name, cfg, tags=run_tags()) as pipeline_run_id:
         for ingest_cfg in cfg.ingest:
             ingest_flow(ingest_cfg)

@@ -880,6 +880,18 @@ class PipelineConfig(Config):
         update = {field: outputs[target] for s, field, target in self.stage_refs() if s == stage}
         return cfg.model_copy(update=update)
 
+    def check_force(self, force: tuple[str, ...] | list[str]) -> None:
+        """ConfigError unless every name in `force` is a stage this preset runs (or `eval`, with an eval section):
+        forcing a stage it does not run would silently do nothing."""
+        unknown = sorted(set(force) - set(FORCEABLE))
+        if unknown:
+            raise ConfigError(f"force: unknown stage(s) {unknown}; expected names from {FORCEABLE}")
+        runs = [s for s in FORCEABLE if (s == "base" and self.base is not None)
+                or (s not in ("base", "eval") and getattr(self, s) is not None) or (s == "eval" and self.evaluated)]
+        absent = sorted(set(force) - set(runs))
+        if absent:
+            raise ConfigError(f"force: {absent} not run by this preset; it runs {runs}")
+
     @property
     def evaluated(self) -> tuple[str, ...]:
         """The enabled stages of eval_models; none without an `eval` section (it holds the sampling settings)."""

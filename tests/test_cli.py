@@ -135,14 +135,22 @@ def test_a_file_ingested_again_under_another_split_says_where_its_rows_stay_and_
     assert missing.returncode == 2 and "error: source 'test-first100': no rows in the store" in missing.stderr
 
 
+def test_forcing_a_stage_the_preset_does_not_run_is_one_line(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("base: {corpus_sources: [demo]}\nsft: {model_path: 'from:base'}\n")
+    result = alignflow("run", "pipeline", "--config", str(preset), "--force", "dapo", workspace=tmp_path / "ws")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {preset}: force: ['dapo'] not run by this preset; it runs ['base', 'sft']"
+
+
 def test_prepare_without_texts_in_the_store_is_one_line(tmp_path):
     config = tmp_path / "prepare.yaml"
     config.write_text("corpus_sources: [demo]\n")
     result = alignflow("run", "prepare", "--config", str(config), workspace=tmp_path / "ws")
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-2] == (
-        "error: prepare: no texts in sources ['demo'] to build the tokenizer from; ingest some first "
-        "(alignflow ingest data/demo/problems.jsonl --source demo)"), result.stderr
+    assert ("error: prepare: no texts in sources ['demo'] to build the tokenizer from; ingest some first "
+            "(alignflow ingest data/demo/problems.jsonl --source demo)") in result.stderr.splitlines(), result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(("stage", "text", "field", "hint"), [

@@ -109,4 +109,8 @@ def test_a_force_naming_no_stage_is_refused_before_anything_runs(flow_workspace)
     cfg = validate_config(PipelineConfig, {"base": {}, "sft": {"model_path": "from:base"}})
     with pytest.raises(ConfigError, match=r"force: unknown stage\(s\) \['sfft'\]"):
         pipeline_flow(cfg, force=("sfft",))
+    # a stage the preset does not run would be forced to nothing, silently
+    with pytest.raises(ConfigError, match=r"force: \['dapo', 'eval'\] not run by this preset; it runs \['base', "
+                                          r"'sft'\]"):
+        pipeline_flow(cfg, force=("dapo", "sft", "eval"))
     assert tracking.find_runs(flow_workspace, "") == []
