@@ -218,4 +218,4 @@ def test_grpo_requires_ref_logps_when_beta_is_set():
 
 
 def test_losses_dispatch_dict():
-    assert LOSSES == {"grpo": grpo_loss, "dapo": dapo_loss}
+    assert LOSSES == {"grpo": grpo_loss, "dr_grpo": dr_grpo_loss, "dapo": dapo_loss}
