@@ -16,7 +16,8 @@ FIELDS: dict[str, tuple[tuple[tuple[str, ...], str, bool], ...]] = {
     "hh": ((("chosen",), "text", True), (("rejected",), "text", True)),
     "chat": ((("prompt",), "chat_prompt", False), (("chosen",), "messages", True), (("rejected",), "messages", True)),
     "ranking": ((("prompt",), "text", True), (("responses",), "text_list", True), (("ranks",), "rank_list", False)),
-    "problem": ((("question", "prompt", "problem"), "text", True), (("answer",), "answer", True), (("split",), "text", False)),
+    "problem": ((("question", "prompt", "problem"), "text", True), (("answer",), "answer", True),
+                (("split",), "text", False)),
 }
 SCHEMAS: dict[str, dict[str, pl.DataType]] = {
     "pairs": {"prompt": pl.String, "chosen": pl.String, "rejected": pl.String},
