@@ -339,10 +339,10 @@ def demo(
     from pipeline_lib.config import PipelineConfig, load_config
 
     workspace = resolve_workspace()
+    cfg = load_config(PipelineConfig, preset)  # a bad preset fails before the demo data is generated
     with run_lock():
         generated = workspace.root / "data" / "demo"
         subprocess.run([sys.executable, str(REPO_ROOT / "data" / "generate.py"), "--out", str(generated)], check=True)
-        cfg = load_config(PipelineConfig, preset)
         ingest = [c.model_copy(update={"path": str(generated / Path(c.path).name)})
                   if c.path.startswith("data/demo/") else c for c in cfg.ingest]
         from flows.pipeline import pipeline_flow

@@ -143,6 +143,15 @@ def test_forcing_a_stage_the_preset_does_not_run_is_one_line(tmp_path):
     assert result.stderr.strip() == f"error: {preset}: force: ['dapo'] not run by this preset; it runs ['base', 'sft']"
 
 
+def test_demo_with_a_bad_preset_fails_before_generating_its_data(tmp_path):
+    preset = tmp_path / "bad.yaml"
+    preset.write_text("base: {}\nsft: {model_path: 'from:base', max_step: 3}\n")
+    result = alignflow("demo", "--config", str(preset), workspace=tmp_path / "ws")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {preset}: unknown field 'sft.max_step' (did you mean 'max_steps'?)"
+    assert not (tmp_path / "ws" / "data").exists()
+
+
 def test_prepare_without_texts_in_the_store_is_one_line(tmp_path):
     config = tmp_path / "prepare.yaml"
     config.write_text("corpus_sources: [demo]\n")
