@@ -102,6 +102,7 @@ def test_misspelled_config_field_is_one_line(tmp_path):
     assert result.stderr.strip() == f"error: {config}: unknown field 'betta' (did you mean 'beta'?)"
 
 
+@pytest.mark.slow  # several CLI processes, each starting Prefect: 30-70 s on 2 cores
 def test_ingest_then_stats(tmp_path):
     """From a directory of the user's own, the README's `data/...` path still names the shipped file; the counts
     come on stdout (Prefect's log lines go to stderr)."""
@@ -117,6 +118,7 @@ def test_ingest_then_stats(tmp_path):
         in small.stdout
 
 
+@pytest.mark.slow  # several CLI processes, each starting Prefect: 30-70 s on 2 cores
 def test_a_file_ingested_again_under_another_split_says_where_its_rows_stay_and_data_delete_frees_them(tmp_path):
     """The GSM8K test file ingested without --split lands in 'train'; ingesting it again with --split test says
     the rows stay where they are, and `data delete --source` lets the second ingest place them."""
@@ -152,6 +154,7 @@ def test_demo_with_a_bad_preset_fails_before_generating_its_data(tmp_path):
     assert not (tmp_path / "ws" / "data").exists()
 
 
+@pytest.mark.slow  # several CLI processes, each starting Prefect: 30-70 s on 2 cores
 def test_prepare_without_texts_in_the_store_is_one_line(tmp_path):
     config = tmp_path / "prepare.yaml"
     config.write_text("corpus_sources: [demo]\n")
