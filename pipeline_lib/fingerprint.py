@@ -11,15 +11,18 @@ import polars as pl
 # Files above this size are fingerprinted by (size, mtime) instead of content: hashing the multi-GB
 # weights of a real model on every pipeline run would cost minutes; the tiny model is hashed fully.
 FULL_HASH_LIMIT = 256 * 1024 * 1024
+# What a training stage writes beside a final model about its run (wall time, metrics): not part of the model
+FINAL_MARKER = "alignflow_final.json"
 
 
-def fingerprint_path(path: str | Path) -> str:
-    """sha256 over a file, or over every file of a dir (relative name + content), hex.
+def fingerprint_path(path: str | Path, *, skip_names: tuple[str, ...] = ()) -> str:
+    """sha256 over a file, or over every file of a dir (relative name + content) but those named in
+    `skip_names`, hex.
 
     Cheap for small files; large files contribute (size, mtime_ns)."""
     path = Path(path)
     digest = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and p.name not in skip_names)
     for file in files:
         stat = file.stat()
         digest.update(str(file.relative_to(path) if file != path else file.name).encode())
@@ -32,11 +35,12 @@ def fingerprint_path(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def model_fingerprint(model_path: str) -> str:
+def model_fingerprint(model_path: str | Path) -> str:
     """A model dir's content fingerprint (a hub id stands for itself): a model retrained into the same dir is a
-    new input, an identical copy the same one."""
+    new input, an identical copy the same one. The final marker is left out: it records the run (its wall time),
+    so a stage retrained to the same weights leaves every stage after it cached."""
     path = Path(model_path).expanduser()
-    return fingerprint_path(path) if path.is_dir() else model_path
+    return fingerprint_path(path, skip_names=(FINAL_MARKER,)) if path.is_dir() else str(model_path)
 
 
 def content_id(*parts: str) -> str:

@@ -24,10 +24,10 @@ from torch import Tensor, nn
 
 from pipeline_lib.config import ConfigError
 from pipeline_lib.errors import AlignflowError, first_line
+from pipeline_lib.fingerprint import FINAL_MARKER
 from pipeline_lib.logfns import LogFn
 
 CHECKPOINT_DIR = "checkpoint"
-FINAL_MARKER = "alignflow_final.json"
 
 
 class NonFiniteLossError(AlignflowError):

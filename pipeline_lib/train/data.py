@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pipeline_lib.config import model_paths, validate_config
 from pipeline_lib.errors import AlignflowError
-from pipeline_lib.fingerprint import content_id, fingerprint_path, frame_fingerprint, keyed_dir
+from pipeline_lib.fingerprint import content_id, frame_fingerprint, keyed_dir, model_fingerprint
 from pipeline_lib.logfns import print_log
 from pipeline_lib.models.loading import resolve_model_dir
 from pipeline_lib.rewards.model import text_ids
@@ -253,7 +253,7 @@ def holdout_split(prompts: Sequence[str], fraction: float, *, seed: int) -> tupl
 
 def _run_parts(cfg: BaseModel, frames: Sequence[pl.DataFrame]) -> list[str]:
     """Config + the files of every model dir it names (starting policy, reward model) + data."""
-    models = [fingerprint_path(resolve_model_dir(path)) for path in model_paths(cfg)]
+    models = [model_fingerprint(resolve_model_dir(path)) for path in model_paths(cfg)]
     return [cfg.model_dump_json(), *models, *(frame_fingerprint(frame) for frame in frames)]
 
 

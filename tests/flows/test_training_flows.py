@@ -14,6 +14,7 @@ from flows.dpo import dpo_flow
 from flows.rm import rm_flow
 from flows.sft import sft_flow
 from pipeline_lib.config import DPOConfig, PPOConfig, RMConfig, SFTConfig
+from pipeline_lib.fingerprint import FINAL_MARKER, model_fingerprint
 from pipeline_lib.models import RewardModel, build_tiny_model, load_policy
 from pipeline_lib.store.db import open_store
 from pipeline_lib.train.common import final_metrics
@@ -142,6 +143,20 @@ def test_the_stage_dir_follows_every_model_the_config_names(flow_workspace, tiny
     assert stage_dir(flow_workspace.models_dir, "ppo", cfg) != before
 
 
+def test_a_model_retrained_to_the_same_weights_leaves_the_next_stage_cached(flow_workspace, tiny, tmp_path):
+    """A forced or deleted stage that trains again to the same files writes a new final marker (its wall time):
+    the stages after it keep their dirs and cache keys instead of all running again."""
+    reward_model = shutil.copytree(tiny, tmp_path / "rm")
+    marker = reward_model / FINAL_MARKER
+    marker.write_text(json.dumps({"metrics": {"train/seconds": 1.42}}))
+    cfg = PPOConfig(policy_path=tiny, reward_model_path=str(reward_model))
+    before = stage_dir(flow_workspace.models_dir, "ppo", cfg), model_fingerprint(reward_model)
+    marker.write_text(json.dumps({"metrics": {"train/seconds": 1.74}}))
+    assert (stage_dir(flow_workspace.models_dir, "ppo", cfg), model_fingerprint(reward_model)) == before
+    (reward_model / "config.json").write_text((reward_model / "config.json").read_text() + " ")
+    assert model_fingerprint(reward_model) != before[1]
+
+
 def test_rm_flow_reports_held_out_accuracy(flow_workspace, tiny, the_run):
     final = Path(rm_flow(RMConfig(model_path=tiny, eval_fraction=0.2, **FAST)))
     RewardModel.from_pretrained(final, device="cpu")
@@ -162,7 +177,7 @@ def test_dpo_flow_logs_before_after_and_caches_reference_logps(flow_workspace, t
     run, artifacts = the_run(flow_workspace, "dpo")
     assert {"train/loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
             "logps/chosen", "logps/rejected", "eval/pref_accuracy", "eval/logp_margin"} <= set(run.data.metrics)
-    assert (artifacts / "dpo_before_after.png").is_file()
+    assert (artifacts / "dpo_before_after.png").is_file() and (artifacts / "dpo_curves.png").is_file()
     assert len(list((flow_workspace.root / "cache" / "ref_logps").glob("*.safetensors"))) == 1
     metrics = final_metrics(final)
     assert {"eval/pref_accuracy_start", "eval/pref_accuracy"} <= set(metrics)
