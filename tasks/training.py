@@ -25,6 +25,7 @@ from tasks.common import CACHED, artifact_key, current_workspace, run_tags
 
 SFT_CURVES = ["train/loss", "eval/loss"]
 RM_CURVES = ["train/loss", "eval/rm_accuracy", "eval/rm_margin"]
+DPO_CURVES = ["train/loss", "rewards/margins", "rewards/accuracies", "eval/pref_accuracy"]
 
 
 def result_table(title: str, metrics: Mapping[str, float], keys: list[str]) -> str:
@@ -135,11 +136,13 @@ def dpo_task(cfg: DPOConfig, inputs_fingerprint: str = "", force: bool = False) 
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
     keys = ["eval/pref_accuracy", "eval/logp_margin"]
+    history: list[tuple[int, dict[str, float]]] = []
     with tracking.stage_run(workspace, "dpo", cfg, tags=run_tags(inputs_fingerprint)) as log:
-        final = train_dpo(cfg, pairs, out_dir, log=log, cache_dir=workspace.root / "cache")
+        final = train_dpo(cfg, pairs, out_dir, log=recording(log, history), cache_dir=workspace.root / "cache")
         tracking.log_model(final)
         metrics = final_metrics(final)
         tracking.log_figure(before_after_figure(metrics, keys), "dpo_before_after.png")
+        log_curves(history, DPO_CURVES, "dpo_curves.png")
     shown = [k for key in keys for k in (f"{key}_start", key)]
     create_markdown_artifact(result_table(f"DPO -> {final}", metrics, shown), key="dpo-result")
     return str(final)
