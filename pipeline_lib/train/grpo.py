@@ -39,7 +39,9 @@ from pipeline_lib.train.common import (
 )
 from pipeline_lib.train.data import render_prompts, require_chat_template, require_columns, run_key, run_main
 from pipeline_lib.train.rollout import (
+    check_prompt_lengths,
     check_single_process,
+    context_limit,
     grouped_completions_batch,
     grouped_logprobs_in_chunks,
     open_policy_sampler,
@@ -182,6 +184,9 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
         raise AlignflowError(f"grpo: {len(prompts)} problems, fewer than prompts_per_step {cfg.prompts_per_step}")
 
     policy = load_policy(cfg.policy_path, dtype="float32", device=device, trust_remote_code=cfg.trust_remote_code)
+    check_prompt_lengths("grpo", tokenizer, prompts, add_special_tokens=add_special_tokens,
+                         max_new_tokens=cfg.max_new_tokens,
+                         limit=context_limit(policy, cfg.backend, cfg.vllm_max_model_len))
     # dropout off while sampling and updating alike: θ_old's log-probs must be those of the sampling policy
     policy.eval()
     # β = 0 (DAPO): no reference model at all, not a loaded-and-unused one. The reference is loaded like the

@@ -51,8 +51,10 @@ from pipeline_lib.train.data import (
     run_main,
 )
 from pipeline_lib.train.rollout import (
+    check_prompt_lengths,
     check_single_process,
     completions_batch,
+    context_limit,
     logprobs_in_chunks,
     open_policy_sampler,
     read_problems,
@@ -126,6 +128,9 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
     ref = load_policy(cfg.policy_path, dtype="float32", device=device,
                       trust_remote_code=cfg.trust_remote_code).eval()
     ref.requires_grad_(False)
+    check_prompt_lengths("ppo", tokenizer, texts, add_special_tokens=add_special_tokens,
+                         max_new_tokens=cfg.max_new_tokens,
+                         limit=context_limit(policy, cfg.backend, cfg.vllm_max_model_len))
     if answers is None and any(spec["name"] == "verifier" for spec in cfg.rewards):
         raise AlignflowError("ppo: rewards name 'verifier' but the prompts have no answers (use prompts_table "
                              "problems)")

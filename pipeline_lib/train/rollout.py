@@ -101,6 +101,29 @@ def open_policy_sampler(
     shutil.rmtree(sync_dir, ignore_errors=True)
 
 
+def check_prompt_lengths(stage: str, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], *,
+                         add_special_tokens: bool, max_new_tokens: int, limit: int | None) -> None:
+    """Every prompt + max_new_tokens fits the context `limit` (None: unknown, not checked). Checked before step 1:
+    the sampler would only refuse a prompt when its batch comes up, and a seeded resume draws that batch again."""
+    if limit is None:
+        return
+    ids = tokenizer(list(prompts), add_special_tokens=add_special_tokens)["input_ids"]
+    over = [i for i, row in enumerate(ids) if len(row) + max_new_tokens > limit]
+    if over:
+        first = over[0]
+        raise AlignflowError(f"{stage}: {len(over)} of {len(prompts)} prompts do not fit the context: prompts[{first}] "
+                             f"has {len(ids[first])} tokens + max_new_tokens {max_new_tokens} > {limit}; drop them from "
+                             "the data or lower max_new_tokens")
+
+
+def context_limit(policy: PreTrainedModel, backend: str, vllm_max_model_len: int | None) -> int | None:
+    """The positions a rollout may fill: the model's, or vLLM's max_model_len where that is set lower."""
+    limit = getattr(policy.config, "max_position_embeddings", None)
+    if backend == "vllm" and vllm_max_model_len is not None:
+        return vllm_max_model_len if limit is None else min(limit, vllm_max_model_len)
+    return limit
+
+
 def _check_completions(prompts: Sequence[str], completions: Sequence[Completion]) -> None:
     if len(prompts) != len(completions):
         raise ValueError(f"completions: expected one per prompt ({len(prompts)}), got {len(completions)}")

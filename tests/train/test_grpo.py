@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline_lib.config import ConfigError, DAPOConfig, GRPOConfig, validate_config
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.models import RewardModel, build_tiny_model, load_policy, load_tokenizer, sequence_logprobs
 from pipeline_lib.rewards.registry import combined_reward
 from pipeline_lib.sampling import Completion, SamplingError
@@ -459,3 +460,12 @@ def test_two_grpo_steps_with_the_vllm_backend(tiny, problems, tmp_path, collect)
     before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert not (tmp_path / "out" / "vllm_sync").exists()
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_step_1(tiny, problems, tmp_path):
+    long = pl.DataFrame({"prompt": ["1" * 251], "answer": ["1"]})
+    data = pl.concat([problems.select("prompt", pl.col("answer").cast(pl.Utf8)), long])
+    with pytest.raises(AlignflowError, match=rf"^grpo: 1 of {data.height} prompts do not fit the context: "
+                                             rf"prompts\[{data.height - 1}\] has 251 tokens \+ max_new_tokens 6 > 256"):
+        train_grpo(small_config(tiny), data, tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -186,3 +186,14 @@ def test_a_rollout_from_diverged_weights_is_a_one_line_error_and_no_final_model(
     with pytest.raises(SamplingError, match=r"logits (are not finite|became inf or NaN).*diverged or are damaged$"):
         train_ppo(cfg, problems, tmp_path / "out")
     assert not (tmp_path / "out" / "final").exists()
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_step_1(tiny, reward_model, problems, tmp_path):
+    """The sampler would refuse it only when its batch came up (after steps were trained), and a seeded resume
+    would draw that batch again: every prompt is measured first."""
+    long = pl.DataFrame({"prompt": ["1" * 300], "answer": ["1"]})
+    data = pl.concat([problems.select("prompt", pl.col("answer").cast(pl.Utf8)), long])
+    with pytest.raises(AlignflowError, match=r"^ppo: 1 of 65 prompts do not fit the context: prompts\[64\] has 300 "
+                                             r"tokens \+ max_new_tokens 6 > 256; drop them"):
+        train_ppo(small_config(tiny, reward_model), data, tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
