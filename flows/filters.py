@@ -6,7 +6,7 @@ from typing import Literal
 
 from flows.common import stage_flow
 from tasks.filters import filter_task
-from tasks.store import samples_fingerprint_task
+from tasks.store import samples_fingerprint_task, west_of_n_missing_task
 
 
 # runs named `best_of_n-<samples run id>`, not at random: the pipeline's filter runs differ by kind
@@ -14,5 +14,10 @@ from tasks.store import samples_fingerprint_task
 def filter_flow(kind: Literal["best_of_n", "west_of_n", "dynamic"], samples_run_id: str, group_size: int | None = None,
                 source: str = "west_of_n") -> dict:
     """West-of-N stores its pairs under `source`, those of a run that sampled with the chat template as
-    conversations (the samples record it); `group_size` is the dynamic filter's."""
-    return filter_task(kind, samples_run_id, group_size, samples_fingerprint_task(samples_run_id), source)
+    conversations (the samples record it); `group_size` is the dynamic filter's. A cache hit whose West-of-N
+    pairs have left the store since (`alignflow data delete --source`) filters again."""
+    inputs = samples_fingerprint_task(samples_run_id)
+    stats = filter_task(kind, samples_run_id, group_size, inputs, source)
+    if kind == "west_of_n" and west_of_n_missing_task(samples_run_id, source):
+        stats = filter_task.with_options(refresh_cache=True)(kind, samples_run_id, group_size, inputs, source)
+    return stats

@@ -18,6 +18,7 @@ from pipeline_lib.config import (
     SFTConfig,
     model_paths,
 )
+from pipeline_lib.filters import west_of_n_of_run
 from pipeline_lib.fingerprint import content_id, frame_fingerprint, model_fingerprint
 from pipeline_lib.sampling.stage import sample_run_id, select_problems
 from pipeline_lib.store.db import open_store
@@ -56,6 +57,14 @@ def samples_count_task(run_id: str) -> int:
     """How many rows a sampling run holds in the store now."""
     with open_store(current_workspace().store_path) as store:
         return store.count("samples", run_id=run_id)
+
+
+@task(name="west-of-n-missing")
+def west_of_n_missing_task(run_id: str, source: str) -> int:
+    """How many of a sampling run's West-of-N pairs preference_pairs does not hold now (deleted since a cached
+    filter run wrote them)."""
+    with open_store(current_workspace().store_path) as store:
+        return store.count_missing("preference_pairs", west_of_n_of_run(store, run_id, source)[0])
 
 
 @task(name="eval-results-count")

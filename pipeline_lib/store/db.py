@@ -110,6 +110,12 @@ def _check_table(table: str) -> str:
     return table
 
 
+def _key_match(table: str) -> str:
+    """SQL matching a row `t` of `table` to a row `f` on the table's key, NULL-safe (the quarantine key has
+    nullable columns)."""
+    return " AND ".join(f"t.{k} IS NOT DISTINCT FROM f.{k}" for k in TABLE_KEYS[table])
+
+
 def _where(table: str, equals: dict[str, object]) -> tuple[str, list]:
     """The WHERE condition (TRUE when empty) and parameters of column equality filters; None matches NULL."""
     _check_table(table)
@@ -179,13 +185,19 @@ class Store:
         cols = self._columns(table, frame)
         if frame.height == 0:
             return 0
-        # NULL-safe: the quarantine key has nullable columns
-        on = " AND ".join(f"t.{k} IS NOT DISTINCT FROM f.{k}" for k in TABLE_KEYS[table])
         with self._registered(frame) as name:
             return self._run(
                 f"INSERT INTO {table} ({cols}) SELECT {cols} FROM {name} f "
-                f"WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE {on})"
+                f"WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE {_key_match(table)})"
             )[0][0]
+
+    def count_missing(self, table: str, frame: pl.DataFrame) -> int:
+        """How many rows of `frame` have a key that `table` does not hold (what `insert_new` would insert)."""
+        if frame.height == 0:
+            return 0
+        with self._registered(frame.select(TABLE_KEYS[table])) as name:
+            return self._run(f"SELECT count(*) FROM {name} f "
+                             f"WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE {_key_match(table)})")[0][0]
 
     def delete_source(self, source: str) -> dict[str, int]:
         """Delete the rows of `source` from the ingested tables and the quarantine; rows deleted per table."""

@@ -144,6 +144,22 @@ def test_west_of_n_pairs_go_under_their_source_and_dpo_trains_on_one_runs_alone(
     assert pairs.select("prompt", "chosen", "rejected").rows() == [("1+1=", "2", "7")]
 
 
+def test_west_of_n_pairs_deleted_since_a_cached_filter_run_are_written_again(flow_workspace):
+    """`alignflow data delete --source` frees a source; the pipeline's next (cached) filter run puts its pairs back
+    instead of leaving the source empty, and a run whose pairs are all stored stays a cache hit."""
+    with open_store(flow_workspace.store_path) as store:
+        store.insert_new("samples", SAMPLES.with_columns(run_id=pl.lit("d1")))
+    assert filter_flow("west_of_n", "d1", source="won_d")["filter/pairs_inserted"] == 1
+    assert filter_flow("west_of_n", "d1", source="won_d")["filter/pairs_inserted"] == 1  # cached: the first stats
+    runs = len(tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'west_of_n'"))
+    with open_store(flow_workspace.store_path) as store:
+        assert store.delete_source("won_d")["preference_pairs"] == 1
+    assert filter_flow("west_of_n", "d1", source="won_d")["filter/pairs_inserted"] == 1
+    with open_store(flow_workspace.store_path) as store:
+        assert store.count("preference_pairs", source="won_d") == 1
+    assert len(tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'west_of_n'")) == runs + 1
+
+
 def test_a_filter_on_a_run_without_rows_is_one_line_and_not_retried(flow_workspace):
     with pytest.raises(SamplesError, match=r"^samples: no rows for run_id 'nosuch'; run the sampling stage first$"):
         filter_flow("west_of_n", "nosuch")
