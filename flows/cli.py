@@ -394,27 +394,15 @@ def ui(
     run_ui(resolve_workspace(), prefect_port=prefect_port, mlflow_port=mlflow_port)
 
 
-def eval_summary(results) -> str:
-    """One line per model: Pass@1, Pass@K and Maj@K at the largest K."""
-    lines = []
-    for (model,), rows in results.group_by(["model"], maintain_order=True):
-        k = rows["k"].max()
-        top = rows.filter(rows["k"] == k).row(0, named=True)
-        first = rows.filter(rows["k"] == 1)
-        pass1 = f"{first['pass_at_k'][0]:.3f}" if first.height else "-"
-        lines.append(f"  {model:<8} Pass@1 {pass1} | Pass@{k} {top['pass_at_k']:.3f} | Maj@{k} {top['maj_at_k']:.3f}")
-    return "\n".join(lines) or "  (no evaluation results)"
-
-
 def print_results(workspace, seconds: float) -> None:
-    """Pass@1 / Pass@K / Maj@K per model of the latest evaluations, and where to look next."""
+    """The store's row counts and where to look next; the Pass@K / Maj@K table of this pipeline's evaluations was
+    printed by the pipeline itself (the store's newest results may be another preset's, after a cached rerun)."""
     from pipeline_lib.store.db import open_store
 
     with open_store(workspace.store_path, read_only=True) as store:
         echo_frame(store.stats())
-        results = store.latest_eval_results()
-    typer.echo(f"\nevaluation (held-out problems), pipeline took {seconds:.0f} s:")
-    typer.echo(eval_summary(results))
+    typer.echo(f"\npipeline took {seconds:.0f} s; Pass@K / Maj@K of its models on the held-out problems: the table "
+               "above (eval_results.md in the pipeline's MLflow run)")
     typer.echo(f"\nMLflow:  mlflow ui --backend-store-uri {workspace.tracking_uri} --port 5000   "
                f"(or `alignflow ui`)\nPrefect: alignflow ui  -> http://127.0.0.1:4200   store: {workspace.store_path}")
 

@@ -273,14 +273,6 @@ class Store:
         rows = self._run("SELECT DISTINCT count(*) FROM samples WHERE run_id = ? GROUP BY prompt_id", [run_id])
         return {r[0] for r in rows}
 
-    def latest_eval_results(self) -> pl.DataFrame:
-        """eval_results of each model's most recent evaluation run (model, dataset, k, pass_at_k, maj_at_k)."""
-        return self.con.sql(
-            "SELECT e.model, e.dataset, e.k, e.pass_at_k, e.maj_at_k, e.n_samples FROM eval_results e JOIN "
-            "(SELECT model, arg_max(run_id, created_at) AS run_id FROM eval_results GROUP BY model) l "
-            "USING (model, run_id) ORDER BY e.model, e.k"
-        ).pl()
-
     def corpus_texts(self, sources: list[str] | None = None) -> list[str]:
         """Every prompt/response text of the store (optionally of some sources): a tokenizer's training corpus."""
         parts = [

@@ -54,7 +54,7 @@ def test_pipeline_chain_cache_hits_and_partial_recompute(flow_workspace, capsys)
         assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id and run.info.status == "FINISHED"
         assert len(run.data.tags["data.fingerprint"]) == 64  # the inputs' fingerprint keys the cache
     with open_store(flow_workspace.store_path) as store:
-        results = store.latest_eval_results()
+        results = store.read("eval_results")  # a fresh workspace: one evaluation per model
         assert store.count("preference_pairs") > 3000  # the demo pairs plus West-of-N pairs
     assert set(results["model"]) == {"sft", "rs_sft", "dpo", "grpo", "dapo", "ppo"}
     assert parent.data.tags["alignflow.reused"] == ""
@@ -96,7 +96,7 @@ def test_demo_preset_end_to_end(flow_workspace):
     pipeline_flow(cfg)
     seconds = time.perf_counter() - started
     with open_store(flow_workspace.store_path) as store:
-        results = store.latest_eval_results()
+        results = store.read("eval_results")  # a fresh workspace: one evaluation per model
     pass1 = {row["model"]: row["pass_at_k"] for row in results.filter(results["k"] == 1).iter_rows(named=True)}
     print(f"demo preset: {seconds:.0f} s, Pass@1 {pass1}")
     assert 0.0 < pass1["sft"] < 1.0  # SFT learned something and left RL room
