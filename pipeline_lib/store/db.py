@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+import time
 from pathlib import Path
 
 import duckdb
@@ -12,6 +13,9 @@ import polars as pl
 from pipeline_lib.errors import AlignflowError
 
 SCHEMA_VERSION = 2
+# DuckDB lets one process write a file or several read it: a store another process holds (`alignflow data stats`,
+# a notebook's read-only connection, the task of a running pipeline) is waited for this long before giving up
+LOCK_WAIT_SECONDS = 15.0
 
 # Column lists are the schema of DESIGN.md; `*_id` columns are content hashes (idempotent ingest).
 # Keys are kept unique by insert_new's anti-join, not by a PRIMARY KEY: its index made inserting
@@ -306,19 +310,25 @@ class Store:
 
 
 @contextmanager
-def open_store(path: str | Path, *, read_only: bool = False) -> Iterator[Store]:
-    """Open (creating if needed) the store at `path`; one-line StoreError if another process holds it."""
+def open_store(path: str | Path, *, read_only: bool = False, wait: float = LOCK_WAIT_SECONDS) -> Iterator[Store]:
+    """Open (creating if needed) the store at `path`; one-line StoreError if another process still holds it after
+    `wait` seconds."""
     path = Path(path)
     if read_only and not path.exists():
         raise StoreError(f"no store at {path}; run `alignflow ingest` first")
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        con = duckdb.connect(str(path), read_only=read_only)
-    except duckdb.IOException as exc:
-        first = str(exc).splitlines()[0]
-        if "lock" not in first:  # e.g. a file that is not a DuckDB database
-            raise StoreError(f"store {path} cannot be opened ({first})") from None
-        raise StoreError(f"store {path} is in use by another alignflow process ({first})") from None
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            con = duckdb.connect(str(path), read_only=read_only)
+            break
+        except duckdb.IOException as exc:
+            first = str(exc).splitlines()[0]
+            if "lock" not in first:  # e.g. a file that is not a DuckDB database
+                raise StoreError(f"store {path} cannot be opened ({first})") from None
+            if time.monotonic() >= deadline:
+                raise StoreError(f"store {path} is in use by another alignflow process ({first})") from None
+            time.sleep(0.2)
     try:
         store = Store(con)
         if read_only:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import duckdb
 import polars as pl
@@ -156,21 +157,35 @@ def test_read_only_and_one_line_open_errors(tmp_path):
 
 
 def test_store_held_by_another_process(tmp_path):
+    """A store another process holds is waited for (a `data stats` during a pipeline must not fail its next task);
+    one held past the wait is a one-line error."""
     path = tmp_path / "s.duckdb"
     holder = textwrap.dedent(f"""
-        import sys
+        import sys, time
         from pipeline_lib.store.db import open_store
-        with open_store({str(path)!r}):
+        with open_store({str(path)!r}, read_only=sys.argv[1] == "ro"):
             print("ready", flush=True)
-            sys.stdin.read()
+            time.sleep(float(sys.argv[2]))
     """)
-    proc = subprocess.Popen([sys.executable, "-c", holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    with open_store(path):
+        pass  # the file exists for the read-only holder
+    for mode in ("rw", "ro"):
+        proc = subprocess.Popen([sys.executable, "-c", holder, mode, "2"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            started = time.monotonic()
+            with open_store(path) as store:  # waits the holder out
+                assert store.count("problems") == 0
+            assert time.monotonic() - started > 0.5
+        finally:
+            proc.wait(timeout=30)
+    proc = subprocess.Popen([sys.executable, "-c", holder, "rw", "30"], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
         with pytest.raises(StoreError) as err:
-            with open_store(path):
+            with open_store(path, wait=1.0):
                 pass
         assert "is in use by another alignflow process" in str(err.value) and "\n" not in str(err.value)
     finally:
-        proc.stdin.close()
+        proc.kill()
         proc.wait(timeout=30)
