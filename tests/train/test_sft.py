@@ -21,7 +21,7 @@ from pipeline_lib.filters import best_of_n
 from pipeline_lib.models import build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.rewards.math import is_correct
 from pipeline_lib.sampling.hf import HFSampler
-from pipeline_lib.train.common import FINAL_MARKER, Dist, NonFiniteLossError, batches, check_batch_split
+from pipeline_lib.train.common import FINAL_MARKER, Dist, NonFiniteLossError, OtherRunError, batches, check_batch_split
 from pipeline_lib.train.data import TrainDataError, collate, encode_frame
 from pipeline_lib.train import sft as sft_module
 from pipeline_lib.train.sft import sft_rows, train_sft
@@ -114,6 +114,34 @@ def test_gradient_accumulation_gives_the_same_update(tiny, tmp_path, collect):
         assert m4["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=1e-5)
     a, b = load_file(str(one / "model.safetensors")), load_file(str(four / "model.safetensors"))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-2 * 1e-3
+
+
+def test_an_interrupted_run_resumes_under_a_new_checkpoint_interval(tiny, tmp_path, collect):
+    """save_every changes how a run is kept, not what it trains: a run stopped after step 2's checkpoint and
+    rerun with another interval resumes from it (not step 0) and ends with the uninterrupted weights; the finished
+    model is then reused under a third interval. log_every changes the logged curves: another run."""
+    class Stop(Exception):
+        pass
+
+    def stop_at_3(metrics, step):
+        if step == 3:
+            raise Stop
+
+    rows = arithmetic_rows(32)
+    base = dict(model_path=str(tiny), max_steps=4, batch_size=8, lr=1e-2, log_every=1, device="cpu")
+    full = train_sft(SFTConfig(**base, save_every=1), rows, tmp_path / "full")
+    with pytest.raises(Stop):
+        train_sft(SFTConfig(**base, save_every=1), rows, tmp_path / "cut", log=stop_at_3)
+    logged, log = collect()
+    resumed = train_sft(SFTConfig(**base, save_every=3), rows, tmp_path / "cut", log=log)
+    assert [step for step, _ in logged] == [3, 4]  # from step 2's checkpoint
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+    marker = (resumed / FINAL_MARKER).read_text()
+    assert train_sft(SFTConfig(**base, save_every=7), rows, tmp_path / "cut") == resumed
+    assert (resumed / FINAL_MARKER).read_text() == marker  # reused, not trained again
+    with pytest.raises(OtherRunError, match="another run"):
+        train_sft(SFTConfig(**{**base, "log_every": 2}, save_every=1), rows, tmp_path / "cut")
 
 
 def test_nan_loss_stops_with_the_step_and_no_final_model(tiny, tmp_path):
