@@ -321,7 +321,8 @@ class RMConfig(TrainLoopConfig):
     loss: Literal["bradley_terry", "plackett_luce"] = "bradley_terry"
     """`bradley_terry` on preference_pairs (InstructGPT eq. 1) or `plackett_luce` on rankings (K responses)."""
     pooling: Literal["last_token", "mean", "last_two_layers"] = "last_token"
-    """Hidden state fed to the head: last token, masked mean, or mean of the last two layers at the last token."""
+    """Hidden state fed to the head: last token, masked mean, or mean of the last two layers at the last token
+    (both through the backbone's final norm)."""
     margin: float = 0.0
     """Bradley-Terry margin m in -log σ(r_w - r_l - m) (Llama 2 eq. 2); 0 is the plain loss."""
     source: str | None = None

@@ -57,10 +57,23 @@ def _new_head(hidden_size: int, *, zero: bool, seed: int) -> nn.Linear:
     return head
 
 
+def final_norm(backbone: PreTrainedModel) -> nn.Module:
+    """The norm a transformer applies to its last layer's output before `hidden_states[-1]` (Llama, Qwen, Mistral:
+    `norm`; GPT-2: `ln_f`; GPT-NeoX: `final_layer_norm`): the backbone's last direct child named like a norm."""
+    norms = [module for _, module in backbone.named_children() if type(module).__name__.lower().endswith("norm")]
+    if not norms:
+        raise ModelLoadError(f"pooling last_two_layers: {type(backbone).__name__} has no final norm among its "
+                             "direct modules to put the layer before the last on the last layer's scale; use "
+                             "pooling last_token or mean")
+    return norms[-1]
+
+
 def _hidden_states(
-    backbone: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, *, all_layers: bool
+    backbone: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, *, last_two: bool
 ) -> tuple[Tensor, ...]:
-    """Backbone hidden states in float32; positions come from the mask so padding side does not matter."""
+    """Backbone hidden states in float32: the last layer's (final-normed), and with `last_two` before it the
+    previous layer's through the same final norm (raw, a pre-norm model's residual stream is on another scale:
+    far larger on trained LLMs). Positions come from the mask so padding side does not matter."""
     if attention_mask.shape != input_ids.shape or input_ids.dim() != 2:
         raise ValueError(
             f"attention_mask: expected shape {tuple(input_ids.shape)} (B, T) like input_ids, got {tuple(attention_mask.shape)}"
@@ -71,11 +84,11 @@ def _hidden_states(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
-        output_hidden_states=all_layers,
+        output_hidden_states=last_two,
         use_cache=False,
     )
-    if all_layers:
-        return tuple(h.float() for h in outputs.hidden_states)
+    if last_two:
+        return final_norm(backbone)(outputs.hidden_states[-2]).float(), outputs.hidden_states[-1].float()
     return (outputs.last_hidden_state.float(),)
 
 
@@ -131,14 +144,16 @@ class RewardModel(nn.Module):
 
     Poolings (the seeds' three choices): `last_token` = last layer at the last valid token;
     `mean` = masked mean of the last layer over valid tokens; `last_two_layers` = mean of the last two
-    entries of the backbone's hidden_states (the final-normed last layer and the previous layer's output)
-    at the last valid token. The head is float32 whatever the backbone dtype."""
+    layers at the last valid token, both through the backbone's final norm (`hidden_states[-1]` is; the layer
+    before it is given the same norm, `final_norm`). The head is float32 whatever the backbone dtype."""
 
     def __init__(self, backbone: PreTrainedModel, head: nn.Linear, pooling: Pooling = "last_token",
                  chat_prompts: bool | None = None) -> None:
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"pooling={pooling!r}: expected one of {POOLINGS}")
+        if pooling == "last_two_layers":
+            final_norm(backbone)  # one that has none is refused before any training
         self.backbone, self.head, self.pooling = backbone, head.float(), pooling
         self.chat_prompts = chat_prompts  # trained on chat-rendered prompts (None: not recorded); saved with it
 
@@ -160,15 +175,20 @@ class RewardModel(nn.Module):
         trust_remote_code: bool = False,
     ) -> "RewardModel":
         backbone, head, config = _load(path, "reward", dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        if config["pooling"] == "last_two_layers" and not config.get("penultimate_normed"):
+            raise ModelLoadError(f"{path}: a last_two_layers reward model of alignflow < 0.4.1, whose pooling left "
+                                 "the layer before the last un-normed: its head does not fit this pooling; train it "
+                                 "again (`--force rm`)")
         return cls(backbone, head, config["pooling"], config.get("chat_prompts"))  # None before 0.2.0
 
     def save_pretrained(self, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
         return _save(out_dir, self.backbone, self.head, "reward",
-                     {"pooling": self.pooling, "chat_prompts": self.chat_prompts}, tokenizer)
+                     {"pooling": self.pooling, "chat_prompts": self.chat_prompts, "penultimate_normed": True},
+                     tokenizer)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         hidden = _hidden_states(
-            self.backbone, input_ids, attention_mask, all_layers=self.pooling == "last_two_layers"
+            self.backbone, input_ids, attention_mask, last_two=self.pooling == "last_two_layers"
         )
         mask = attention_mask.bool()  # (B, T)
         if self.pooling == "mean":
@@ -216,6 +236,6 @@ class ValueModel(nn.Module):
         return _save(out_dir, self.backbone, self.head, "value", {}, tokenizer)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        (hidden,) = _hidden_states(self.backbone, input_ids, attention_mask, all_layers=False)  # (B, T, H)
+        (hidden,) = _hidden_states(self.backbone, input_ids, attention_mask, last_two=False)  # (B, T, H)
         values = self.head(hidden).squeeze(-1)  # (B, T)
         return torch.where(attention_mask.bool(), values, torch.zeros_like(values))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
 
 from pipeline_lib.models import POOLINGS, RewardModel, ValueModel, build_tiny_model, load_policy
 from pipeline_lib.models.loading import ModelLoadError
@@ -53,7 +53,9 @@ def _unpadded_reference(model: RewardModel) -> torch.Tensor:
     for seq in SEQUENCES:
         out = model.backbone(torch.tensor([seq]), output_hidden_states=True)
         last, before = out.hidden_states[-1][0], out.hidden_states[-2][0]  # (T, H)
-        pooled = {"last_token": last[-1], "mean": last.mean(dim=0), "last_two_layers": (last[-1] + before[-1]) / 2}
+        norm = getattr(model.backbone, "ln_f", None) or model.backbone.norm  # GPT-2, Llama: hidden_states[-1]'s norm
+        pooled = {"last_token": last[-1], "mean": last.mean(dim=0),
+                  "last_two_layers": (last[-1] + norm(before[-1])) / 2}
         scores.append(model.head(pooled[model.pooling]).squeeze())
     return torch.stack(scores)
 
@@ -166,6 +168,25 @@ def test_bad_inputs_are_one_line_errors(policy_dir, tmp_path):
         RewardModel.from_pretrained(policy_dir)
     with pytest.raises(ModelLoadError, match="not a value model dir"):
         ValueModel.from_pretrained(RewardModel.from_policy(policy_dir).save_pretrained(tmp_path / "rm"))
+
+
+def test_last_two_layers_needs_a_final_norm_and_refuses_a_head_trained_without_it(policy_dir, tmp_path):
+    """OPT keeps its final norm inside `decoder`: refused at construction, not at the first score. A reward dir
+    saved before the layer before the last was normed (no `penultimate_normed`) would score with a head trained
+    on another scale: refused, naming the cure."""
+    opt = tmp_path / "opt"
+    OPTForCausalLM(OPTConfig(vocab_size=20, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=2,
+                             max_position_embeddings=32, word_embed_proj_dim=32)).save_pretrained(opt)
+    with pytest.raises(ModelLoadError, match="OPTModel has no final norm.*use pooling last_token or mean"):
+        RewardModel.from_policy(opt, pooling="last_two_layers")
+    assert RewardModel.from_policy(opt, pooling="mean").pooling == "mean"
+    out = RewardModel.from_policy(policy_dir, pooling="last_two_layers").save_pretrained(tmp_path / "rm")
+    config = json.loads((out / "reward_config.json").read_text())
+    assert config["penultimate_normed"] is True
+    del config["penultimate_normed"]
+    (out / "reward_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="alignflow < 0.4.1.*train it again"):
+        RewardModel.from_pretrained(out)
 
 
 def test_a_reward_or_value_model_dir_is_no_policy(policy_dir, tmp_path):
