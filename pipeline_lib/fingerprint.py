@@ -1,8 +1,10 @@
-"""Content fingerprints of files and model dirs: the inputs part of a stage's cache key."""
+"""Content fingerprints of files and model dirs: the inputs part of a stage's cache key; whether a model dir a
+stage wrote is whole. No torch here: the CLI and the flows import it."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import orjson
@@ -67,3 +69,35 @@ def frame_fingerprint(frame: pl.DataFrame) -> str:
     digest = hashlib.sha256(f"{frame.shape}:{frame.columns}".encode())
     digest.update(frame.hash_rows(seed=0).to_numpy().tobytes())
     return digest.hexdigest()
+
+
+def missing_files(final: Path, marker: dict) -> list[str]:
+    """Files of `final` that are gone or whose size is not the recorded one (a marker without sizes, from before
+    they were recorded: a config.json and safetensors weights must be there)."""
+    sizes = marker.get("files")
+    if not isinstance(sizes, dict):
+        return [name for name, there in (("config.json", (final / "config.json").is_file()),
+                                          ("*.safetensors", any(final.glob("*.safetensors")))) if not there]
+    return [name for name, size in sizes.items()
+            if not (final / name).is_file() or (final / name).stat().st_size != size]
+
+
+def model_dir_complete(path: str | Path) -> bool:
+    """Whether a model dir a stage handed on is still all there: the files its final marker records, at their
+    sizes (a dir without a marker, such as the tiny base model: a config.json and safetensors weights)."""
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    try:
+        marker = read_marker(path) if (path / FINAL_MARKER).is_file() else {}
+    except (OSError, ValueError):
+        return False
+    return not missing_files(path, marker)
+
+
+def read_marker(final: Path) -> dict:
+    """A final's marker: a JSON object, else OSError/ValueError."""
+    marker = json.loads((final / FINAL_MARKER).read_text())
+    if not isinstance(marker, dict):
+        raise ValueError(f"expected a JSON object, got {type(marker).__name__}")
+    return marker

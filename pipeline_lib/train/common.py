@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from pipeline_lib.config import ConfigError
 from pipeline_lib.errors import AlignflowError, first_line
-from pipeline_lib.fingerprint import FINAL_MARKER
+from pipeline_lib.fingerprint import FINAL_MARKER, missing_files, read_marker
 from pipeline_lib.logfns import LogFn
 
 CHECKPOINT_DIR = "checkpoint"
@@ -383,38 +383,6 @@ def final_metrics(final: Path) -> dict[str, float]:
     return json.loads(marker.read_text())["metrics"] if marker.is_file() else {}
 
 
-def _missing_files(final: Path, marker: dict) -> list[str]:
-    """Files of `final` that are gone or whose size is not the recorded one (a marker without sizes, from before
-    they were recorded: a config.json and safetensors weights must be there)."""
-    sizes = marker.get("files")
-    if not isinstance(sizes, dict):
-        return [name for name, there in (("config.json", (final / "config.json").is_file()),
-                                          ("*.safetensors", any(final.glob("*.safetensors")))) if not there]
-    return [name for name, size in sizes.items()
-            if not (final / name).is_file() or (final / name).stat().st_size != size]
-
-
-def model_dir_complete(path: str | Path) -> bool:
-    """Whether a model dir a stage handed on is still all there: the files its final marker records, at their
-    sizes (a dir without a marker, such as the tiny base model: a config.json and safetensors weights)."""
-    path = Path(path)
-    if not path.is_dir():
-        return False
-    try:
-        marker = _read_marker(path) if (path / FINAL_MARKER).is_file() else {}
-    except (OSError, ValueError):
-        return False
-    return not _missing_files(path, marker)
-
-
-def _read_marker(final: Path) -> dict:
-    """A final's marker: a JSON object, else OSError/ValueError."""
-    marker = json.loads((final / FINAL_MARKER).read_text())
-    if not isinstance(marker, dict):
-        raise ValueError(f"expected a JSON object, got {type(marker).__name__}")
-    return marker
-
-
 def finished_final(out_dir: Path, log: LogFn, step: int, run_key: str) -> Path | None:
     """The final model of a stage dir that finished earlier, else None. Its stored metrics are logged again at
     `step`: the tracking run of a rerun that finds the work done (its cache entry lost) still shows the result.
@@ -425,13 +393,13 @@ def finished_final(out_dir: Path, log: LogFn, step: int, run_key: str) -> Path |
     if not (final / FINAL_MARKER).is_file():
         return None
     try:
-        marker = _read_marker(final)
+        marker = read_marker(final)
     except (OSError, ValueError) as exc:
         warnings.warn(f"{final}: unreadable {FINAL_MARKER} ({first_line(exc)}); training again", RuntimeWarning,
                       stacklevel=2)
         return None
     _other_run(final, marker.get("run_key"), run_key)
-    missing = _missing_files(final, marker)
+    missing = missing_files(final, marker)
     if missing:
         warnings.warn(f"{final} is incomplete ({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} "
                       "missing or cut); training again", RuntimeWarning, stacklevel=2)
