@@ -804,6 +804,17 @@ MODEL_FIELDS = ("model_path", "policy_path", "reward_model_path")  # the referen
 FORCEABLE = (*STAGE_ORDER, "eval")  # what a pipeline run's `force` may name
 
 
+KEEPING_FIELDS = frozenset({"save_every"})
+"""Config fields that change how a run is kept, not what it trains or logs. (`log_every` and `eval_every` change the
+run's logged curves: they stay in its keys.)"""
+
+
+def config_key(cfg: BaseModel) -> str:
+    """A config as cache keys and run keys read it: its JSON without `KEEPING_FIELDS`, so a new checkpoint
+    interval reuses a finished stage and resumes an interrupted one."""
+    return cfg.model_dump_json(exclude=set(KEEPING_FIELDS))
+
+
 def model_paths(cfg: BaseModel) -> list[str]:
     """The model dirs (or hub ids) a stage config names: starting policy, reward model."""
     return [path for path in (getattr(cfg, field, None) for field in MODEL_FIELDS) if path]

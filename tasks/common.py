@@ -9,6 +9,7 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE, CacheKeyFnPolicy
 from prefect.runtime import flow_run
 
 from pipeline_lib import alignflow_version
+from pipeline_lib.config import config_key
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.sampling.vllm import VLLMServerError
 from pipeline_lib.workspace import Workspace, resolve_workspace
@@ -18,12 +19,17 @@ def _workspace_key(context, parameters) -> str:
     return f"{resolve_workspace().root}|alignflow {alignflow_version()}"
 
 
-# A stage task's inputs are its config and the fingerprints of what it reads, so an unchanged stage is
-# a cache hit across processes; the workspace is part of the key (its paths are in the results), and so is
-# alignflow's version (another release may train differently); results persist under PREFECT_HOME (inside
-# the workspace).
+def _config_key(context, parameters) -> str:
+    return config_key(parameters["cfg"]) if "cfg" in parameters else ""
+
+
+# A stage task's inputs are its config (`config_key`: a new checkpoint interval is the same stage) and the
+# fingerprints of what it reads, so an unchanged stage is a cache hit across processes; the workspace is part of
+# the key (its paths are in the results), and so is alignflow's version (another release may train differently);
+# results persist under PREFECT_HOME (inside the workspace).
 CACHED = {
-    "cache_policy": INPUTS + TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_workspace_key),
+    "cache_policy": (INPUTS - "cfg") + TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_workspace_key)
+    + CacheKeyFnPolicy(cache_key_fn=_config_key),
     "persist_result": True,
 }
 

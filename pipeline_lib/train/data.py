@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from pipeline_lib.config import model_paths, validate_config
+from pipeline_lib.config import config_key, model_paths, validate_config
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import content_id, frame_fingerprint, keyed_dir, model_fingerprint
 from pipeline_lib.logfns import print_log
@@ -251,17 +251,10 @@ def holdout_split(prompts: Sequence[str], fraction: float, *, seed: int) -> tupl
             [i for i, prompt in enumerate(prompts) if prompt in held])
 
 
-KEEPING_FIELDS = frozenset({"save_every"})
-"""Config fields that change how a run is kept, not what it trains or logs: left out of its key, so a new
-checkpoint interval reuses a finished model and resumes an interrupted run. (`log_every` and `eval_every` stay in:
-they change the run's logged curves.)"""
-
-
 def _run_parts(cfg: BaseModel, frames: Sequence[pl.DataFrame]) -> list[str]:
-    """Config (but `KEEPING_FIELDS`) + the files of every model dir it names (starting policy, reward model) +
-    data."""
+    """`config_key` + the files of every model dir it names (starting policy, reward model) + data."""
     models = [model_fingerprint(resolve_model_dir(path)) for path in model_paths(cfg)]
-    return [cfg.model_dump_json(exclude=set(KEEPING_FIELDS)), *models, *(frame_fingerprint(frame) for frame in frames)]
+    return [config_key(cfg), *models, *(frame_fingerprint(frame) for frame in frames)]
 
 
 def stage_dir(models_dir: Path, stage: str, cfg: BaseModel, *frames: pl.DataFrame) -> Path:

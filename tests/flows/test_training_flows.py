@@ -13,6 +13,7 @@ import pytest
 from flows.dpo import dpo_flow
 from flows.rm import rm_flow
 from flows.sft import sft_flow
+from pipeline_lib import tracking
 from pipeline_lib.config import DPOConfig, PPOConfig, RMConfig, SFTConfig
 from pipeline_lib.fingerprint import FINAL_MARKER, model_fingerprint
 from pipeline_lib.models import RewardModel, build_tiny_model, load_policy
@@ -93,6 +94,18 @@ def test_sft_task_rerun_returns_the_finished_model(flow_workspace, tiny):
     assert (Path(first) / "model.safetensors").stat().st_mtime_ns == stamp
     other = sft_task.fn(cfg.model_copy(update={"seed": 1}))
     assert other != first
+
+
+def test_a_new_checkpoint_interval_is_a_cache_hit_and_a_new_log_interval_is_not(flow_workspace, tiny):
+    """save_every changes how a stage is kept: the same Prefect cache entry, no new tracking run. log_every
+    changes the logged curves: the stage runs again."""
+    cfg = SFTConfig(model_path=tiny, **FAST)
+    first = sft_flow(cfg)
+    runs = len(tracking.find_runs(flow_workspace, "attributes.run_name = 'sft'"))
+    assert sft_flow(cfg.model_copy(update={"save_every": 7})) == first
+    assert len(tracking.find_runs(flow_workspace, "attributes.run_name = 'sft'")) == runs
+    assert sft_flow(cfg.model_copy(update={"log_every": 2})) != first
+    assert len(tracking.find_runs(flow_workspace, "attributes.run_name = 'sft'")) == runs + 1
 
 
 def test_a_new_held_out_problem_gives_sft_a_new_final_with_its_eval_loss(flow_workspace, tiny):
