@@ -58,6 +58,10 @@ _CUT_TOKEN = re.compile(r"[0-9A-Za-z_.,^{}\\$/+\-\u00a0\u2009\u202f]*")
 _UNSIGNED_START = frozenset("0123456789.$")
 # GSM8K's `#### 72`, not a markdown heading whose line goes on after its number (`#### 2. Add the costs`)
 _HASHES = re.compile(r"####(?![ \t]*\d+[.)][ \t]+[^\W\d_])")
+# An item label starting a line (`1. Janet's ducks...`, `2) 9 * 2 = 18`): no answer after a marker ending its line
+_LIST_ITEM = re.compile(r"[ \t]*\d+[.)][ \t]+\S")
+# A sign the writer spaced from its number (`\boxed{- 5}`): the MATH grader compares without spaces
+_SPACED_SIGN = re.compile(r"^\s*([-+])\s+(?=[\d.$\\])")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_IS = re.compile(r"\banswer\s{0,10}(?:is\b|:|=)|答案\s{0,10}(?:是|为|為|：|:|=)", re.IGNORECASE)
 _A_COLON = re.compile(r"\bA:")
@@ -249,7 +253,8 @@ def _segment_answer(segment: str, numeric: bool) -> str | None:
 
 def _after_last(pattern: re.Pattern[str], text: str) -> str | None:
     """The rest of the line after the last match of `pattern`, or None if it does not occur. When that rest is blank
-    (`Final answer:` ends its line), the next non-blank line instead, if it starts with a number."""
+    (`Final answer:` ends its line), the next non-blank line instead, if it starts with a number that is no list
+    item's label (`Here is the answer:\n1. First, ...` is working to come)."""
     last = None
     for last in pattern.finditer(text):
         pass
@@ -259,6 +264,8 @@ def _after_last(pattern: re.Pattern[str], text: str) -> str | None:
     if line.strip(_LEAD):
         return line
     following = next((candidate for candidate in rest.split("\n") if candidate.strip()), "")
+    if _LIST_ITEM.match(following):
+        return line
     number = _NUMBER.match(following.lstrip(_LEAD))
     return following if number is not None and _token_value(number) is not None else line
 
@@ -283,7 +290,7 @@ def _boxed_content(text: str) -> str | None:
 
 def _boxed_answer(content: str) -> str | None:
     """A boxed answer: a number (units stripped), the right-hand side of `x = 5`, or short text (`x+1`)."""
-    content = content.rsplit("=", 1)[-1]
+    content = _SPACED_SIGN.sub(r"\1", content.rsplit("=", 1)[-1])
     parsed = _parse_number(content)
     if parsed is not None:
         return format_number(*parsed)

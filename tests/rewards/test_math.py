@@ -565,6 +565,28 @@ def test_extract_answer_reads_mixed_numbers_units_headings_and_chinese(text, exp
     assert extract_answer(text) == expected
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # a numbered list after a marker that ends its line is the working, not the answer
+        ("Let's work out the answer:\n1. Janet's ducks lay 16 eggs.\n2. She keeps 7: 16 - 7 = 9.\n"
+         "3. At $2 each: 9 * 2 = $18.\nSo she makes $18 every day.", "18"),
+        ("Steps to get the answer:\n\n1) 16 - 3 - 4 = 9\n2) 9 * 2 = 18\n\nShe makes 18 dollars.", "18"),
+        ("The answer is:\n  2. Then 5 more makes 7", "7"),
+        ("Final answer:\n18.", "18"),  # a number alone on its line still is the answer
+        # a sign spaced from its number in a box: the MATH grader compares without spaces
+        (r"\boxed{- 5}", "-5"),
+        (r"\boxed{ + 5 }", "5"),
+        (r"\boxed{- \frac{1}{2}}", "-1/2"),
+        (r"\boxed{x = - 3}", "-3"),
+    ],
+)
+def test_extract_answer_skips_a_list_after_a_marker_and_reads_a_spaced_boxed_sign(text, expected):
+    """Wrong answers of the verifier review of 2026-12-04: the list label `1.` after `answer:` was the answer
+    (a right completion marked wrong, a wrong `1` marked right), and `\\boxed{- 5}` was the text `- 5`."""
+    assert extract_answer(text) == expected
+
+
 def test_answers_spelled_differently_are_one_value():
     assert is_correct("The answer is 2½", "2.5") and is_correct(r"\boxed{\frac{5}{2}}", r"2\frac12")
     assert answer_value("x²") == answer_value("x^{2}")
