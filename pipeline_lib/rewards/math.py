@@ -105,6 +105,8 @@ _LATEX_SUBS = (
     (re.compile(r"\\[()\[\]]"), ""),
     (re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}"), r"\1/\2"),
     (re.compile(r"\\[dt]?frac(\d)(\d)"), r"\1/\2"),
+    (re.compile(r"\\[dt]frac\b"), r"\\frac"),  # one spelling for what is left (`\dfrac{\sqrt{3}}{2}`)
+    (re.compile(r"\\sqrt\s*([0-9A-Za-z])"), r"\\sqrt{\1}"),  # `\sqrt2` is `\sqrt{2}`, as LaTeX reads it
     (re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|boldsymbol|bm|mbox|emph|operatorname)\s*"
                 r"\{([^{}]*)\}"), r"\1"),
     (re.compile(r"\^\s*\{?\\circ\}?"), ""),
@@ -350,21 +352,27 @@ def _parse_number(text: str, max_chars: int = MAX_NUMBER_CHARS) -> tuple[Fractio
 
 
 def answer_value(answer: str) -> Fraction | str:
-    """The comparable value of an answer: a Fraction if it is a number, else casefolded, space-collapsed text.
+    """The comparable value of an answer: a Fraction if it is a number, else casefolded text without spaces.
 
     Equal values are the same answer (Maj@K votes on them); `is_equivalent` adds the tolerance for repeating values.
     Numbers up to MAX_ANSWER_CHARS are read, so the canonical text `extract_answer` gives reads back as its value."""
-    if len(answer) > MAX_SCAN_CHARS:  # never a number; kept out of the cache so it cannot hold huge strings
-        return _clean_text(_normalize(answer)).casefold()
+    if len(answer) > MAX_SCAN_CHARS:  # never a number, nor any extracted answer: as written, kept out of the cache
+        return _SPACES.sub("", answer).casefold()
     return _cached_answer_value(answer)
 
 
 @lru_cache(maxsize=65_536)
 def _cached_answer_value(answer: str) -> Fraction | str:
+    """A gold answer is read as an extracted one is: `$18$` and `**18**` are 18, `x = 5` is its right-hand side
+    (as `\\boxed{x=5}` is); text compares without spaces, as the MATH grader does (`(1, 2)` is `(1,2)`)."""
     parsed = _parse_number(answer, MAX_ANSWER_CHARS)
     if parsed is not None:
         return parsed[0]
-    return _clean_text(_normalize(answer)).casefold()
+    text = _clean_text(_normalize(answer).rsplit("=", 1)[-1])
+    parsed = _parse_number(text, MAX_ANSWER_CHARS)
+    if parsed is not None:
+        return parsed[0]
+    return _SPACES.sub("", text).casefold()
 
 
 def is_numeric_answer(answer: str | None) -> bool:

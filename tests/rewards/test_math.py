@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline_lib.evaluation import maj_at_k
 from pipeline_lib.rewards.math import (
     MAX_NUMBER_CHARS,
     MAX_SCAN_CHARS,
@@ -169,7 +170,7 @@ def test_format_number_is_canonical():
 def test_answer_value_merges_spellings_of_one_number():
     assert answer_value("1/2") == answer_value("0.50") == answer_value(r"\frac{1}{2}") == Fraction(1, 2)
     assert answer_value("1,000 apples") == 1000
-    assert answer_value("Some Text.") == "some text"
+    assert answer_value("Some Text.") == "sometext"  # text compares without spaces, as the MATH grader does
 
 
 # ---- LaTeX thousands separators, powers of ten, long canonical numbers
@@ -585,6 +586,35 @@ def test_extract_answer_skips_a_list_after_a_marker_and_reads_a_spaced_boxed_sig
     """Wrong answers of the verifier review of 2026-12-04: the list label `1.` after `answer:` was the answer
     (a right completion marked wrong, a wrong `1` marked right), and `\\boxed{- 5}` was the text `- 5`."""
     assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold"),
+    [
+        # a gold answer read as an extracted one is: math-mode dollars, bold, an equation's right-hand side
+        ("The answer is $18$.", "$18$"),
+        ("$18$", "$18$"),
+        (r"\boxed{\frac{1}{2}}", r"$\frac{1}{2}$"),
+        ("So the answer is 18.", "**18**"),
+        (r"\boxed{x=5}", "x=5"),
+        (r"\boxed{y=2x+3}", "y = 2x+3"),
+        ("The answer is x=5.", "x = 5"),
+        # MATH-style text answers: no spaces, \left/\right, one spelling of \frac, `\sqrt2` is `\sqrt{2}`
+        (r"\boxed{(3, \frac{\pi}{2})}", r"\left( 3, \frac{\pi}{2} \right)"),  # MATH-500's first gold
+        (r"\boxed{(1, 2)}", "(1,2)"),
+        (r"\boxed{2\sqrt{3}}", r"2 \sqrt{3}"),
+        (r"\boxed{\dfrac{\sqrt{3}}{2}}", r"\frac{\sqrt{3}}{2}"),
+        (r"\boxed{\sqrt2}", r"\sqrt{2}"),
+    ],
+)
+def test_gold_answers_are_read_like_extracted_ones(completion, gold):
+    """Verifier review of 2026-12-04: each of these completions, some the gold written out, scored 0."""
+    assert is_correct(completion, gold)
+
+
+def test_maj_at_k_votes_one_text_answer_written_with_and_without_spaces():
+    assert maj_at_k([["(1, 2)", "(1,2)", "(1, 2)", "(1,2)", "(3,4)", "(3,4)", "(3,4)"]], ["(1,2)"], 7).tolist() == [1.0]
+    assert not is_correct(r"\boxed{(1, 3)}", "(1,2)") and not is_correct(r"\boxed{\sqrt{3}}", r"\sqrt2")
 
 
 def test_answers_spelled_differently_are_one_value():
