@@ -170,10 +170,11 @@ def data_delete(
 
 
 def echo_frame(frame) -> None:
-    """A polars frame with every row shown (its default repr hides the middle rows behind `…`)."""
+    """A polars frame with every row and whole strings shown (its default repr hides the middle rows and cuts long
+    source names behind `…`)."""
     import polars as pl
 
-    with pl.Config(tbl_rows=-1):
+    with pl.Config(tbl_rows=-1, fmt_str_lengths=1_000, tbl_width_chars=10_000):
         typer.echo(frame if frame.height else "(empty)")
 
 

@@ -188,3 +188,16 @@ def test_eval_default_ks_follow_n(n, ks):
     from flows.cli import default_ks
 
     assert default_ks(n) == ks
+
+
+def test_frames_print_every_row_and_whole_source_names(capsys):
+    """`alignflow data stats` names a sampling run's source by its model path: cut behind `…`, runs of two models
+    under one dir looked alike."""
+    import polars as pl
+
+    from flows.cli import echo_frame
+
+    long_name = "/tmp/workspace/models/sft/" + "0123456789abcdef" * 8 + "/final"
+    echo_frame(pl.DataFrame({"source": [long_name] + [f"s{i}" for i in range(30)], "rows": list(range(31))}))
+    printed = capsys.readouterr().out
+    assert long_name in printed and "s29" in printed and "…" not in printed
