@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,8 +74,22 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float, log: Path)
     raise AlignflowError(f"{url} not healthy after {timeout:.0f} s; see {log}")
 
 
+def require_free_port(port: int, option: str) -> None:
+    """A one-line AlignflowError if 127.0.0.1:`port` is taken: a server started there would exit, and the health
+    check would find whatever already answers (another workspace's UI)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            raise AlignflowError(f"port {port} on 127.0.0.1 is in use (another `alignflow ui` or server?); choose "
+                                 f"another with {option}") from None
+
+
 def run_ui(workspace: Workspace, *, prefect_port: int, mlflow_port: int) -> None:
-    """Prefect server + MLflow UI until SIGINT/SIGTERM; both bound to 127.0.0.1, logs in the workspace."""
+    """Prefect server + MLflow UI until SIGINT/SIGTERM; both bound to 127.0.0.1, logs in the workspace. A server
+    that stops on its own ends both with a one-line error."""
+    require_free_port(prefect_port, "--prefect-port")
+    require_free_port(mlflow_port, "--mlflow-port")
     bin_dir = Path(sys.executable).parent
     logs = workspace.root / "logs"
     logs.mkdir(exist_ok=True)
@@ -98,6 +113,9 @@ def run_ui(workspace: Workspace, *, prefect_port: int, mlflow_port: int) -> None
         print("Ctrl-C stops both.", flush=True)
         while all(p.poll() is None for p in processes.values()):
             time.sleep(1)
+        name = next(name for name, p in processes.items() if p.poll() is not None)
+        raise AlignflowError(f"the {name} server stopped (exit {processes[name].returncode}); see "
+                             f"{logs / f'{name}-server.log'}")
     except KeyboardInterrupt:
         pass
     finally:

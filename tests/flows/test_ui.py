@@ -57,3 +57,20 @@ def test_ui_serves_prefect_and_mlflow_on_loopback_and_stops(tmp_path, subprocess
     finally:
         if ui.poll() is None:
             os.killpg(ui.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("taken", ["--prefect-port", "--mlflow-port"])
+def test_a_port_in_use_is_a_one_line_error_before_any_server_starts(tmp_path, subprocess_env, taken):
+    """Another workspace's UI on the port: its server answered the health check, so `alignflow ui` printed URLs
+    of the other workspace's servers and quit with 0 when its own server exited."""
+    ports = {"--prefect-port": free_port(), "--mlflow-port": free_port()}
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", ports[taken]))
+        holder.listen()
+        result = subprocess.run([sys.executable, "-m", "flows.cli", "ui", *(str(x) for kv in ports.items() for x in kv)],
+                                capture_output=True, text=True, timeout=120,
+                                env=subprocess_env | {"ALIGNFLOW_HOME": str(tmp_path / "ws")})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (f"error: port {ports[taken]} on 127.0.0.1 is in use (another `alignflow ui` or "
+                                     f"server?); choose another with {taken}")
+    assert "UI:" not in result.stdout
