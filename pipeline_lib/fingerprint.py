@@ -4,7 +4,6 @@ stage wrote is whole. No torch here: the CLI and the flows import it."""
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import orjson
@@ -71,6 +70,14 @@ def frame_fingerprint(frame: pl.DataFrame) -> str:
     return digest.hexdigest()
 
 
+def read_marker(final: Path) -> dict:
+    """A final's marker: a JSON object, else OSError/ValueError."""
+    marker = orjson.loads((final / FINAL_MARKER).read_bytes())
+    if not isinstance(marker, dict):
+        raise ValueError(f"expected a JSON object, got {type(marker).__name__}")
+    return marker
+
+
 def missing_files(final: Path, marker: dict) -> list[str]:
     """Files of `final` that are gone or whose size is not the recorded one (a marker without sizes, from before
     they were recorded: a config.json and safetensors weights must be there)."""
@@ -93,11 +100,3 @@ def model_dir_complete(path: str | Path) -> bool:
     except (OSError, ValueError):
         return False
     return not missing_files(path, marker)
-
-
-def read_marker(final: Path) -> dict:
-    """A final's marker: a JSON object, else OSError/ValueError."""
-    marker = json.loads((final / FINAL_MARKER).read_text())
-    if not isinstance(marker, dict):
-        raise ValueError(f"expected a JSON object, got {type(marker).__name__}")
-    return marker

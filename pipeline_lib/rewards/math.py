@@ -220,8 +220,9 @@ def _last_number(text: str) -> str | None:
 
 
 def _clean_text(text: str) -> str:
-    """Whitespace collapsed, surrounding punctuation and `$` removed, a choice letter unwrapped (`(B)` -> `B`)."""
-    text = _SPACES.sub(" ", text).strip().strip("$*").strip(" :.*").strip()
+    """Whitespace collapsed, surrounding punctuation and `$` removed (not a period a number starts with: `$.5$` is
+    .5), a choice letter unwrapped (`(B)` -> `B`)."""
+    text = _SPACES.sub(" ", text).strip().strip("$*").lstrip(" :*").rstrip(" :.*").strip()
     choice = _CHOICE.fullmatch(text)
     return text if choice is None else choice[1]
 

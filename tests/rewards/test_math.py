@@ -599,6 +599,7 @@ def test_extract_answer_skips_a_list_after_a_marker_and_reads_a_spaced_boxed_sig
         (r"\boxed{x=5}", "x=5"),
         (r"\boxed{y=2x+3}", "y = 2x+3"),
         ("The answer is x=5.", "x = 5"),
+        ("The answer is 0.5", "$.5$"),  # the period a number starts with stays
         # MATH-style text answers: no spaces, \left/\right, one spelling of \frac, `\sqrt2` is `\sqrt{2}`
         (r"\boxed{(3, \frac{\pi}{2})}", r"\left( 3, \frac{\pi}{2} \right)"),  # MATH-500's first gold
         (r"\boxed{(1, 2)}", "(1,2)"),
@@ -615,6 +616,7 @@ def test_gold_answers_are_read_like_extracted_ones(completion, gold):
 def test_maj_at_k_votes_one_text_answer_written_with_and_without_spaces():
     assert maj_at_k([["(1, 2)", "(1,2)", "(1, 2)", "(1,2)", "(3,4)", "(3,4)", "(3,4)"]], ["(1,2)"], 7).tolist() == [1.0]
     assert not is_correct(r"\boxed{(1, 3)}", "(1,2)") and not is_correct(r"\boxed{\sqrt{3}}", r"\sqrt2")
+    assert not is_correct("The answer is 5", "$.5$")
 
 
 def test_answers_spelled_differently_are_one_value():
