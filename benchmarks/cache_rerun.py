@@ -29,7 +29,7 @@ def main() -> None:
         from pipeline_lib.workspace import Workspace, apply_environment
 
         # before prefect is imported: PREFECT_HOME (task results, the cache) lives in the workspace
-        workspace = apply_environment(Workspace(Path(tmp) / "ws"))
+        workspace = apply_environment(Workspace(Path(tmp) / "ws")).create()
         from prefect.testing.utilities import prefect_test_harness
 
         from flows.sft import sft_flow

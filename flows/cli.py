@@ -27,15 +27,23 @@ app.add_typer(data_app, name="data")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def print_version(value: bool) -> None:
+    if value:
+        from pipeline_lib import alignflow_version
+
+        typer.echo(f"alignflow {alignflow_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
 def main(
     workspace: Optional[Path] = typer.Option(
         None, "--workspace", "-w", help="Workspace dir (default $ALIGNFLOW_HOME or ./.alignflow)."
     ),
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=print_version,
+                                 help="Print alignflow's version and exit."),
 ) -> None:
-    chosen = resolve_workspace(workspace)
-    if "--help" not in sys.argv[1:]:  # a command's --help creates no workspace
-        apply_environment(chosen)
+    apply_environment(resolve_workspace(workspace))  # creates nothing: the commands that write do (run_lock)
 
 
 def fail(message: str) -> None:
@@ -65,11 +73,11 @@ def echo_result(stage: str, result) -> None:
 
 
 def run_lock() -> AbstractContextManager[None]:
-    """The workspace's run lock for this command: a second run on the same workspace fails at once, in one
-    line naming this process (pipeline_lib.workspace.workspace_lock). Ctrl-C ends it within seconds
-    (exit_soon_after_ctrl_c)."""
+    """The workspace, created, and its run lock for this command: a second run on the same workspace fails at
+    once, in one line naming this process (pipeline_lib.workspace.workspace_lock); take it before importing a
+    flow, whose Prefect import takes seconds. Ctrl-C ends the command within seconds (exit_soon_after_ctrl_c)."""
     exit_soon_after_ctrl_c()
-    return workspace_lock(resolve_workspace(), " ".join(["alignflow", *sys.argv[1:]]))
+    return workspace_lock(resolve_workspace().create(), " ".join(["alignflow", *sys.argv[1:]]))
 
 
 def exit_soon_after_ctrl_c(grace_s: float = 10.0) -> None:
@@ -129,15 +137,15 @@ def ingest(
         fail(f"{path}: is a directory, expected a data file")
     if not cfg.resolved_path.is_file():
         fail(f"{path}: no such file")
-    from pipeline_lib.store.ingest import IngestError, suffix_of
+    from pipeline_lib.store.ingest import IngestError, check_readable
 
-    try:
-        suffix_of(cfg.resolved_path)  # before the flow starts: its server takes seconds
+    try:  # before the flow starts: its server takes seconds, and Prefect would log the error three times
+        check_readable(cfg.resolved_path, cfg.format, cfg.max_record_bytes)
     except IngestError as exc:
         fail(str(exc))
-    from flows.ingest import ingest_flow
-
     with run_lock():
+        from flows.ingest import ingest_flow
+
         echo_result("ingest", ingest_flow(cfg))
 
 
@@ -150,6 +158,23 @@ def data_stats() -> None:
     with open_store(workspace.store_path, read_only=True) as store:
         frame = store.stats()
     typer.echo(f"store: {workspace.store_path}")
+    echo_frame(frame)
+
+
+@data_app.command("quarantine")
+def data_quarantine(
+    source: Optional[str] = typer.Option(None, "--source", "-s", help="Only this source's rows (default: all)."),
+) -> None:
+    """Why rows were quarantined: each file's reasons, with how many rows and the first line each holds (the rows
+    themselves, raw text included, are in the store's `quarantine` table)."""
+    from pipeline_lib.store.db import open_store
+
+    workspace = resolve_workspace()
+    with open_store(workspace.store_path, read_only=True) as store:
+        frame = store.quarantine_reasons(source)
+    if source is not None and not frame.height:
+        fail(f"source {source!r}: no quarantined rows in the store {workspace.store_path}")
+    typer.echo(f"{frame['n_rows'].sum()} quarantined rows in {workspace.store_path}")
     echo_frame(frame)
 
 
@@ -195,7 +220,7 @@ STAGES = {
 
 
 def load_stage(stage: str, config: Path):
-    """(validated config, flow) of a stage; one-line errors for an unknown stage or a bad config."""
+    """The validated config of a stage; one-line errors for an unknown stage or a bad config."""
     from pipeline_lib import config as config_module
 
     if stage not in STAGES:
@@ -214,7 +239,30 @@ def load_stage(stage: str, config: Path):
         if isinstance(value, str) and value.startswith(config_module.FROM):
             fail(f"{config}: {field}: {value!r} names a pipeline stage, which only a pipeline preset can; "
                  "give a path (a stage's output is under the workspace's models/, and `alignflow run` prints it)")
-    return cfg, load_flow(stage)
+    require_models(cfg, stage, config)
+    return cfg
+
+
+def require_models(cfg, stage: str, config: Path) -> None:
+    """Every model a config names (a dir, or a hub id in the local cache) is there before the stage starts, not
+    once Prefect runs it; `from:` references are outputs the pipeline makes."""
+    from pipeline_lib.config import FROM, MODEL_FIELDS, STAGE_ORDER
+
+    sections = {"": cfg} if stage != "pipeline" else {f"{s}.": getattr(cfg, s) for s in STAGE_ORDER[1:]}
+    named = {f"{prefix}{field}": getattr(section, field, None)
+             for prefix, section in sections.items() for field in MODEL_FIELDS if section is not None}
+    if stage == "pipeline":
+        named["base_model_path"] = cfg.base_model_path
+    named = {field: path for field, path in named.items() if path and not path.startswith(FROM)}
+    if not named:
+        return
+    from pipeline_lib.models.loading import ModelLoadError, resolve_model_dir
+
+    for field, path in named.items():
+        try:
+            resolve_model_dir(path)
+        except ModelLoadError as exc:
+            fail(f"{config}: field '{field}': {exc}")
 
 
 def load_flow(stage: str):
@@ -239,13 +287,14 @@ def run(
     unknown = [name for name in force if name not in allowed]
     if unknown and stage in STAGES:
         fail(f"--force {unknown[0]!r}: expected one of {', '.join(allowed) or 'nothing (ingest never recomputes)'}")
-    cfg, stage_flow = load_stage(stage, config)
+    cfg = load_stage(stage, config)
     if stage == "pipeline":
         try:
             cfg.check_force(force)
         except ConfigError as exc:
             fail(f"{config}: {exc}")
     with run_lock():
+        stage_flow = load_flow(stage)
         if stage == "pipeline":
             outputs = stage_flow(cfg, force=tuple(force))
             typer.echo("outputs: " + ", ".join(f"{k}={v}" for k, v in outputs.items()))
@@ -274,9 +323,9 @@ def sample(
         "model_path": str(model), "problems_source": problems, "split": split, "n": n, "backend": backend,
         "max_new_tokens": max_new_tokens, "temperature": temperature, "max_problems": max_problems,
     }, origin="alignflow sample")
-    from flows.sample import sample_flow
-
     with run_lock():
+        from flows.sample import sample_flow
+
         echo_result("sample", sample_flow(cfg))
 
 
@@ -312,9 +361,9 @@ def evaluate(
         "model_path": str(model), "model_name": name, "problems_source": problems, "split": split, "n": n,
         "ks": [k.strip() for k in ks.split(",") if k.strip()], "max_new_tokens": max_new_tokens,  # the config parses
     }, origin="alignflow eval")
-    from flows.evaluate import eval_flow
-
     with run_lock():
+        from flows.evaluate import eval_flow
+
         echo_result("eval", eval_flow(cfg))
 
 
@@ -371,6 +420,7 @@ def serve(
     os.environ.setdefault("PREFECT_API_URL", PREFECT_URL)
     api = os.environ["PREFECT_API_URL"]
     cfg = load_config(PipelineConfig, config)
+    resolve_workspace().create()  # the flows it serves run there, and Prefect's import makes PREFECT_HOME in it
     from flows.deployments import build_deployments
 
     deployments = build_deployments(cfg, origin=str(config))  # a config mistake first, server or not
@@ -392,7 +442,7 @@ def ui(
     """Start the Prefect server and the MLflow UI on 127.0.0.1 and print both URLs (Ctrl-C stops both)."""
     from flows.deployments import run_ui
 
-    run_ui(resolve_workspace(), prefect_port=prefect_port, mlflow_port=mlflow_port)
+    run_ui(resolve_workspace().create(), prefect_port=prefect_port, mlflow_port=mlflow_port)
 
 
 def print_results(workspace, seconds: float) -> None:

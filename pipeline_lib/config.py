@@ -212,14 +212,14 @@ def load_config(model: type[M], path: str | Path) -> M:
 
 
 def check_ingest_files(cfg: BaseModel, origin: str = "config") -> None:
-    """The files an ingest config (or a pipeline's `ingest` list) names exist, else one ConfigError line naming
-    the field. Checked when a preset is loaded, not on every validation: a config built in code may name a file
+    """The files an ingest config (or a pipeline's `ingest` list) names exist and ingest can read them as a whole
+    (type, records, format), else one ConfigError line naming the field. Checked when a preset is loaded, not on every validation: a config built in code may name a file
     written later, and a missing file would otherwise surface only when the pipeline reaches its ingest step."""
     if isinstance(cfg, IngestConfig):
         files = {"path": cfg}
     else:
         files = {f"ingest.{i}.path": ingest for i, ingest in enumerate(getattr(cfg, "ingest", ()))}
-    from pipeline_lib.store.ingest import IngestError, suffix_of  # imports polars and DuckDB: only when checking
+    from pipeline_lib.store.ingest import IngestError, check_readable  # imports polars and DuckDB: only here
 
     for field, ingest in files.items():
         resolved = ingest.resolved_path
@@ -230,7 +230,7 @@ def check_ingest_files(cfg: BaseModel, origin: str = "config") -> None:
                 f" (looked in the working directory and in the alignflow checkout {REPO_ROOT})")
             raise ConfigError(f"{origin}: field '{field}': no such file {ingest.path!r}{where}")
         try:
-            suffix_of(Path(ingest.path))
+            check_readable(resolved, ingest.format, ingest.max_record_bytes)
         except IngestError as exc:  # ingest would refuse it, after the pipeline ingested the files before it
             raise ConfigError(f"{origin}: field '{field}': {exc}") from None
 

@@ -115,7 +115,8 @@ def process_alive(pid: int, started: float | None = None) -> bool:
 
 
 def apply_environment(workspace: Workspace) -> Workspace:
-    """Set the offline settings and point PREFECT_HOME / ALIGNFLOW_HOME at the workspace.
+    """Set the offline settings and point PREFECT_HOME / ALIGNFLOW_HOME at the workspace; creates nothing (a
+    command that writes creates the workspace, so a mistyped --workspace given to a reading one leaves no dirs).
 
     Call before prefect is imported: Prefect reads PREFECT_HOME when its settings load.
     Values the user already exported win (setdefault)."""
@@ -123,7 +124,7 @@ def apply_environment(workspace: Workspace) -> Workspace:
         os.environ.setdefault(key, value)
     os.environ["ALIGNFLOW_HOME"] = str(workspace.root)
     os.environ.setdefault("PREFECT_HOME", str(workspace.prefect_home))
-    return workspace.create()
+    return workspace
 
 
 class WorkspaceLockedError(AlignflowError):

@@ -55,11 +55,79 @@ def test_user_errors_are_one_line(tmp_path, args, expected):
 def test_a_workspace_that_cannot_be_made_is_one_line(tmp_path, where):
     (tmp_path / "f").write_text("x")
     workspace = tmp_path / "f" if where == "a file" else tmp_path / "f" / "ws"
-    result = alignflow("data", "stats", workspace=workspace)
+    result = alignflow("data", "delete", "--source", "x", workspace=workspace)
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: workspace {workspace}: cannot create {workspace} ("), \
         result.stderr
+
+
+def test_data_quarantine_lists_each_files_reasons(tmp_path):
+    from pipeline_lib.store.db import open_store
+    from pipeline_lib.store.ingest import ingest_file
+
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": 1, "rejected": "c"}\n'
+                    'not json\n{"prompt": "d", "chosen": 2, "rejected": "e"}\n')
+    with open_store(tmp_path / "ws" / "store.duckdb") as store:
+        report = ingest_file(data, store, source="my data")
+    assert report.summary().endswith("quarantined 3 (why: `alignflow data quarantine --source 'my data'`)")
+    result = alignflow("data", "quarantine", "--source", "my data", workspace=tmp_path / "ws")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"3 quarantined rows in {tmp_path / 'ws' / 'store.duckdb'}"
+    counts = [line for line in lines if str(data) in line]  # most frequent reason first, with its first line
+    assert len(counts) == 2 and "field 'chosen'" in counts[0] and "┆ 2      ┆ 2 " in counts[0], result.stdout
+    assert "┆ 1      ┆ 3 " in counts[1], result.stdout
+    other = alignflow("data", "quarantine", "--source", "other", workspace=tmp_path / "ws")
+    assert other.returncode == 2 and other.stderr.startswith("error: source 'other': no quarantined rows")
+
+
+def test_reading_a_workspace_that_is_not_there_creates_nothing(tmp_path):
+    """A mistyped --workspace given to a command that only reads is an error, not a new empty workspace."""
+    workspace = tmp_path / "typo"
+    for args in (["data", "stats"], ["data", "quarantine"]):
+        result = alignflow(*args, workspace=workspace)
+        assert result.returncode == 2
+        assert result.stderr.strip() == f"error: no store at {workspace / 'store.duckdb'}; run `alignflow ingest` first"
+    assert alignflow("--version", workspace=workspace).stdout.strip().startswith("alignflow 0.")
+    assert not workspace.exists()
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("", "the file holds no records"),
+    ('{"foo": 1}\n', "cannot detect the record format (fields ['foo']); pass --format pairs|hh|chat|ranking|problem"),
+])
+def test_an_unreadable_data_file_fails_before_prefect_starts(tmp_path, text, expected):
+    """A file ingest cannot read as a whole is one line, before Prefect's temporary server starts (which takes
+    seconds and would log the error three more times), alone or inside a pipeline preset."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text(text)
+    result = alignflow("ingest", str(data), workspace=tmp_path / "ws")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {data}: {expected}"
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(f"ingest:\n  - {{path: data/demo/pairs.jsonl}}\n  - {{path: {data}}}\n")
+    result = alignflow("run", "pipeline", "--config", str(preset), workspace=tmp_path / "ws")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {preset}: field 'ingest.1.path': {data}: {expected}"
+
+
+@pytest.mark.parametrize("stage, text, field", [
+    ("sft", "model_path: {missing}\nsource: demo\n", "model_path"),
+    ("ppo", "policy_path: {here}\nreward_model_path: {missing}\n", "reward_model_path"),
+    ("pipeline", "base_model_path: {here}\nsft: {{model_path: from:base, source: demo}}\n"
+                 "rm: {{model_path: {missing}, source: demo}}\n", "rm.model_path"),
+])
+def test_a_model_path_that_is_not_there_fails_before_the_stage_starts(tmp_path, stage, text, field):
+    missing = tmp_path / "models" / "sfft"
+    config = tmp_path / "stage.yaml"
+    config.write_text(text.format(missing=missing, here=DATA))
+    result = alignflow("run", stage, "--config", str(config), workspace=tmp_path / "ws")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"error: {config}: field '{field}': model '{missing}': {missing} is not a model "
+                                     "directory"), result.stderr
+    assert not (tmp_path / "ws").exists()  # nothing ran: not even the workspace was made
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -299,6 +299,15 @@ class Store:
             f"FROM {table} WHERE {where}", params)[0]
         return f"{table}:{row[0]}:{row[1]}"
 
+    def quarantine_reasons(self, source: str | None = None) -> pl.DataFrame:
+        """Quarantined rows (of one source, or all) per file and reason: n_rows and the first line_no, most
+        frequent first (`alignflow data quarantine`)."""
+        where, params = _where("quarantine", {} if source is None else {"source": source})
+        return self.con.sql(
+            f"SELECT source, file, reason, count(*) AS n_rows, min(line_no) AS first_line FROM quarantine "
+            f"WHERE {where} GROUP BY source, file, reason ORDER BY n_rows DESC, source, file, first_line",
+            params=params).pl()
+
     def stats(self) -> pl.DataFrame:
         """Row counts per table and source (`alignflow data stats`)."""
         parts = []

@@ -10,6 +10,7 @@ import gzip
 import io
 import json
 import re
+import shlex
 import time
 import zlib
 from collections import Counter
@@ -77,6 +78,8 @@ class IngestReport:
         if self.elsewhere:
             line += (f"; of the duplicates, {self.elsewhere} stay as first ingested (`alignflow data delete "
                      f"--source NAME` removes a source)")
+        if self.quarantined:
+            line += f" (why: `alignflow data quarantine --source {shlex.quote(self.source)}`)"
         return line
 
     def metrics(self) -> dict[str, float]:
@@ -156,6 +159,14 @@ def ingest_file(
 def _placement(columns: list[str], row: tuple) -> str:
     """`40 under source 'a', split 'train'` from a stored_elsewhere row."""
     return f"{row[-1]} under " + ", ".join(f"{column} {value!r}" for column, value in zip(columns, row))
+
+
+def check_readable(path: Path, format: str = "auto", max_record_bytes: int = 1_000_000) -> str:
+    """The format ingest_file would read `path` as, or the IngestError it would raise for the file as a whole
+    (unknown type, unreadable, no records, no detectable format), without touching the store: the CLI and
+    preset loading call it before a run starts, so such a file fails in one line at once."""
+    lines, line_nos, pre_bad = _read_lines(path, suffix_of(path))
+    return _detect_format(path, lines, line_nos, pre_bad, max_record_bytes) if format == "auto" else format
 
 
 # ---- reading: every file type becomes a list of JSON lines (one per record) plus its numbering
