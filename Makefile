@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
-# CPU machines pin the local CPU torch build (ENVIRONMENT.md); GPU users: TORCH_SPEC="torch" make setup
+# CPU machines pin the local CPU torch build; GPU users: TORCH_SPEC="torch" make setup
 TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: setup demo test test-fast lock vllm-env bench clean

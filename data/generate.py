@@ -1,7 +1,7 @@
 """Deterministic generator of the shipped demo data: arithmetic problems, preference pairs and rankings.
 
 `python data/generate.py [--out data/demo] [--seed 0]` rewrites the files below byte for byte:
-  problems.jsonl     `ab+cd=` -> sum, operands 00-99 zero-padded (DEMO-CALIBRATION.md): 9,800 train / 200 test
+  problems.jsonl     `ab+cd=` -> sum, operands 00-99 zero-padded (fixed width: one format to learn): 9,800 train / 200 test
   arith_mixed.jsonl  a+b, a-b, a*b with 1-3 digit operands (harder; for larger models), 1,800 train / 200 test
   pairs.jsonl        prompt/chosen/rejected from train problems: chosen = the correct answer; rejected = a wrong
                      answer (units or tens digit off) or a long polite non-answer (the seeds' "hacked" reply)

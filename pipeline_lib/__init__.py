@@ -1,6 +1,6 @@
 """alignflow's library: data store, models, losses, sampling, training loops, evaluation.
 
-Never imports prefect, flows or tasks (see STYLE.md)."""
+Never imports prefect, flows or tasks (the layers: flows -> tasks -> pipeline_lib)."""
 
 import importlib.metadata
 

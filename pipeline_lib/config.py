@@ -84,7 +84,7 @@ class IngestConfig(Config):
     path: str
     """File to ingest: .jsonl, .jsonl.gz, .json (array), .parquet or .csv."""
     format: Literal["auto", "pairs", "hh", "chat", "ranking", "problem"] = "auto"
-    """Record shape; `auto` detects it from the first valid record's keys (DESIGN.md shapes a-e)."""
+    """Record shape; `auto` detects it from the first valid records' keys."""
     source: str | None = None
     """Source name stored with each row; defaults to the file name without extensions."""
     split: str | None = None
@@ -271,7 +271,7 @@ class TrainLoopConfig(Config):
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
     trust_remote_code: bool = False
-    """Allow model code shipped with a hub checkpoint (off: DESIGN.md reliability rules)."""
+    """Allow model code shipped with a hub checkpoint (off by default: it would run the checkpoint's Python)."""
 
     @model_validator(mode="after")
     def _accumulation_divides_batch(self):
@@ -538,7 +538,7 @@ class GRPOConfig(Config):
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
     trust_remote_code: bool = False
-    """Allow model code shipped with a hub checkpoint (off: DESIGN.md reliability rules)."""
+    """Allow model code shipped with a hub checkpoint (off by default: it would run the checkpoint's Python)."""
 
     @model_validator(mode="after")
     def _check_loss_options(self):
@@ -681,7 +681,7 @@ class PPOConfig(Config):
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
     trust_remote_code: bool = False
-    """Allow model code shipped with a hub checkpoint (off: DESIGN.md reliability rules)."""
+    """Allow model code shipped with a hub checkpoint (off by default: it would run the checkpoint's Python)."""
 
     @model_validator(mode="after")
     def _check_rewards_and_critic(self):
@@ -703,7 +703,7 @@ class TinyModelConfig(Config):
     corpus_sources: tuple[str, ...] | None = None
     """Store sources whose texts train the tokenizer (every character the model will see); None = all."""
     vocab_size: int | None = Field(None, ge=8)
-    """BPE vocabulary size (more than the 7 special tokens); None = alphabet + specials only, every digit its own token (DEMO-CALIBRATION.md)."""
+    """BPE vocabulary size (more than the 7 special tokens); None = alphabet + specials only, every digit its own token (the demo's arithmetic needs them)."""
     hidden_size: int = Field(128, ge=8)
     """Model width (128 in the calibrated demo)."""
     num_layers: int = Field(2, ge=1)
@@ -750,7 +750,7 @@ class EvalConfig(Config):
     max_new_tokens: int = Field(64, ge=1)
     """Generation budget per sample."""
     temperature: float = Field(1.0, ge=0)
-    """Sampling temperature (1.0: the policy's own distribution, as in DEMO-CALIBRATION.md's Pass@1)."""
+    """Sampling temperature (1.0: the policy's own distribution, the sampled Pass@1 the README quotes)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass; 1.0 disables it."""
     seed: Seed = 0

@@ -15,7 +15,7 @@ import psutil
 
 from pipeline_lib.errors import AlignflowError
 
-# Offline/quiet defaults measured on these machines (ENVIRONMENT.md): without HF_HUB_OFFLINE a
+# Offline/quiet defaults measured on CPU machines without internet: without HF_HUB_OFFLINE a
 # missing hub id retries for ~46 s; Prefect's telemetry prints "database is locked" tracebacks.
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",

@@ -160,7 +160,7 @@ def check_weights(model_dir: Path, *, allow_pickle: bool = False) -> bool:
     if not pickled:
         raise ModelLoadError(f"model dir {model_dir}: no *.safetensors weights found")
     if not allow_pickle:
-        # Pickle files can run arbitrary code when loaded (DESIGN.md reliability rules).
+        # Pickle files can run arbitrary code when loaded.
         raise ModelLoadError(
             f"model dir {model_dir}: only pickle weights ({', '.join(pickled)}); convert them to safetensors "
             "or pass allow_pickle=True if you trust the source"

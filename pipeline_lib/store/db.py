@@ -17,7 +17,7 @@ SCHEMA_VERSION = 2
 # a notebook's read-only connection, the task of a running pipeline) is waited for this long before giving up
 LOCK_WAIT_SECONDS = 15.0
 
-# Column lists are the schema of DESIGN.md; `*_id` columns are content hashes (idempotent ingest).
+# Column lists are the store's schema; `*_id` columns are content hashes (idempotent ingest).
 # Keys are kept unique by insert_new's anti-join, not by a PRIMARY KEY: its index made inserting
 # a million pairs about twice as slow (benchmarks/ingest.py).
 TABLES: dict[str, dict[str, str]] = {

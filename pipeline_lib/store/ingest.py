@@ -1,6 +1,6 @@
 """Ingest a data file into the store: read, validate, deduplicate by content hash, quarantine bad rows.
 
-Files: .jsonl, .jsonl.gz, .json (array), .parquet, .csv. Record shapes (a)-(e) of DESIGN.md: pairs, hh,
+Files: .jsonl, .jsonl.gz, .json (array), .parquet, .csv. Record shapes: pairs, hh,
 chat, ranking, problem. Invariant of every ingest: rows read = accepted + duplicates + quarantined."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Record shapes (a)-(e) of DESIGN.md: their fields, and the content checks that turn screened records
+"""The record shapes: their fields, and the content checks that turn screened records
 into table rows (pairs, hh, chat -> preference_pairs; ranking -> rankings; problem -> problems)."""
 
 from __future__ import annotations

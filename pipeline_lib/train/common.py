@@ -1,7 +1,7 @@
 """What every training loop shares: seeding, device/dtype, optimizer and schedule, DDP, seeded data order,
 atomic checkpoint save/resume, the NaN guard and the final atomic model save.
 
-Loops stay explicit (STYLE.md §3); these helpers only remove copies of the same plumbing."""
+Loops stay explicit, one per algorithm; these helpers only remove copies of the same plumbing."""
 
 from __future__ import annotations
 
@@ -302,7 +302,7 @@ def _read_checkpoint(ckpt: Path) -> tuple[int, str | None, dict, list] | None:
         trainer_state = json.loads((ckpt / "trainer_state.json").read_text())
         step, key = int(trainer_state["step"]), trainer_state.get("run_key")
         python_rng = json.loads((ckpt / "python_rng.json").read_text())
-        # weights_only: our own file, but never unpickle arbitrary objects (DESIGN.md reliability rules)
+        # weights_only: our own file, but never unpickle arbitrary objects
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
         missing = {"model", "optimizer", "scheduler", "torch_rng", "cuda_rng", "extra"} - set(state)
         if missing:

@@ -123,7 +123,7 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_e
             assert store.count("rankings") == 600
     finally:
         if served is not None:
-            stop(served)  # serve processes first, or they hang (ENVIRONMENT.md)
+            stop(served)  # serve processes first: stopped after their server, they hang retrying it
         stop(server)
 
 

@@ -32,7 +32,7 @@ TEST = PROBLEMS.filter(pl.col("split") == "test")
 
 @pytest.fixture(scope="module")
 def sft_model(tmp_path_factory) -> Path:
-    """The demo SFT model (DEMO-CALIBRATION.md): character-level tiny Llama, 500 steps x 128 at a constant lr of
+    """The demo SFT model (the demo preset's sft settings): character-level tiny Llama, 500 steps x 128 at a constant lr of
     1e-3, stopped early on purpose: greedy ~77% but sampled Pass@1 ~45%, room for RL. ~30 s on 2 cores."""
     root = tmp_path_factory.mktemp("rl_learning")
     pairs = pl.read_ndjson(DEMO / "pairs.jsonl")
