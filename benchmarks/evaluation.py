@@ -1,8 +1,9 @@
 """Benchmark: Pass@K + exact Maj@K for 10,000 problems x 64 samples, K in {1, 2, 4, ..., 64}.
 
-`.venv/bin/python benchmarks/evaluation.py [--problems 10000] [--samples 64] [--repeats 3]` prints a markdown
-table of seconds per step (best of the repeats). Answers: per problem, Dirichlet weights over 4 numeric
-answer classes (one of them the gold answer, or not) plus None (no answer extracted)."""
+`.venv/bin/python benchmarks/evaluation.py [--problems 10000] [--samples 64] [--repeats 3] [--distinct]` prints a
+markdown table of seconds per step (best of the repeats); K runs over the powers of 2 up to the samples. Answers: per
+problem, Dirichlet weights over 4 numeric answer classes (one of them the gold answer, or not) plus None (no answer
+extracted); with --distinct every sample is its own answer (one of them the gold), the most ties Maj@K can meet."""
 
 from __future__ import annotations
 
@@ -12,9 +13,6 @@ import time
 import numpy as np
 
 from pipeline_lib.evaluation import count_votes, maj_at_k_from_votes, pass_at_k
-
-KS = [1, 2, 4, 8, 16, 32, 64]
-
 
 def make_answers(n_problems: int, n_samples: int, seed: int) -> tuple[list[list[str | None]], list[str]]:
     rng = np.random.default_rng(seed)
@@ -26,6 +24,10 @@ def make_answers(n_problems: int, n_samples: int, seed: int) -> tuple[list[list[
         answers.append([classes[i] for i in picks])
         gold.append(classes[0] if rng.random() < 0.8 else str(100 * p + 99))  # 20%: gold never sampled
     return answers, gold
+
+
+def distinct_answers(n_problems: int, n_samples: int) -> tuple[list[list[str | None]], list[str]]:
+    return [[f"{p}-{i}" for i in range(n_samples)] for p in range(n_problems)], [f"{p}-0" for p in range(n_problems)]
 
 
 def best_time(fn, repeats: int) -> tuple[float, object]:
@@ -43,15 +45,18 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--distinct", action="store_true", help="every sample a distinct answer")
     args = parser.parse_args()
-    answers, gold = make_answers(args.problems, args.samples, args.seed)
-    ks = [k for k in KS if k <= args.samples]
+    answers, gold = (distinct_answers(args.problems, args.samples) if args.distinct
+                     else make_answers(args.problems, args.samples, args.seed))
+    ks = sorted({2**i for i in range(args.samples.bit_length())} | {args.samples})
 
     t_votes, votes = best_time(lambda: count_votes(answers, gold), args.repeats)
     t_pass, passes = best_time(lambda: [pass_at_k(votes.n, votes.n_correct, k) for k in ks], args.repeats)
     t_maj, majs = best_time(lambda: maj_at_k_from_votes(votes, ks), args.repeats)
 
-    print(f"{args.problems:,} problems x {args.samples} samples, K in {ks}, best of {args.repeats}\n")
+    kind = "every answer distinct" if args.distinct else "Dirichlet answer classes"
+    print(f"{args.problems:,} problems x {args.samples} samples ({kind}), K in {ks}, best of {args.repeats}\n")
     print("| step | seconds |")
     print("|---|---|")
     print(f"| group answers into classes (count_votes) | {t_votes:.3f} |")

@@ -152,6 +152,34 @@ def test_maj_at_k_many_classes_and_big_n_is_a_probability():
     assert got[0] == pytest.approx(votes.n_correct / votes.n)  # maj@1 = fraction of correct samples
 
 
+@pytest.mark.parametrize(
+    "answers",
+    [[str(i) for i in range(10)],  # all distinct: every vote a tie at 1
+     [str(i) for i in range(7)] + [None] * 3,
+     [str(i // 2) for i in range(12)],  # every class twice
+     [str(i // 3) for i in range(11)] + ["9", "8"]],
+    ids=["distinct", "distinct-with-nones", "pairs", "triples-and-singles"],
+)
+def test_maj_at_k_with_many_tied_classes_matches_brute_force(answers):
+    got = maj_at_k_from_votes(count_votes([answers], ["0"]), range(1, len(answers) + 1))
+    for k in range(1, len(answers) + 1):
+        assert got[k - 1, 0] == pytest.approx(float(brute_maj(answers, "0", k)), abs=1e-12)
+
+
+def test_maj_at_k_of_1024_distinct_answers_is_exact():
+    """u distinct answers (one the gold) and z Nones: a K-subset scores 1/(1+j) when it holds the gold sample and j
+    other answers (all tied at one vote), so Maj@K = Σ_j C(u-1, j) C(z, K-1-j) / ((1+j) C(n, K)); with no Nones, 1/n.
+    (Its speed, ~5 s before the (t, s) table and 0.07 s after, is `benchmarks/evaluation.py --distinct`'s.)"""
+    ks = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 1023, 1024]
+    for u, z in ((1024, 0), (1000, 24)):
+        n = u + z
+        got = maj_at_k_from_votes(count_votes([[str(i) for i in range(u)] + [None] * z], ["0"]), ks)[:, 0]
+        for q, k in enumerate(ks):
+            exact = sum(Fraction(comb(u - 1, j) * comb(z, k - 1 - j), 1 + j) for j in range(k)) / comb(n, k)
+            assert got[q] == pytest.approx(float(exact), rel=1e-12), k
+            assert z or exact == Fraction(1, n)
+
+
 def sample_rows(model_answers: dict[str, list[str]]) -> pl.DataFrame:
     return pl.DataFrame([
         {"prompt_id": pid, "sample_idx": i, "completion": f"The answer is {a}."}

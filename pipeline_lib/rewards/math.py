@@ -38,23 +38,28 @@ _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
 # `答案是72`) or after a minus that belongs to an expression (`16-3` yields 16 and 3, not -3). Every repetition is
 # over a character class disjoint from what follows it and no lookahead rejects a whole token: no catastrophic
 # backtracking, one pass over the text. A readable power: an integer exponent, in braces or not followed by a decimal
-# part or a letter (`4^0.5`, `2^10x`).
+# part or a letter (`4^0.5`, `2^10x`). A clock time is one token and no number (`time`, below).
 _POWER = (rf"{_INLINE_SPACE}?\^{_INLINE_SPACE}?"
           r"(?P<{0}_brace>\{{)?(?P<{0}>[-+]?\d+)(?({0}_brace)\}}|(?!\.\d|\w))")
 _EXPONENT = rf"{_INLINE_SPACE}?\^{_INLINE_SPACE}?(?:\{{[^{{}}]*\}}|\([^()]*\)|[-+]?[\w.]+)"
+# A clock time: hour 0-23, minutes and optional seconds 00-59, an optional am/pm (`3:00 PM`, `12:30:45`, `8:00 a.m.`).
+# Tried before a number at the same place, so `3:00` is neither 3 nor 00 (a ratio written like a time, `10:45`, is
+# read as one too: text, as a ratio answer is).
+_TIME = (r"(?P<time>(?:[01]?\d|2[0-3]):[0-5]\d(?::[0-5]\d)?)(?!\d|:\d)"
+         rf"(?:{_INLINE_SPACE}?(?P<meridiem>[AaPp])\.?[Mm]\b\.?)?")
 _NUMBER = re.compile(
-    rf"(?<![^\W{_CJK}]|[.^])(?P<sign>-)?(?:\${_INLINE_SPACE}?(?P<dollar_sign>-)?)?"
+    rf"(?<![^\W{_CJK}]|[.^])(?:{_TIME}|(?P<sign>-)?(?:\${_INLINE_SPACE}?(?P<dollar_sign>-)?)?"
     r"(?P<body>\d{1,3}(?P<group>[,\u00a0\u2009\u202f])\d{3}(?:(?P=group)\d{3})*(?!\d)(?:\.\d+)?"
     r"|\d+(?:\.\d+)?|\.\d+)"
     rf"(?:{_POWER.format('body_pow')}|[eE](?P<exp>[-+]?\d+)"
     rf"|{_INLINE_SPACE}?(?:[×·⋅x*]|\\times|\\cdot){_INLINE_SPACE}?10{_POWER.format('pow')})?"
     rf"(?:{_INLINE_SPACE}?/{_INLINE_SPACE}?(?P<den_sign>-)?(?P<den>\d+(?:\.\d+)?)(?:{_POWER.format('den_pow')})?)?"
-    rf"(?P<unread>[)\]]?{_EXPONENT})?"
+    rf"(?P<unread>[)\]]?{_EXPONENT})?)"
     rf"|{_EXPONENT}"
 )
 _GROUP_SEPARATORS = re.compile("[,\u00a0\u2009\u202f]")
-# The characters a number token can hold (ASCII: a cut through CJK text keeps it)
-_CUT_TOKEN = re.compile(r"[0-9A-Za-z_.,^{}\\$/+\-\u00a0\u2009\u202f]*")
+# The characters a number token or clock time can hold (ASCII: a cut through CJK text keeps it)
+_CUT_TOKEN = re.compile(r"[0-9A-Za-z_.,:^{}\\$/+\-\u00a0\u2009\u202f]*")
 _UNSIGNED_START = frozenset("0123456789.$")
 # GSM8K's `#### 72`, not a markdown heading whose line goes on after its number (`#### 2. Add the costs`)
 _HASHES = re.compile(r"####(?![ \t]*\d+[.)][ \t]+[^\W\d_])")
@@ -64,7 +69,10 @@ _LIST_ITEM = re.compile(r"[ \t]*\d+[.)][ \t]+\S")
 _SPACED_SIGN = re.compile(r"^\s*([-+])\s+(?=[\d.$\\])")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_IS = re.compile(r"\banswer\s{0,10}(?:is\b|:|=)|答案\s{0,10}(?:是|为|為|：|:|=)", re.IGNORECASE)
-_A_COLON = re.compile(r"\bA:")
+# `A:` as the answer label of the Q/A format: at the start of the text or of a line, or right after a sentence's end
+# (`Q: How many? A: 42`), spaces and markdown bold allowed before it (`**A:** 42`); never after a word, where it names
+# a part or a choice (`Part A: 12 apples. Part B: 6 apples.`, `Option A: 5`)
+_A_COLON = re.compile(r"(?:^|(?<=[.?!]))[ \t*]*A:", re.MULTILINE)
 # Unit words after a number: `dollars`, `square feet`, `cm^2`, `m/s^{2}`
 _UNIT = r"[A-Za-z]+(?:\^\{?-?\d+\}?)?"
 _UNITS = re.compile(rf"{_UNIT}(?:(?:\s+|/){_UNIT})*")
@@ -210,21 +218,32 @@ def format_number(value: Fraction, as_fraction: bool = False) -> str:
     return f"{sign}{whole}.{str(frac).zfill(places).rstrip('0')}"
 
 
-def _last_number(text: str) -> str | None:
-    last = None
+def _last_answer(text: str, numeric: bool) -> str | None:
+    """The last number in the text, or, unless `numeric`, the last number or clock time (`at 3:45.` -> `3:45`)."""
+    last: tuple[Fraction, bool] | str | None = None
     for match in _NUMBER.finditer(text):
-        parsed = _token_value(match)
-        if parsed is not None:
+        if match["time"] is not None:
+            if not numeric:
+                last = match[0]
+        elif (parsed := _token_value(match)) is not None:
             last = parsed
+    if isinstance(last, str):
+        return _clean_text(last)
     return None if last is None else format_number(*last)
 
 
 def _clean_text(text: str) -> str:
     """Whitespace collapsed, surrounding punctuation and `$` removed (not a period a number starts with: `$.5$` is
-    .5), a choice letter unwrapped (`(B)` -> `B`)."""
+    .5), a choice letter unwrapped (`(B)` -> `B`), a clock time in one spelling (`3:00 p.m.` and `3:00pm` ->
+    `3:00 PM`)."""
     text = _SPACES.sub(" ", text).strip().strip("$*").lstrip(" :*").rstrip(" :.*").strip()
     choice = _CHOICE.fullmatch(text)
-    return text if choice is None else choice[1]
+    if choice is not None:
+        return choice[1]
+    time = _NUMBER.fullmatch(text)
+    if time is None or time["time"] is None or time["meridiem"] is None:
+        return text
+    return f"{time['time']} {time['meridiem'].upper()}M"
 
 
 def _text_answer(text: str) -> str | None:
@@ -235,14 +254,17 @@ def _text_answer(text: str) -> str | None:
 
 def _segment_answer(segment: str, numeric: bool) -> str | None:
     """The answer right after a marker: the number it starts with (after the last `=` when it starts with arithmetic:
-    `5 + 7 = 12.` gives 12); else, unless `numeric`, its first clause as text (`yes`, `B`) if that clause has no digit;
-    else None (`A: Janet has 16 eggs...` is reasoning)."""
+    `5 + 7 = 12.` gives 12); else, unless `numeric`, the clock time it starts with as text (`3:00 PM`: never 3) or its
+    first clause as text (`yes`, `B`) if that clause has no digit; else None (`A: Janet has 16 eggs...` is
+    reasoning)."""
     segment = segment.lstrip(_LEAD)
     equation = _EQUATION.match(segment)[0]
     result = equation.rfind("=")
     if result > 0 and _OPERATOR.search(equation, 0, result):  # `5 + 7 = 12`: what the working comes to
         segment = segment[result + 1:].lstrip()
     match = _NUMBER.match(segment)
+    if match is not None and match["time"] is not None:
+        return None if numeric else _text_answer(match[0])
     if match is not None:
         parsed = _token_value(match)
         return None if parsed is None else format_number(*parsed)
@@ -255,22 +277,42 @@ def _segment_answer(segment: str, numeric: bool) -> str | None:
 
 
 def _after_last(pattern: re.Pattern[str], text: str) -> str | None:
-    """The rest of the line after the last match of `pattern`, or None if it does not occur. When that rest is blank
-    (`Final answer:` ends its line), the next non-blank line instead, if it starts with a number that is no list
-    item's label (`Here is the answer:\n1. First, ...` is working to come)."""
+    """The text after the last match of `pattern`, or None if it does not occur."""
     last = None
     for last in pattern.finditer(text):
         pass
-    if last is None:
-        return None
-    line, _, rest = text[last.end():].partition("\n")
+    return None if last is None else text[last.end():]
+
+
+def _answer_line(after_marker: str) -> str:
+    """The line a marker's answer is on: the rest of the marker's line. When that is blank (`Final answer:` ends its
+    line), the next non-blank line instead, if it starts with a number or clock time that is no list item's label
+    (`Here is the answer:\n1. First, ...` is working to come)."""
+    line, _, rest = after_marker.partition("\n")
     if line.strip(_LEAD):
         return line
     following = next((candidate for candidate in rest.split("\n") if candidate.strip()), "")
     if _LIST_ITEM.match(following):
         return line
     number = _NUMBER.match(following.lstrip(_LEAD))
-    return following if number is not None and _token_value(number) is not None else line
+    if number is None or (number["time"] is None and _token_value(number) is None):
+        return line
+    return following
+
+
+def _gsm8k_line(text: str) -> str | None:
+    """The line of GSM8K's final answer (`#### 72`), or None. It is the answer line of the last `####` when that
+    line holds only a number (`#### 1,080`, `#### $18.`), as every GSM8K solution's does, or when nothing but blank
+    lines follow it (`#### 18 dollars` ends the text). A `####` whose number has more after it on its line and text
+    below it is a markdown heading (`#### 3 Steps to Solve`): its number is no answer, and the other rules apply."""
+    after_marker = _after_last(_HASHES, text)
+    if after_marker is None:
+        return None
+    line = _answer_line(after_marker)
+    alone = _NUMBER.fullmatch(line.strip(_LEAD + ".%"))
+    if (alone is not None and alone["body"] is not None) or after_marker.strip() == line.strip():
+        return line
+    return None
 
 
 def _boxed_content(text: str) -> str | None:
@@ -303,13 +345,15 @@ def _boxed_answer(content: str) -> str | None:
 def extract_answer(text: str | None, *, numeric: bool = False) -> str | None:
     """The final answer in a completion (or a GSM8K gold solution), normalized; None if there is none.
 
-    Priority: the last `#### x` (GSM8K), then the last `\\boxed{x}`, then the last `answer is x` /
-    `answer: x`, then the last `A: x`. A marker counts only when a number follows it directly (or, for
-    non-numeric answers, a clause without digits: `The answer is yes.`); otherwise the next rule applies. Arithmetic
-    right after a marker gives what it comes to (`The answer is 5 + 7 = 12.` -> 12), and a marker ending its line
-    takes the number starting the next non-blank line (`Final answer:\n18`).
-    `numeric` (the gold answer is a number) drops that text case: `A: Let me think. 5+7 = 12` gives 12.
-    Without any usable marker: the last number in the text. Numbers come back
+    Priority: the last `#### x` (GSM8K; see `_gsm8k_line` for a markdown heading), then the last `\\boxed{x}`, then
+    the last `answer is x` / `answer: x`, then the last `A: x` label (at the start of a line or after a sentence's
+    end, not `Part A: 12`). A marker counts only when a number follows it directly (or, for non-numeric answers, a
+    clock time or a clause without digits: `The answer is 3:00 PM.`, `The answer is yes.`); otherwise the next rule
+    applies. Arithmetic right after a marker gives what it comes to (`The answer is 5 + 7 = 12.` -> 12), and a marker
+    ending its line takes the number starting the next non-blank line (`Final answer:\n18`).
+    `numeric` (the gold answer is a number) drops the text cases: `A: Let me think. 5+7 = 12` gives 12.
+    Without any usable marker: the last number in the text (or clock time, unless `numeric`). A clock time is never
+    a number (`3:00` is not 3). Numbers come back
     canonical: commas, `$`, `%`, units and trailing zeros/periods stripped (`$1,234.50` -> `1234.5`,
     `1{,}000` and `1 000` with a thin or no-break space -> `1000`), powers evaluated (`1.2 \\times 10^{3}` ->
     `1200`, `2^10` -> `1024`), fractions as `p/q` (`\\frac{3}{4}` -> `3/4`). Only the last MAX_SCAN_CHARS
@@ -320,17 +364,17 @@ def extract_answer(text: str | None, *, numeric: bool = False) -> str | None:
         text = text[-MAX_SCAN_CHARS:]
         text = text[_CUT_TOKEN.match(text).end():]  # drop what the cut may have left of a number token
     text = _normalize(text)
-    segment = _after_last(_HASHES, text)
-    if segment is not None and (found := _segment_answer(segment, numeric)) is not None:
+    line = _gsm8k_line(text)
+    if line is not None and (found := _segment_answer(line, numeric)) is not None:
         return found
     content = _boxed_content(text)
     if content is not None and (found := _boxed_answer(content)) is not None:
         return found
     for marker in (_ANSWER_IS, _A_COLON):
-        segment = _after_last(marker, text)
-        if segment is not None and (found := _segment_answer(segment, numeric)) is not None:
+        after_marker = _after_last(marker, text)
+        if after_marker is not None and (found := _segment_answer(_answer_line(after_marker), numeric)) is not None:
             return found
-    return _last_number(text)
+    return _last_answer(text, numeric)
 
 
 def _parse_number(text: str, max_chars: int = MAX_NUMBER_CHARS) -> tuple[Fraction, bool] | None:

@@ -398,6 +398,10 @@ HOSTILE = {
     "Chinese markers": "答案是" * 300_000,
     "headings": "#### 2. Step\n" * 100_000,
     "unit powers": r"\boxed{5 " + "m^2/" * 100_000 + "}",
+    "clock times": "3:00 PM " * 300_000,
+    "colons": "10:" * 400_000,
+    "answer labels": "\nA:" * 300_000,
+    "numbered headings": "#### 3 Steps to Solve\n" * 100_000,
 }
 
 
@@ -624,3 +628,94 @@ def test_answers_spelled_differently_are_one_value():
     assert answer_value("x²") == answer_value("x^{2}")
     assert answer_value("+5") == answer_value("5") == 5
 
+
+
+# ---- an `A:` label, a `####` heading and a clock time, read as a user would (third verifier review, 2026-12-04)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # `A:` after a word names a part or a choice, not the answer (all gave the first part's number)
+        ("Part A: 12 apples. Part B: 6 apples. Total: 18", "18"),
+        ("Option A: 5\nOption B: 7\nSo the total is 12", "12"),
+        ("Step A: 3 + 4 = 7. Step B: 7 * 2 = 14", "14"),
+        # ...but at the start of a line or after a sentence's end it is the Q/A format's answer label, as before
+        ("Q: 12+30=?\nA: 42\nQ: 5+5=?", "42"),
+        ("Q: How many eggs are left? A: 9, since 16 - 7 = 9", "9"),
+        ("We add them. A: 12 apples, not 6", "12"),
+        ("**A:** 42 (6 x 7)", "42"),
+        ("  A: 8\nCheck: 4 + 4 = 8 of 10", "8"),
+        # a `####` heading whose number goes on with words and has text below it is no GSM8K answer (all gave 3)
+        ("#### 3 Steps to Solve\n1. 16 - 3 - 4 = 9\n2. 9 * 2 = 18\nThe answer is 18.", "18"),
+        ("#### 3 Steps to Solve\nShe sells 9 eggs.\n\\boxed{18}", "18"),
+        ("#### 3 Steps to Solve\nShe sells 9 eggs at $2: 9 * 2 = 18", "18"),
+        # ...but a `####` line holding only its number counts wherever it is, and one with a unit ending the text
+        ("Janet sells 9 eggs.\n#### 72", "72"),
+        ("#### $1,080.\n\nI hope this helps! The answer is 3 dollars off.", "1080"),
+        ("#### 72\nThe answer is 70", "72"),
+        ("####\n72\nDone in 2 steps.", "72"),
+        ("She makes 9 * 2 = 18.\n#### 18 dollars\n\n", "18"),
+        ("#### 18 dollars\nThe answer is 20", "20"),
+        # a clock time is text, never its hour or its minutes (gave 3, 0 and 45)
+        ("The answer is 3:00 PM", "3:00 PM"),
+        ("The answer is 3:00 p.m. sharp.", "3:00 PM"),
+        ("The answer is:\n11:30am", "11:30 AM"),
+        ("The answer is 12:30:45.", "12:30:45"),
+        (r"\boxed{3:00pm}", "3:00 PM"),
+        ("The meeting is at 3:00 PM", "3:00 PM"),
+        ("The train leaves at 5 and arrives at 7:45.", "7:45"),
+        # ...while numbers next to colons read as before: no two-digit minutes, no hour, or no colon
+        ("The ratio is 3:2, so she gets 2", "2"),
+        ("Day 1: 50 eggs, day 2: 100", "100"),
+        ("It took 90:15 minutes", "15"),
+        ("The answer is 3.", "3"),
+        ("It starts at 3 PM", "3"),
+        # an unclosed box is no box: the marker before it or the last number, as before
+        ("\\boxed{12", "12"),
+        ("\\boxed{12 apples and 3", "3"),
+        ("The answer is 5. \\boxed{12", "5"),
+    ],
+)
+def test_extract_answer_reads_answer_labels_headings_and_clock_times(text, expected):
+    """Wrong answers of the third verifier review (2026-12-04): `Part A: 12 ...` gave 12 (`A:` read as the Q/A label),
+    `#### 3 Steps to Solve ... The answer is 18` gave 3 (a heading read as GSM8K's answer line), and
+    `The answer is 3:00 PM` gave 3."""
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Part A: 12 apples. Part B: 6 apples. Total: 18", "18"),
+        ("#### 3 Steps to Solve\n1. 16 - 3 - 4 = 9\nThe answer is 18.", "18"),
+        ("The answer is 3:00 PM", None),  # a time is no number: no numeric answer
+        ("The meeting is at 3:00 PM", None),
+        ("He drove 5 miles and arrived at 3:45.", "5"),
+        ("Q: How many? A: 42", "42"),
+        ("\\boxed{12", "12"),
+    ],
+)
+def test_numeric_extraction_skips_labels_headings_and_clock_times(text, expected):
+    assert extract_answer(text, numeric=True) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold", "expected"),
+    [
+        ("The answer is 3:00 PM", "3:00 PM", True),
+        ("The answer is 3:00 p.m.", "3:00 pm", True),
+        ("The answer is 3:00.", "3:00", True),
+        ("The meeting is at 3:00 PM.", "3:00 PM", True),
+        ("The answer is 3:00 PM", "3", False),  # read as 3 before: a false positive
+        ("The answer is 3:00", "3", False),
+        ("The answer is 3", "3:00", False),
+        ("The answer is 3:00 PM", "3:00 AM", False),
+        ("Part A: 12 apples. Part B: 6 apples. Total: 18", "18", True),  # a false negative before
+        ("Part A: 12 apples. Part B: 6 apples. Total: 18", "12", False),  # a false positive before
+        ("#### 3 Steps to Solve\nThe answer is 18.", "18", True),
+        ("#### 3 Steps to Solve\nThe answer is 18.", "3", False),
+    ],
+)
+def test_is_correct_reads_answer_labels_headings_and_clock_times(completion, gold, expected):
+    assert is_correct(completion, gold) is expected
