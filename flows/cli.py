@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -57,7 +58,11 @@ def echo_result(stage: str, result) -> None:
     if stage == "ingest":
         from pipeline_lib.store.ingest import IngestReport
 
-        typer.echo(IngestReport(**result).summary())
+        report = IngestReport(**result)
+        typer.echo(report.summary())
+        if report.quarantined:
+            typer.echo(f"why {report.quarantined} rows were quarantined: alignflow -w {shlex.quote(str(resolve_workspace().root))} "
+                       f"data quarantine --source {shlex.quote(report.source)}")
     elif stage == "sample":
         from pipeline_lib.sampling.stage import SampleReport
 
@@ -172,8 +177,9 @@ def data_quarantine(
     workspace = resolve_workspace()
     with open_store(workspace.store_path, read_only=True) as store:
         frame = store.quarantine_reasons(source)
-    if source is not None and not frame.height:
-        fail(f"source {source!r}: no quarantined rows in the store {workspace.store_path}")
+        known = source is None or frame.height or source in store.stats()["source"].to_list()
+    if not known:
+        fail(f"source {source!r}: no rows in the store {workspace.store_path} (`alignflow data stats` lists sources)")
     typer.echo(f"{frame['n_rows'].sum()} quarantined rows in {workspace.store_path}")
     echo_frame(frame)
 
@@ -184,9 +190,10 @@ def data_delete(
 ) -> None:
     """Delete one source's rows (pairs, rankings, problems, quarantine), e.g. to ingest its file again under
     another --source or --split; samples and evaluation results stay."""
-    from pipeline_lib.store.db import open_store
+    from pipeline_lib.store.db import open_store, require_store
 
     workspace = resolve_workspace()
+    require_store(workspace.store_path)  # a mistyped --workspace is an error, not a new empty workspace
     with run_lock(), open_store(workspace.store_path) as store, store.transaction():
         deleted = store.delete_source(source)
     if not any(deleted.values()):
@@ -256,7 +263,7 @@ def require_models(cfg, stage: str, config: Path) -> None:
     named = {field: path for field, path in named.items() if path and not path.startswith(FROM)}
     if not named:
         return
-    from pipeline_lib.models.loading import ModelLoadError, resolve_model_dir
+    from pipeline_lib.model_dirs import ModelLoadError, resolve_model_dir  # no torch: a missing dir fails at once
 
     for field, path in named.items():
         try:
@@ -390,6 +397,7 @@ def demo(
 
     workspace = resolve_workspace()
     cfg = load_config(PipelineConfig, preset)  # a bad preset fails before the demo data is generated
+    require_models(cfg, "pipeline", preset)
     with run_lock():
         generated = workspace.root / "data" / "demo"
         subprocess.run([sys.executable, str(REPO_ROOT / "data" / "generate.py"), "--out", str(generated)], check=True)
@@ -420,6 +428,7 @@ def serve(
     os.environ.setdefault("PREFECT_API_URL", PREFECT_URL)
     api = os.environ["PREFECT_API_URL"]
     cfg = load_config(PipelineConfig, config)
+    require_models(cfg, "pipeline", config)
     resolve_workspace().create()  # the flows it serves run there, and Prefect's import makes PREFECT_HOME in it
     from flows.deployments import build_deployments
 

@@ -79,6 +79,8 @@ class Workspace:
         return USER_TRACKING_URI or f"sqlite:///{self.mlflow_db}"
 
     def create(self) -> "Workspace":
+        if self.root.exists() and not self.root.is_dir():
+            raise WorkspaceError(f"workspace {self.root}: a file, not a directory; pass another --workspace")
         for path in (self.root, self.mlflow_artifacts, self.prefect_home, self.models_dir, self.runs_dir):
             try:
                 path.mkdir(parents=True, exist_ok=True)

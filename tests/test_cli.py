@@ -55,10 +55,11 @@ def test_user_errors_are_one_line(tmp_path, args, expected):
 def test_a_workspace_that_cannot_be_made_is_one_line(tmp_path, where):
     (tmp_path / "f").write_text("x")
     workspace = tmp_path / "f" if where == "a file" else tmp_path / "f" / "ws"
-    result = alignflow("data", "delete", "--source", "x", workspace=workspace)
+    result = alignflow("ingest", str(DATA / "demo" / "pairs.jsonl"), workspace=workspace)
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"error: workspace {workspace}: cannot create {workspace} ("), \
+    expected = "a file, not a directory; pass another --workspace" if where == "a file" else f"cannot create {workspace} ("
+    assert len(lines) == 1 and lines[0].startswith(f"error: workspace {workspace}: {expected}"), \
         result.stderr
 
 
@@ -71,7 +72,7 @@ def test_data_quarantine_lists_each_files_reasons(tmp_path):
                     'not json\n{"prompt": "d", "chosen": 2, "rejected": "e"}\n')
     with open_store(tmp_path / "ws" / "store.duckdb") as store:
         report = ingest_file(data, store, source="my data")
-    assert report.summary().endswith("quarantined 3 (why: `alignflow data quarantine --source 'my data'`)")
+    assert report.quarantined == 3
     result = alignflow("data", "quarantine", "--source", "my data", workspace=tmp_path / "ws")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -80,13 +81,17 @@ def test_data_quarantine_lists_each_files_reasons(tmp_path):
     assert len(counts) == 2 and "field 'chosen'" in counts[0] and "┆ 2      ┆ 2 " in counts[0], result.stdout
     assert "┆ 1      ┆ 3 " in counts[1], result.stdout
     other = alignflow("data", "quarantine", "--source", "other", workspace=tmp_path / "ws")
-    assert other.returncode == 2 and other.stderr.startswith("error: source 'other': no quarantined rows")
+    assert other.returncode == 2 and other.stderr.startswith("error: source 'other': no rows in the store")
+    with open_store(tmp_path / "ws" / "store.duckdb") as store:
+        ingest_file(DATA / "demo" / "rankings.jsonl", store, source="clean")
+    clean = alignflow("data", "quarantine", "--source", "clean", workspace=tmp_path / "ws")
+    assert clean.returncode == 0 and clean.stdout.startswith("0 quarantined rows"), clean.stderr
 
 
 def test_reading_a_workspace_that_is_not_there_creates_nothing(tmp_path):
     """A mistyped --workspace given to a command that only reads is an error, not a new empty workspace."""
     workspace = tmp_path / "typo"
-    for args in (["data", "stats"], ["data", "quarantine"]):
+    for args in (["data", "stats"], ["data", "quarantine"], ["data", "delete", "--source", "x"]):
         result = alignflow(*args, workspace=workspace)
         assert result.returncode == 2
         assert result.stderr.strip() == f"error: no store at {workspace / 'store.duckdb'}; run `alignflow ingest` first"
@@ -94,20 +99,23 @@ def test_reading_a_workspace_that_is_not_there_creates_nothing(tmp_path):
     assert not workspace.exists()
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("", "the file holds no records"),
-    ('{"foo": 1}\n', "cannot detect the record format (fields ['foo']); pass --format pairs|hh|chat|ranking|problem"),
+@pytest.mark.parametrize("text, expected, options", [
+    ("", "the file holds no records", []),
+    ("\n\n", "the file holds no records", ["--format", "pairs"]),  # a named format does not make it readable
+    ('{"foo": 1}\n', "cannot detect the record format (fields ['foo']); pass --format pairs|hh|chat|ranking|problem",
+     []),
 ])
-def test_an_unreadable_data_file_fails_before_prefect_starts(tmp_path, text, expected):
+def test_an_unreadable_data_file_fails_before_prefect_starts(tmp_path, text, expected, options):
     """A file ingest cannot read as a whole is one line, before Prefect's temporary server starts (which takes
     seconds and would log the error three more times), alone or inside a pipeline preset."""
     data = tmp_path / "bad.jsonl"
     data.write_text(text)
-    result = alignflow("ingest", str(data), workspace=tmp_path / "ws")
+    result = alignflow("ingest", str(data), *options, workspace=tmp_path / "ws")
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: {data}: {expected}"
+    fmt = f", format: {options[1]}" if options else ""
     preset = tmp_path / "preset.yaml"
-    preset.write_text(f"ingest:\n  - {{path: data/demo/pairs.jsonl}}\n  - {{path: {data}}}\n")
+    preset.write_text(f"ingest:\n  - {{path: data/demo/pairs.jsonl}}\n  - {{path: {data}{fmt}}}\n")
     result = alignflow("run", "pipeline", "--config", str(preset), workspace=tmp_path / "ws")
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: {preset}: field 'ingest.1.path': {data}: {expected}"
@@ -123,10 +131,14 @@ def test_a_model_path_that_is_not_there_fails_before_the_stage_starts(tmp_path, 
     missing = tmp_path / "models" / "sfft"
     config = tmp_path / "stage.yaml"
     config.write_text(text.format(missing=missing, here=DATA))
-    result = alignflow("run", stage, "--config", str(config), workspace=tmp_path / "ws")
-    assert result.returncode == 2
-    assert result.stderr.strip() == (f"error: {config}: field '{field}': model '{missing}': {missing} is not a model "
-                                     "directory"), result.stderr
+    expected = f"error: {config}: field '{field}': model '{missing}': no such directory {missing}"
+    commands = [["run", stage, "--config", str(config)]]
+    if stage == "pipeline":
+        commands += [["demo", "--config", str(config)], ["serve", "--config", str(config)]]
+    for command in commands:
+        result = alignflow(*command, workspace=tmp_path / "ws")
+        assert result.returncode == 2
+        assert result.stderr.strip() == expected, (command, result.stderr)
     assert not (tmp_path / "ws").exists()  # nothing ran: not even the workspace was made
 
 
@@ -184,6 +196,10 @@ def test_ingest_then_stats(tmp_path):
     assert small.returncode == 0, small.stderr
     assert "pairs.jsonl (pairs -> preference_pairs): read 3000 = accepted 0 + duplicates 0 + quarantined 3000" \
         in small.stdout
+    hint = f"why 3000 rows were quarantined: alignflow -w {tmp_path} data quarantine --source pairs"
+    assert hint in small.stdout.splitlines(), small.stdout
+    listed = alignflow(*hint.split(": ", 1)[1].split()[1:], workspace=tmp_path / "elsewhere")  # -w given: it wins
+    assert listed.returncode == 0 and listed.stdout.startswith("3000 quarantined rows"), listed.stderr
 
 
 @pytest.mark.slow  # several CLI processes, each starting Prefect: 30-70 s on 2 cores

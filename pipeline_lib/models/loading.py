@@ -14,15 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from pipeline_lib.errors import AlignflowError, first_line
-
-PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
-# Files a model dir needs besides weights; a hub download fetches only these plus the allowed weights.
-_HUB_FILE_PATTERNS = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py", "*.safetensors"]
-
-
-class ModelLoadError(AlignflowError, RuntimeError):
-    """A model or tokenizer could not be loaded; the message is one line naming the path/id and the fix."""
+from pipeline_lib.errors import first_line
+from pipeline_lib.model_dirs import PICKLE_PATTERNS, ModelLoadError, resolve_model_dir
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -54,42 +47,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in names:
         raise ModelLoadError(f"dtype={dtype!r}: expected 'auto' or one of {sorted(names)}")
     return names[dtype]
-
-
-def _hub_offline() -> bool:
-    """The env var is read at call time too: huggingface_hub reads it once at import, a later export counts."""
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-
-def resolve_model_dir(path_or_id: str | Path, *, allow_pickle: bool = False) -> Path:
-    """A local model dir for `path_or_id`: the dir itself, or the hub id's snapshot (cache only when offline)."""
-    local = Path(path_or_id).expanduser()
-    if local.is_dir():
-        return local.resolve()
-    name = str(path_or_id)
-    if local.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise ModelLoadError(f"model {name!r}: {local.resolve()} is not a model directory")
-    from huggingface_hub import snapshot_download
-
-    offline = _hub_offline()
-    patterns = _HUB_FILE_PATTERNS + (list(PICKLE_PATTERNS) if allow_pickle else [])
-    try:
-        return Path(snapshot_download(name, local_files_only=offline, allow_patterns=patterns))
-    except Exception as exc:  # noqa: BLE001 - every hub failure becomes the same one-line error
-        where = "is not in the local Hugging Face cache and HF_HUB_OFFLINE=1" if offline else \
-            f"could not be downloaded ({type(exc).__name__}); set HF_HUB_OFFLINE=1 to fail fast offline"
-        raise ModelLoadError(
-            f"model {name!r}: no local directory at {local.resolve()} and the hub id {where}; "
-            f"pass a local model dir or pre-download it into {_hub_cache()}"
-        ) from None
-
-
-def _hub_cache() -> str:
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_CACHE
 
 
 def _inside(model_dir: Path, name: object) -> bool:

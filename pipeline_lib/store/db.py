@@ -318,13 +318,20 @@ class Store:
         return self.con.sql(" UNION ALL ".join(parts) + " ORDER BY table_name, source").pl()
 
 
+def require_store(path: str | Path) -> None:
+    """StoreError unless a store file is at `path` (a command that reads the store, or deletes from it, on a
+    workspace that was never used)."""
+    if not Path(path).is_file():
+        raise StoreError(f"no store at {path}; run `alignflow ingest` first")
+
+
 @contextmanager
 def open_store(path: str | Path, *, read_only: bool = False, wait: float = LOCK_WAIT_SECONDS) -> Iterator[Store]:
     """Open (creating if needed) the store at `path`; one-line StoreError if another process still holds it after
     `wait` seconds."""
     path = Path(path)
-    if read_only and not path.exists():
-        raise StoreError(f"no store at {path}; run `alignflow ingest` first")
+    if read_only:
+        require_store(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + wait
     while True:

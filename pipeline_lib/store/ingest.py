@@ -10,7 +10,6 @@ import gzip
 import io
 import json
 import re
-import shlex
 import time
 import zlib
 from collections import Counter
@@ -78,8 +77,6 @@ class IngestReport:
         if self.elsewhere:
             line += (f"; of the duplicates, {self.elsewhere} stay as first ingested (`alignflow data delete "
                      f"--source NAME` removes a source)")
-        if self.quarantined:
-            line += f" (why: `alignflow data quarantine --source {shlex.quote(self.source)}`)"
         return line
 
     def metrics(self) -> dict[str, float]:
@@ -120,6 +117,7 @@ def ingest_file(
     suffix = suffix_of(path)
     source = source or path.name[: -len(suffix)]
     lines, line_nos, pre_bad = _read_lines(path, suffix)
+    _require_records(path, lines)
     fmt = _detect_format(path, lines, line_nos, pre_bad, max_record_bytes) if format == "auto" else format
     rows = _screen(lines, fmt, max_record_bytes, pre_bad)
     accepted, bad = shape_records(fmt, rows, split=split or "train")
@@ -166,7 +164,15 @@ def check_readable(path: Path, format: str = "auto", max_record_bytes: int = 1_0
     (unknown type, unreadable, no records, no detectable format), without touching the store: the CLI and
     preset loading call it before a run starts, so such a file fails in one line at once."""
     lines, line_nos, pre_bad = _read_lines(path, suffix_of(path))
+    _require_records(path, lines)
     return _detect_format(path, lines, line_nos, pre_bad, max_record_bytes) if format == "auto" else format
+
+
+def _require_records(path: Path, lines: list[bytes]) -> None:
+    """IngestError for a file with no record at all (empty, blank lines, `[]`, a CSV header alone), whatever the
+    format: an ingest of nothing is a wrong path more often than an intended no-op."""
+    if all(not line or line.isspace() for line in lines):
+        raise IngestError(f"{path}: the file holds no records")
 
 
 # ---- reading: every file type becomes a list of JSON lines (one per record) plus its numbering
@@ -396,8 +402,6 @@ def _detect_format(
             votes[shape] += 1
     if votes:
         return votes.most_common(1)[0][0]
-    if all(not line or line.isspace() for line in lines):  # --format would not help here
-        raise IngestError(f"{path}: the file holds no records")
     if first_keys is None:  # nor here: it would quarantine every record, refused by the reader
         bad = _screen(lines, "pairs", limit, pre_bad).bad  # any format: no record gets as far as its fields
         reason, same = Counter(reason for _, reason in bad).most_common(1)[0]

@@ -95,8 +95,11 @@ def test_load_tokenizer_pads_left_and_falls_back_to_eos(tiny_dir, tmp_path):
 
 
 def test_missing_local_path_names_it(tmp_path):
-    with pytest.raises(ModelLoadError, match="not a model directory"):
+    with pytest.raises(ModelLoadError, match=f"no such directory {tmp_path / 'absent'}"):
         load_policy(tmp_path / "absent")
+    (tmp_path / "a file").write_text("x")
+    with pytest.raises(ModelLoadError, match="a file.* is not a model directory"):
+        load_policy(tmp_path / "a file")
 
 
 def test_dir_without_config_or_weights_is_refused(tmp_path):

@@ -697,7 +697,6 @@ def test_whole_harmless_base_file(store):
     check_invariant(report)
     assert report.summary() == (
         "harmless-base-test.jsonl.gz (hh -> preference_pairs): read 2312 = accepted 2308 + duplicates 0 + quarantined 4"
-        " (why: `alignflow data quarantine --source harmless-base-test`)"
     )
     # four rows have a blank chosen response (" ") once the shared prompt is cut off
     assert quarantine(store) == dict.fromkeys([87, 517, 926, 1104], "empty response after prompt extraction (chosen)")
