@@ -8,6 +8,7 @@ import gzip
 import io
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline_lib.store.db import TABLES, open_store
-from pipeline_lib.store.ingest import IngestError, ingest_file
+from pipeline_lib.store.ingest import IngestError, check_readable, ingest_file
 from pipeline_lib.store.parquet import ParquetError, parquet_json_lines
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,11 +42,11 @@ def row_counts(store) -> dict[str, int]:
     return {table: store.count(table) for table in TABLES}
 
 
-def refused(path: Path, store, message: str) -> str:
+def refused(path: Path, store, message: str, format: str = "auto") -> str:
     """The ingest of `path` fails with one line naming the file, and leaves the store as it was."""
     before = row_counts(store)
     with pytest.raises(IngestError) as err:
-        ingest_file(path, store)
+        ingest_file(path, store, format=format)
     text = str(err.value)
     assert "\n" not in text and text.startswith(f"{path}: ") and message in text, text
     assert row_counts(store) == before
@@ -336,6 +337,9 @@ def test_empty_files_are_one_line_errors(tmp_path, store, name, content, message
     path = tmp_path / name
     path.write_bytes(content)
     refused(path, store, message)
+    refused(path, store, message, format="pairs")  # a named format reads no more records
+    with pytest.raises(IngestError, match=re.escape(message)):
+        check_readable(path, "pairs")  # what the CLI runs before starting a flow
 
 
 def test_parquet_with_zero_rows_is_one_line_error(tmp_path, store):
