@@ -63,6 +63,24 @@ def test_a_workspace_that_cannot_be_made_is_one_line(tmp_path, where):
         result.stderr
 
 
+@pytest.mark.parametrize("files, expected", [
+    ({}, "no config.json; expected a Hugging Face model directory"),
+    ({"config.json": "{}", "pytorch_model.bin": "x"}, "only pickle weights (pytorch_model.bin); convert them"),
+])
+def test_a_model_dir_loading_would_refuse_fails_before_the_stage_starts(tmp_path, files, expected):
+    model = tmp_path / "model"
+    model.mkdir()
+    for name, text in files.items():
+        (model / name).write_text(text)
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"model_path: {model}\nsource: demo\n")
+    result = alignflow("run", "sft", "--config", str(config), workspace=tmp_path / "ws")
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith(f"error: {config}: field 'model_path': model dir {model}: {expected}"), \
+        result.stderr
+    assert not (tmp_path / "ws").exists()
+
+
 def test_data_quarantine_lists_each_files_reasons(tmp_path):
     from pipeline_lib.store.db import open_store
     from pipeline_lib.store.ingest import ingest_file
@@ -129,8 +147,12 @@ def test_an_unreadable_data_file_fails_before_prefect_starts(tmp_path, text, exp
 ])
 def test_a_model_path_that_is_not_there_fails_before_the_stage_starts(tmp_path, stage, text, field):
     missing = tmp_path / "models" / "sfft"
+    here = tmp_path / "policy"  # what the check reads of a model dir: a config and safetensors weights
+    here.mkdir()
+    (here / "config.json").write_text("{}")
+    (here / "model.safetensors").write_text("")
     config = tmp_path / "stage.yaml"
-    config.write_text(text.format(missing=missing, here=DATA))
+    config.write_text(text.format(missing=missing, here=here))
     expected = f"error: {config}: field '{field}': model '{missing}': no such directory {missing}"
     commands = [["run", stage, "--config", str(config)]]
     if stage == "pipeline":

@@ -4,7 +4,6 @@ no remote code unless asked, offline failures in well under a second, atomic che
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import uuid
@@ -15,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipeline_lib.errors import first_line
-from pipeline_lib.model_dirs import PICKLE_PATTERNS, ModelLoadError, resolve_model_dir
+from pipeline_lib.model_dirs import ModelLoadError, check_weights, resolve_model_dir
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -47,82 +46,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in names:
         raise ModelLoadError(f"dtype={dtype!r}: expected 'auto' or one of {sorted(names)}")
     return names[dtype]
-
-
-def _inside(model_dir: Path, name: object) -> bool:
-    """Whether the file name `name` (from config.json or an index) stays inside `model_dir`, lexically as transformers
-    joins it: a hub snapshot's files are symlinks into its blob store, so links are not resolved."""
-    if not isinstance(name, str) or not name or os.path.isabs(name):
-        return False
-    base = os.path.abspath(model_dir)
-    return os.path.commonpath([base, os.path.abspath(os.path.join(base, name))]) == base
-
-
-def _check_index(model_dir: Path, index: Path) -> None:
-    """Every shard a safetensors index maps weights to is a safetensors file inside `model_dir`."""
-    try:
-        shards = set(json.loads(index.read_text())["weight_map"].values())
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ModelLoadError(f"model dir {model_dir}: unreadable {index.name} ({first_line(exc)})") from None
-    # the index names the files transformers loads: a pickle shard behind it is still a pickle
-    other = sorted(str(shard) for shard in shards if not str(shard).endswith(".safetensors"))
-    if other:
-        raise ModelLoadError(f"model dir {model_dir}: {index.name} maps weights to non-safetensors files "
-                             f"({', '.join(other)}); convert them to safetensors")
-    outside = sorted(str(shard) for shard in shards if not _inside(model_dir, shard))
-    if outside:
-        raise ModelLoadError(f"model dir {model_dir}: {index.name} maps weights to files outside the dir "
-                             f"({', '.join(outside)}); expected shard names relative to it")
-
-
-def _explicit_weights(model_dir: Path) -> Path | None:
-    """The weights file config.json names in `transformers_weights` (transformers then reads it instead of
-    model.safetensors, even a pickle `adapter_model.bin`), checked to be safetensors inside the dir; None if unset."""
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"model dir {model_dir}: unreadable config.json ({first_line(exc)})") from None
-    name = config.get("transformers_weights") if isinstance(config, dict) else None
-    if name is None:
-        return None
-    if not (isinstance(name, str) and name.endswith((".safetensors", ".safetensors.index.json"))
-            and _inside(model_dir, name)):
-        raise ModelLoadError(f"model dir {model_dir}: config.json's transformers_weights={name!r} is not a "
-                             "safetensors file or index inside the dir; remove the field or convert the weights")
-    return model_dir / name
-
-
-def check_weights(model_dir: Path, *, allow_pickle: bool = False) -> bool:
-    """Validate `model_dir` holds a config and loadable weights; return whether they are safetensors.
-
-    Checks the files transformers will read: config.json's `transformers_weights` if set, else model.safetensors
-    or its index (whose shards must be safetensors inside the dir), and only without any, pickle weights."""
-    if not (model_dir / "config.json").is_file():
-        raise ModelLoadError(f"model dir {model_dir}: no config.json; expected a Hugging Face model directory")
-    explicit = _explicit_weights(model_dir)
-    if explicit is not None:
-        if not explicit.is_file():
-            raise ModelLoadError(f"model dir {model_dir}: config.json's transformers_weights names "
-                                 f"{explicit.name}, which is not there")
-        if explicit.name.endswith(".index.json"):
-            _check_index(model_dir, explicit)
-        return True
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        _check_index(model_dir, index)
-        return True
-    if any(model_dir.glob("*.safetensors")):
-        return True
-    pickled = sorted(p.name for pattern in PICKLE_PATTERNS for p in model_dir.glob(pattern))
-    if not pickled:
-        raise ModelLoadError(f"model dir {model_dir}: no *.safetensors weights found")
-    if not allow_pickle:
-        # Pickle files can run arbitrary code when loaded.
-        raise ModelLoadError(
-            f"model dir {model_dir}: only pickle weights ({', '.join(pickled)}); convert them to safetensors "
-            "or pass allow_pickle=True if you trust the source"
-        )
-    return False
 
 
 def load_pretrained(

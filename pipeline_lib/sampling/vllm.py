@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from pipeline_lib.model_dirs import check_weights
 from pipeline_lib.sampling.base import Completion, SamplingError, check_sampling_args
 from pipeline_lib.sampling.vllm_env import has_cuda, venv_python
 
@@ -247,8 +248,6 @@ class VLLMServer:
         stop_timeout: float = 30.0,
         log_path: str | Path | None = None,
     ):
-        from pipeline_lib.models.loading import check_weights  # torch: only when a server is set up
-
         self.model_dir = Path(model_dir).resolve()
         check_weights(self.model_dir)  # a config and safetensors weights only, as for the in-process models
         found = Path(python) if python else find_vllm_python()
