@@ -272,6 +272,15 @@ def require_models(cfg, stage: str, config: Path) -> None:
             fail(f"{config}: field '{field}': {exc}")
 
 
+def load_preset(preset: Path):
+    """A pipeline preset, validated, its data files readable and its explicit models there (`demo`, `serve`)."""
+    from pipeline_lib.config import PipelineConfig, load_config
+
+    cfg = load_config(PipelineConfig, preset)
+    require_models(cfg, "pipeline", preset)
+    return cfg
+
+
 def load_flow(stage: str):
     """The flow object of a stage, imported on demand (after the workspace set PREFECT_HOME)."""
     import importlib
@@ -393,11 +402,8 @@ def demo(
     import subprocess
     import time
 
-    from pipeline_lib.config import PipelineConfig, load_config
-
     workspace = resolve_workspace()
-    cfg = load_config(PipelineConfig, preset)  # a bad preset fails before the demo data is generated
-    require_models(cfg, "pipeline", preset)
+    cfg = load_preset(preset)  # a bad preset fails before the demo data is generated
     with run_lock():
         generated = workspace.root / "data" / "demo"
         subprocess.run([sys.executable, str(REPO_ROOT / "data" / "generate.py"), "--out", str(generated)], check=True)
@@ -423,12 +429,9 @@ def serve(
 
     import httpx
 
-    from pipeline_lib.config import PipelineConfig, load_config
-
     os.environ.setdefault("PREFECT_API_URL", PREFECT_URL)
     api = os.environ["PREFECT_API_URL"]
-    cfg = load_config(PipelineConfig, config)
-    require_models(cfg, "pipeline", config)
+    cfg = load_preset(config)
     resolve_workspace().create()  # the flows it serves run there, and Prefect's import makes PREFECT_HOME in it
     from flows.deployments import build_deployments
 

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from pipeline_lib import alignflow_version
 from pipeline_lib.config import SampleConfig
 from pipeline_lib.fingerprint import content_id, model_fingerprint
-from pipeline_lib.models.loading import resolve_model_dir
+from pipeline_lib.model_dirs import resolve_model_dir
 from pipeline_lib.rewards.math import is_correct
 from pipeline_lib.rewards.registry import build_reward
 from pipeline_lib.sampling.base import Sampler, SamplingError

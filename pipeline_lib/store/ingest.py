@@ -116,9 +116,7 @@ def ingest_file(
         raise IngestError(f"{path}: max_record_bytes must be > 0, got {max_record_bytes}")
     suffix = suffix_of(path)
     source = source or path.name[: -len(suffix)]
-    lines, line_nos, pre_bad = _read_lines(path, suffix)
-    _require_records(path, lines)
-    fmt = _detect_format(path, lines, line_nos, pre_bad, max_record_bytes) if format == "auto" else format
+    lines, line_nos, pre_bad, fmt = _read_records(path, suffix, format, max_record_bytes)
     rows = _screen(lines, fmt, max_record_bytes, pre_bad)
     accepted, bad = shape_records(fmt, rows, split=split or "train")
     quarantine = _quarantine_frame(lines, line_nos, sorted(rows.bad + bad), source, str(path.resolve()))
@@ -163,16 +161,19 @@ def check_readable(path: Path, format: str = "auto", max_record_bytes: int = 1_0
     """The format ingest_file would read `path` as, or the IngestError it would raise for the file as a whole
     (unknown type, unreadable, no records, no detectable format), without touching the store: the CLI and
     preset loading call it before a run starts, so such a file fails in one line at once."""
-    lines, line_nos, pre_bad = _read_lines(path, suffix_of(path))
-    _require_records(path, lines)
-    return _detect_format(path, lines, line_nos, pre_bad, max_record_bytes) if format == "auto" else format
+    return _read_records(path, suffix_of(path), format, max_record_bytes)[3]
 
 
-def _require_records(path: Path, lines: list[bytes]) -> None:
-    """IngestError for a file with no record at all (empty, blank lines, `[]`, a CSV header alone), whatever the
-    format: an ingest of nothing is a wrong path more often than an intended no-op."""
+def _read_records(
+    path: Path, suffix: str, format: str, limit: int
+) -> tuple[list[bytes], Sequence[int], dict[int, str], str]:
+    """_read_lines' (lines, line_nos, pre_bad) and the format to read them as. IngestError for a file with no record
+    at all (empty, blank lines, `[]`, a CSV header alone), whatever the format: an ingest of nothing is a wrong path
+    more often than an intended no-op."""
+    lines, line_nos, pre_bad = _read_lines(path, suffix)
     if all(not line or line.isspace() for line in lines):
         raise IngestError(f"{path}: the file holds no records")
+    return lines, line_nos, pre_bad, _detect_format(path, lines, line_nos, pre_bad, limit) if format == "auto" else format
 
 
 # ---- reading: every file type becomes a list of JSON lines (one per record) plus its numbering

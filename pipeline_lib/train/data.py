@@ -24,7 +24,7 @@ from pipeline_lib.config import config_key, model_paths, validate_config
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import content_id, frame_fingerprint, keyed_dir, model_fingerprint
 from pipeline_lib.logfns import print_log
-from pipeline_lib.models.loading import resolve_model_dir
+from pipeline_lib.model_dirs import resolve_model_dir
 from pipeline_lib.rewards.model import text_ids
 
 C = TypeVar("C", bound=BaseModel)

@@ -20,8 +20,9 @@ from pipeline_lib.filters import west_of_n_of_run
 from pipeline_lib.fingerprint import content_id, fingerprint_path
 from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.losses import dpo_loss
+from pipeline_lib.model_dirs import resolve_model_dir
 from pipeline_lib.models import completion_logprob_sums, load_policy, load_tokenizer
-from pipeline_lib.models.loading import resolve_device, resolve_model_dir
+from pipeline_lib.models.loading import resolve_device
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
     Dist,
