@@ -25,7 +25,7 @@ from prefect.runtime import flow_run
 from prefect.settings import get_current_settings
 from prefect.states import Crashed
 
-from pipeline_lib.fingerprint import model_dir_complete
+from pipeline_lib.model_dirs import model_dir_complete
 from pipeline_lib.workspace import Workspace, host_id, process_alive, workspace_lock
 from tasks.common import current_workspace
 

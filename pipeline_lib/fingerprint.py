@@ -1,5 +1,5 @@
-"""Content fingerprints of files and model dirs: the inputs part of a stage's cache key; whether a model dir a
-stage wrote is whole. No torch here: the CLI and the flows import it."""
+"""Content fingerprints of files, frames and model dirs: the inputs part of a stage's cache key. No torch here:
+the CLI and the flows import it."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import orjson
 import polars as pl
 
+from pipeline_lib.model_dirs import FINAL_MARKER
+
 # Files above this size are fingerprinted by (size, mtime) instead of content: hashing the multi-GB
 # weights of a real model on every pipeline run would cost minutes; the tiny model is hashed fully.
 FULL_HASH_LIMIT = 256 * 1024 * 1024
-# What a training stage writes beside a final model about its run (wall time, metrics): not part of the model
-FINAL_MARKER = "alignflow_final.json"
 
 
 def fingerprint_path(path: str | Path, *, skip_names: tuple[str, ...] = ()) -> str:
@@ -68,35 +68,3 @@ def frame_fingerprint(frame: pl.DataFrame) -> str:
     digest = hashlib.sha256(f"{frame.shape}:{frame.columns}".encode())
     digest.update(frame.hash_rows(seed=0).to_numpy().tobytes())
     return digest.hexdigest()
-
-
-def read_marker(final: Path) -> dict:
-    """A final's marker: a JSON object, else OSError/ValueError."""
-    marker = orjson.loads((final / FINAL_MARKER).read_bytes())
-    if not isinstance(marker, dict):
-        raise ValueError(f"expected a JSON object, got {type(marker).__name__}")
-    return marker
-
-
-def missing_files(final: Path, marker: dict) -> list[str]:
-    """Files of `final` that are gone or whose size is not the recorded one (a marker without sizes, from before
-    they were recorded: a config.json and safetensors weights must be there)."""
-    sizes = marker.get("files")
-    if not isinstance(sizes, dict):
-        return [name for name, there in (("config.json", (final / "config.json").is_file()),
-                                          ("*.safetensors", any(final.glob("*.safetensors")))) if not there]
-    return [name for name, size in sizes.items()
-            if not (final / name).is_file() or (final / name).stat().st_size != size]
-
-
-def model_dir_complete(path: str | Path) -> bool:
-    """Whether a model dir a stage handed on is still all there: the files its final marker records, at their
-    sizes (a dir without a marker, such as the tiny base model: a config.json and safetensors weights)."""
-    path = Path(path)
-    if not path.is_dir():
-        return False
-    try:
-        marker = read_marker(path) if (path / FINAL_MARKER).is_file() else {}
-    except (OSError, ValueError):
-        return False
-    return not missing_files(path, marker)

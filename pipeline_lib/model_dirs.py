@@ -1,6 +1,7 @@
 """Where a model is (a local dir, or a hub id's snapshot in the local Hugging Face cache, downloaded only when the
-hub is online) and whether its files are loadable (a config, safetensors weights inside the dir). No torch here, so
-the CLI checks a config's model dirs before anything starts."""
+hub is online), whether its files are loadable (a config, safetensors weights inside the dir), and whether a model
+dir a stage wrote is still whole (its final marker). No torch here, so the CLI checks a config's model dirs before
+anything starts."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import json
 import os
 from pathlib import Path
 
+import orjson
+
 from pipeline_lib.errors import AlignflowError, first_line
 
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+# What a training stage writes beside a final model about its run (wall time, metrics): not part of the model
+FINAL_MARKER = "alignflow_final.json"
 # Files a model dir needs besides weights; a hub download fetches only these plus the allowed weights.
 _HUB_FILE_PATTERNS = ["*.json", "*.txt", "*.model", "*.jinja", "*.tiktoken", "*.py", "*.safetensors"]
 
@@ -131,3 +136,35 @@ def check_weights(model_dir: Path, *, allow_pickle: bool = False) -> bool:
             "or pass allow_pickle=True if you trust the source"
         )
     return False
+
+
+def read_marker(final: Path) -> dict:
+    """A final's marker: a JSON object, else OSError/ValueError."""
+    marker = orjson.loads((final / FINAL_MARKER).read_bytes())
+    if not isinstance(marker, dict):
+        raise ValueError(f"expected a JSON object, got {type(marker).__name__}")
+    return marker
+
+
+def missing_files(final: Path, marker: dict) -> list[str]:
+    """Files of `final` that are gone or whose size is not the recorded one (a marker without sizes, from before
+    they were recorded: a config.json and safetensors weights must be there)."""
+    sizes = marker.get("files")
+    if not isinstance(sizes, dict):
+        return [name for name, there in (("config.json", (final / "config.json").is_file()),
+                                          ("*.safetensors", any(final.glob("*.safetensors")))) if not there]
+    return [name for name, size in sizes.items()
+            if not (final / name).is_file() or (final / name).stat().st_size != size]
+
+
+def model_dir_complete(path: str | Path) -> bool:
+    """Whether a model dir a stage handed on is still all there: the files its final marker records, at their
+    sizes (a dir without a marker, such as the tiny base model: a config.json and safetensors weights)."""
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    try:
+        marker = read_marker(path) if (path / FINAL_MARKER).is_file() else {}
+    except (OSError, ValueError):
+        return False
+    return not missing_files(path, marker)

@@ -24,8 +24,8 @@ from torch import Tensor, nn
 
 from pipeline_lib.config import ConfigError
 from pipeline_lib.errors import AlignflowError, first_line
-from pipeline_lib.fingerprint import FINAL_MARKER, missing_files, read_marker
 from pipeline_lib.logfns import LogFn
+from pipeline_lib.model_dirs import FINAL_MARKER, missing_files, read_marker
 
 CHECKPOINT_DIR = "checkpoint"
 

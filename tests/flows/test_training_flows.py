@@ -15,7 +15,8 @@ from flows.rm import rm_flow
 from flows.sft import sft_flow
 from pipeline_lib import tracking
 from pipeline_lib.config import DPOConfig, PPOConfig, RMConfig, SFTConfig
-from pipeline_lib.fingerprint import FINAL_MARKER, model_fingerprint
+from pipeline_lib.fingerprint import model_fingerprint
+from pipeline_lib.model_dirs import FINAL_MARKER
 from pipeline_lib.models import RewardModel, build_tiny_model, load_policy
 from pipeline_lib.store.db import open_store
 from pipeline_lib.train.common import final_metrics
