@@ -217,12 +217,7 @@ def sample_run_id(cfg: SampleConfig, problem_ids: Sequence[str]) -> str:
 
 def select_problems(store: Store, cfg: SampleConfig) -> pl.DataFrame:
     """The config's problems (split, source), in problem_id order, the first `max_problems` of them."""
-    where = {"split": cfg.split} | ({"source": cfg.problems_source} if cfg.problems_source else {})
-    problems = store.read("problems", **where).sort("problem_id")
-    if problems.height == 0:
-        shown = ", ".join(f"{k}={v!r}" for k, v in where.items())
-        raise SamplingError(f"no problems in the store with {shown}; ingest some first "
-                            "(`alignflow ingest data/demo/problems.jsonl`)")
+    problems = store.read_selected("problems", split=cfg.split, source=cfg.problems_source).sort("problem_id")
     return problems.head(cfg.max_problems) if cfg.max_problems else problems
 
 

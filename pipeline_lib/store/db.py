@@ -256,6 +256,23 @@ class Store:
         columns = "* EXCLUDE (ingested_at)" if "ingested_at" in TABLES[table] else "*"
         return self.con.sql(f"SELECT {columns} FROM {table} WHERE {where}", params=params).pl()
 
+    def read_selected(self, table: str, **equals: object) -> pl.DataFrame:
+        """`read` with the filters whose value is not None, refused when no row matches: one line naming the
+        selection and what the table holds, counted by the same columns (a mistyped source or split shows at once)."""
+        where = {column: value for column, value in equals.items() if value is not None}
+        frame = self.read(table, **where)
+        if frame.height:
+            return frame
+        if self.count(table) == 0:
+            raise StoreError(f"no {table} rows in the store; ingest some first")
+        columns = list(where)
+        groups = self.read(table).group_by(columns).len().sort(columns).rows()
+        held = "; ".join(", ".join(f"{c}={v!r}" for c, v in zip(columns, group)) + f": {group[-1]} rows"
+                         for group in groups[:10])
+        more = f"; and {len(groups) - 10} more" if len(groups) > 10 else ""
+        shown = ", ".join(f"{column}={value!r}" for column, value in where.items())
+        raise StoreError(f"no {table} rows in the store with {shown}; it holds {held}{more}")
+
     def stored_elsewhere(self, table: str, frame: pl.DataFrame, columns: list[str]) -> list[tuple]:
         """Rows of `frame` whose key `table` already holds with other values in `columns` (another source or
         split): (the stored values of `columns`..., how many), most first."""

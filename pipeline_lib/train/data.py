@@ -34,8 +34,6 @@ class TrainDataError(AlignflowError, ValueError):
     """Training rows that cannot be used (missing column, empty data), in one line."""
 
 
-
-
 # ---- prompts
 
 

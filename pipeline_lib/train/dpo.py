@@ -68,11 +68,7 @@ def load_dpo_data(store: Store, cfg: DPOConfig) -> pl.DataFrame:
             raise TrainDataError(f"samples run {cfg.samples_run_id!r}: no West-of-N pairs to train on (of its "
                                  f"{stats['filter/prompts']} prompts, none has samples whose rewards differ)")
         return pairs
-    pairs = store.read("preference_pairs", **({"source": cfg.source} if cfg.source else {}))
-    if pairs.height == 0:
-        raise TrainDataError(f"no preference pairs in the store{f' with source {cfg.source!r}' if cfg.source else ''}; "
-                             "ingest some first")
-    return pairs
+    return store.read_selected("preference_pairs", source=cfg.source)
 
 
 def encode_pairs(tokenizer, pairs: pl.DataFrame, *, max_length: int) -> Encoded:

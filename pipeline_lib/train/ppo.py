@@ -43,7 +43,6 @@ from pipeline_lib.train.common import (
 )
 from pipeline_lib.train.data import (
     Batch,
-    TrainDataError,
     render_prompts,
     require_chat_template,
     require_columns,
@@ -67,10 +66,7 @@ def load_ppo_data(store: Store, cfg: PPOConfig) -> pl.DataFrame:
     preference pairs (conversations keep their turns for the chat template)."""
     if cfg.prompts_table == "problems":
         return read_problems(store, split=cfg.split, source=cfg.problems_source, chat_template=cfg.chat_template)
-    where = {"source": cfg.problems_source} if cfg.problems_source else {}
-    pairs = store.read("preference_pairs", **where).sort("pair_id")
-    if pairs.height == 0:
-        raise TrainDataError(f"no preference pairs in the store with {where or 'any source'}; ingest some first")
+    pairs = store.read_selected("preference_pairs", source=cfg.problems_source).sort("pair_id")
     prompts = pairs.unique(subset="prompt", keep="first", maintain_order=True).select("prompt", "prompt_messages")
     if not cfg.chat_template:
         return prompts

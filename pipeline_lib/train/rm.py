@@ -96,8 +96,7 @@ def build_groups(tokenizer, frame: pl.DataFrame, loss: str, *, max_length: int) 
 
 def load_rm_data(store: Store, cfg: RMConfig) -> pl.DataFrame:
     """preference_pairs (bradley_terry) or rankings (plackett_luce) from the store, optionally one source."""
-    source = {"source": cfg.source} if cfg.source else {}
-    return store.read("preference_pairs" if cfg.loss == "bradley_terry" else "rankings", **source)
+    return store.read_selected("preference_pairs" if cfg.loss == "bradley_terry" else "rankings", source=cfg.source)
 
 
 PAIR_STATS = ("rewards/accuracies", "rewards/margins")

@@ -25,7 +25,7 @@ from pipeline_lib.models.logprobs import shared_prompt_logprobs
 from pipeline_lib.sampling import Completion, Sampler
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import autocast
-from pipeline_lib.train.data import Batch, Encoded, TrainDataError, collate
+from pipeline_lib.train.data import Batch, Encoded, collate
 
 SyncFn = Callable[[], float]
 
@@ -33,11 +33,7 @@ SyncFn = Callable[[], float]
 def read_problems(store: Store, *, split: str, source: str | None, chat_template: bool) -> pl.DataFrame:
     """Problems of `split` (and `source`) in problem_id order, the rollout prompts of GRPO/DAPO/PPO; with
     chat_template each prompt becomes one user turn (`prompt_messages`), rendered as the SFT stage did."""
-    where = {"split": split} | ({"source": source} if source else {})
-    problems = store.read("problems", **where).sort("problem_id")
-    if problems.height == 0:
-        shown = ", ".join(f"{k}={v!r}" for k, v in where.items())
-        raise TrainDataError(f"no problems in the store with {shown}; ingest some first")
+    problems = store.read_selected("problems", source=source, split=split).sort("problem_id")
     if not chat_template:
         return problems
     turns = [json.dumps([{"role": "user", "content": prompt}]) for prompt in problems["prompt"].to_list()]

@@ -79,13 +79,15 @@ def load_sft_data(store: Store, cfg: SFTConfig) -> tuple[pl.DataFrame, pl.DataFr
     """(training rows, held-out rows for eval/loss or None) of `cfg.data` from the store."""
     source = {"source": cfg.source} if cfg.source else {}
     if cfg.data == "problems":
-        rows = sft_rows(store.read("problems", split=cfg.split, **source), "problems", chat_template=cfg.chat_template)
+        rows = sft_rows(store.read_selected("problems", source=cfg.source, split=cfg.split), "problems",
+                        chat_template=cfg.chat_template)
         held = store.read("problems", split="test", **source) if cfg.split != "test" else None
         if held is None or held.height == 0:
             return rows, None
         return rows, sft_rows(held, "problems", chat_template=cfg.chat_template)
     if cfg.data == "pairs":
-        return sft_rows(store.read("preference_pairs", **source), "pairs", chat_template=cfg.chat_template), None
+        return sft_rows(store.read_selected("preference_pairs", source=cfg.source), "pairs",
+                        chat_template=cfg.chat_template), None
     selected = best_of_n(store.read("samples", run_id=cfg.samples_run_id))
     if cfg.min_reward is not None:
         selected = selected.filter(pl.col("reward") >= cfg.min_reward)

@@ -19,7 +19,7 @@ from pipeline_lib.sampling.stage import (
     sample_run_id,
     select_problems,
 )
-from pipeline_lib.store.db import open_store
+from pipeline_lib.store.db import StoreError, open_store
 
 KEY = ["prompt_id", "sample_idx"]
 
@@ -201,7 +201,7 @@ def test_a_new_problem_among_the_first_max_problems_is_a_new_run_of_exactly_them
 
 
 def test_bad_inputs_are_one_line_errors(store, tiny_model_dir):
-    with pytest.raises(SamplingError, match=r"no problems in the store with split='train', source='nope'"):
+    with pytest.raises(StoreError, match=r"no problems rows in the store with split='train', source='nope'; it holds "):
         select_problems(store, SampleConfig(model_path="m", split="train", problems_source="nope"))
     with pytest.raises(ValueError, match="rewards\\[0\\].name: unknown reward 'bleu'"):  # when the config loads
         SampleConfig(model_path="m", rewards=[{"name": "bleu"}])

@@ -116,6 +116,27 @@ def test_read_filters_and_unknown_names(tmp_path):
             store.insert_new("problems", problems.rename({"prompt": "question"}))
 
 
+def test_an_empty_selection_is_one_line_naming_it_and_what_the_table_holds(tmp_path):
+    problems = pl.DataFrame({"problem_id": ["1", "2", "3"], "source": ["g", "g", "h"],
+                             "split": ["train", "test", "test"], "prompt": ["a", "b", "c"], "answer": ["1", "2", "3"]})
+    with open_store(tmp_path / "s.duckdb") as store:
+        with pytest.raises(StoreError, match=r"^no problems rows in the store; ingest some first$"):
+            store.read_selected("problems", source="g")
+        store.insert_new("problems", problems)
+        assert store.read_selected("problems", split="test", source=None)["problem_id"].sort().to_list() == ["2", "3"]
+        with pytest.raises(StoreError) as error:
+            store.read_selected("problems", source="G", split="test")
+        assert str(error.value) == ("no problems rows in the store with source='G', split='test'; it holds "
+                                    "source='g', split='test': 1 rows; source='g', split='train': 1 rows; "
+                                    "source='h', split='test': 1 rows")
+        many = pl.DataFrame({"pair_id": [str(i) for i in range(12)], "source": [f"s{i:02}" for i in range(12)],
+                             "prompt": ["p"] * 12, "chosen": ["c"] * 12, "rejected": ["r"] * 12})
+        store.insert_new("preference_pairs", many)
+        with pytest.raises(StoreError, match=r"with source='x'; it holds source='s00': 1 rows; .*source='s09': 1 rows;"
+                                             r" and 2 more$"):
+            store.read_selected("preference_pairs", source="x")
+
+
 def test_stats_count_per_table_and_source(tmp_path):
     with open_store(tmp_path / "s.duckdb") as store:
         store.insert_new("preference_pairs", pairs_frame(["a", "b"], source="hh"))
