@@ -170,8 +170,9 @@ def data_stats() -> None:
 def data_quarantine(
     source: Optional[str] = typer.Option(None, "--source", "-s", help="Only this source's rows (default: all)."),
 ) -> None:
-    """Why rows were quarantined: each file's reasons, with how many rows and the first line each holds (the rows
-    themselves, raw text included, are in the store's `quarantine` table)."""
+    """Why rows were quarantined: each file's reasons, with how many rows and where the first is (`line N` of a text
+    file, `row N` of a parquet file, both from 1; the rows themselves, raw text included, are in the store's
+    `quarantine` table)."""
     from pipeline_lib.store.db import open_store
 
     workspace = resolve_workspace()

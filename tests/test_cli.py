@@ -82,22 +82,29 @@ def test_a_model_dir_loading_would_refuse_fails_before_the_stage_starts(tmp_path
 
 
 def test_data_quarantine_lists_each_files_reasons(tmp_path):
+    import polars as pl
+
     from pipeline_lib.store.db import open_store
     from pipeline_lib.store.ingest import ingest_file
 
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": 1, "rejected": "c"}\n'
                     'not json\n{"prompt": "d", "chosen": 2, "rejected": "e"}\n')
+    table = tmp_path / "p.parquet"  # its second row is bad: `row 2`, counted from 1 as the lines are
+    pl.DataFrame({"prompt": ["a", "b"], "chosen": ["b", "same"], "rejected": ["c", "same"]}).write_parquet(table)
     with open_store(tmp_path / "ws" / "store.duckdb") as store:
         report = ingest_file(data, store, source="my data")
+        assert ingest_file(table, store, source="my data").quarantined == 1
     assert report.quarantined == 3
     result = alignflow("data", "quarantine", "--source", "my data", workspace=tmp_path / "ws")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == f"3 quarantined rows in {tmp_path / 'ws' / 'store.duckdb'}"
+    assert lines[0] == f"4 quarantined rows in {tmp_path / 'ws' / 'store.duckdb'}"
+    assert "┆ first  │" in lines[3], result.stdout  # the header names the column; each row says line or row
     counts = [line for line in lines if str(data) in line]  # most frequent reason first, with its first line
-    assert len(counts) == 2 and "field 'chosen'" in counts[0] and "┆ 2      ┆ 2 " in counts[0], result.stdout
-    assert "┆ 1      ┆ 3 " in counts[1], result.stdout
+    assert len(counts) == 2 and "field 'chosen'" in counts[0] and "┆ 2      ┆ line 2 " in counts[0], result.stdout
+    assert "┆ 1      ┆ line 3 " in counts[1], result.stdout
+    assert [line for line in lines if str(table) in line][0].endswith("┆ row 2  │"), result.stdout
     other = alignflow("data", "quarantine", "--source", "other", workspace=tmp_path / "ws")
     assert other.returncode == 2 and other.stderr.startswith("error: source 'other': no rows in the store")
     with open_store(tmp_path / "ws" / "store.duckdb") as store:

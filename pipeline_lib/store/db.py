@@ -12,7 +12,7 @@ import polars as pl
 
 from pipeline_lib.errors import AlignflowError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # DuckDB lets one process write a file or several read it: a store another process holds (`alignflow data stats`,
 # a notebook's read-only connection, the task of a running pipeline) is waited for this long before giving up
 LOCK_WAIT_SECONDS = 15.0
@@ -52,7 +52,7 @@ TABLES: dict[str, dict[str, str]] = {
     "quarantine": {
         "source": "VARCHAR",
         "file": "VARCHAR",
-        "line_no": "BIGINT",
+        "line_no": "BIGINT",  # 1-based: the record's line in a text file, its row in a parquet file (`position`)
         "raw": "VARCHAR",
         "reason": "VARCHAR NOT NULL",
         "ingested_at": "TIMESTAMP DEFAULT current_timestamp",
@@ -96,7 +96,17 @@ TABLE_KEYS = {
 # What a store of schema v(k-1) runs to become v(k): columns added at the end, as in TABLES, so both agree.
 MIGRATIONS: dict[int, list[str]] = {
     2: ["ALTER TABLE samples ADD COLUMN IF NOT EXISTS chat_template BOOLEAN"],
+    # quarantine.line_no of a parquet row was its 0-based index, now its 1-based row number (a JSON array's 0-based
+    # record index, now the line the record starts on, cannot be recomputed without the file: it stays)
+    3: ["UPDATE quarantine SET line_no = line_no + 1 WHERE lower(file) LIKE '%.parquet'"],
 }
+
+
+def position(file: str, line_no: int | None) -> str:
+    """Where a quarantined row of `file` came from: its quarantine `line_no` is 1-based, the row number in a parquet
+    file (`row 3`) and the physical line a record starts on in a text file (`line 3`). Stores before schema v3 held
+    a JSON array's 0-based record index (their parquet rows were moved to 1-based by the migration)."""
+    return "" if line_no is None else f"{'row' if file.lower().endswith('.parquet') else 'line'} {line_no}"
 
 
 class StoreError(AlignflowError):
@@ -317,13 +327,15 @@ class Store:
         return f"{table}:{row[0]}:{row[1]}"
 
     def quarantine_reasons(self, source: str | None = None) -> pl.DataFrame:
-        """Quarantined rows (of one source, or all) per file and reason: n_rows and the first line_no, most
-        frequent first (`alignflow data quarantine`)."""
+        """Quarantined rows (of one source, or all) per file and reason: n_rows and where the first is (`line 3`,
+        `row 3`: see `position`), most frequent first (`alignflow data quarantine`)."""
         where, params = _where("quarantine", {} if source is None else {"source": source})
-        return self.con.sql(
+        frame = self.con.sql(
             f"SELECT source, file, reason, count(*) AS n_rows, min(line_no) AS first_line FROM quarantine "
             f"WHERE {where} GROUP BY source, file, reason ORDER BY n_rows DESC, source, file, first_line",
             params=params).pl()
+        first = [position(file, line_no) for file, line_no in frame.select("file", "first_line").iter_rows()]
+        return frame.drop("first_line").with_columns(pl.Series("first", first, dtype=pl.String))
 
     def stats(self) -> pl.DataFrame:
         """Row counts per table and source (`alignflow data stats`)."""

@@ -22,7 +22,7 @@ import polars as pl
 
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import content_id, fingerprint_path
-from pipeline_lib.store.db import Store
+from pipeline_lib.store.db import Store, position
 from pipeline_lib.store.parquet import ParquetError, read_parquet_lines
 from pipeline_lib.store.shapes import FIELDS, HH_TURN, SCHEMAS, TABLE_OF, TOO_DEEP, Rows, shape_records
 
@@ -42,6 +42,14 @@ _CR_BETWEEN_RECORDS = re.compile(rb"}\s*\r\s*{")
 _FIRST_OF_LINES = re.compile(rb"\s*(\{[^\n]*)\n\s*\{")
 # a NaN or Infinity value, as Python writes them; only words the reason of a line that failed to parse
 _NON_JSON_NUMBER = re.compile(rb"[:\[,]\s*-?(?:NaN|Infinity)\s*[,}\]]")
+_UTF8_BOM = b"\xef\xbb\xbf"
+# byte-order marks, UTF-32's before UTF-16's (FF FE 00 00 starts with FF FE); Python's codec names
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"),
+         (b"\xff\xfe", "UTF-16LE"), (b"\xfe\xff", "UTF-16BE"))
+# which of the byte positions mod 4 hold NUL bytes in text of these encodings without a byte-order mark: an ASCII
+# character is its byte and one (UTF-16) or three (UTF-32) NULs; JSON and CSV text in UTF-8 holds none
+_NUL_PATTERNS = {(False, True, False, True): "UTF-16LE", (True, False, True, False): "UTF-16BE",
+                 (False, True, True, True): "UTF-32LE", (True, True, True, False): "UTF-32BE"}
 _ID_FIELDS = {
     "preference_pairs": ("pair_id", ["prompt", "chosen", "rejected"]),
     "rankings": ("ranking_id", ["prompt", "responses"]),
@@ -191,9 +199,9 @@ def suffix_of(path: Path) -> str:
 def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], Sequence[int], dict[int, str]]:
     """(lines, line_nos, pre_bad): record i is reported as line_no line_nos[i].
 
-    jsonl: physical lines, 1-based. json array / parquet: 0-based record index. csv: the physical line
-    the record starts on (the header is line 1). pre_bad maps record index -> reason for records the
-    reader itself rejected."""
+    Every number is 1-based: for text files (jsonl, json, csv) the physical line the record starts on (a CSV header
+    is line 1), for parquet the row number. pre_bad maps record index -> reason for records the reader itself
+    rejected."""
     if path.is_dir():
         raise IngestError(f"{path}: is a directory, expected a data file")
     try:
@@ -209,40 +217,60 @@ def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], Sequence[int], di
             data = gzip.decompress(data)
         except (OSError, EOFError, zlib.error) as exc:
             raise IngestError(f"{path}: not a readable gzip file ({exc})") from None
-    bom = b"\xef\xbb\xbf"
-    if data.startswith(bom):  # a UTF-8 byte-order mark is not part of the first record
-        data = data[3:]
+    if suffix == ".parquet":
+        try:
+            lines, pre_bad = read_parquet_lines(data)
+        except ParquetError as exc:
+            raise IngestError(f"{path}: {exc}") from None
+        return lines, range(1, len(lines) + 1), pre_bad
+    data = _utf8(path, data)
     if suffix == ".json" and _json_lines(data):  # `Dataset.to_json` writes JSON Lines under this name
         suffix = ".jsonl"
     if suffix in (".jsonl", ".jsonl.gz"):
         lines = data.split(b"\n")
         if lines and not lines[-1]:
             lines.pop()
-        if bom in data:  # files joined with `cat`: each may start with its own mark
-            lines = [line.removeprefix(bom) for line in lines]
+        if _UTF8_BOM in data:  # files joined with `cat`: each may start with its own mark
+            lines = [line.removeprefix(_UTF8_BOM) for line in lines]
         return lines, range(1, len(lines) + 1), {}
     if suffix == ".json":
         try:
             items = orjson.loads(data)
         except orjson.JSONDecodeError as exc:
             # an array with a bad record (NaN, a cut end) has its records screened one by one, if any is whole
-            lines = _array_items(data) if re.match(rb"\s*\[", data) else []
+            lines, line_nos = _array_items(data) if re.match(rb"\s*\[", data) else ([], [])
             if not any(_parses(line) for line in lines):
                 raise IngestError(f"{path}: not valid JSON ({exc})") from None
-            return lines, range(len(lines)), {}
+            return lines, line_nos, {}
         if not isinstance(items, list):
             raise IngestError(f"{path}: expected a JSON array of records, got {_json_type(items)}")
         # each record as written, screened like a JSONL line: orjson's parse of the whole array has already
         # dropped repeated keys and rounded huge integers
-        lines = _array_items(data) if items else []
-        return lines, range(len(lines)), {}
-    if suffix == ".parquet":
-        try:
-            lines, pre_bad = read_parquet_lines(data)
-        except ParquetError as exc:
-            raise IngestError(f"{path}: {exc}") from None
-        return lines, range(len(lines)), pre_bad
+        lines, line_nos = _array_items(data) if items else ([], [])
+        return lines, line_nos, {}
     return _csv_lines(path, data)
+
+
+def _utf8(path: Path, data: bytes) -> bytes:
+    """The text of a data file as UTF-8 without a byte-order mark: UTF-16 and UTF-32 (Excel's and PowerShell's
+    "Unicode") are decoded when a byte-order mark names them; without one, such a file is a one-line IngestError
+    naming the encoding, as is a file its mark does not fit. Other bytes stay as they are: a line that is not UTF-8
+    is quarantined alone."""
+    if data.startswith(_UTF8_BOM):  # a UTF-8 byte-order mark is not part of the first record
+        return data[len(_UTF8_BOM):]
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            try:
+                return data[len(bom):].decode(encoding).encode()
+            except UnicodeDecodeError as exc:
+                raise IngestError(f"{path}: starts with a {encoding} byte-order mark but is not {encoding} text "
+                                  f"({exc.reason} at byte {len(bom) + exc.start})") from None
+    sample = data[:4096]
+    nul_bytes = tuple(sample[k::4].count(0) > len(sample) // 20 for k in range(4))  # a fifth of its bytes or more
+    if (encoding := _NUL_PATTERNS.get(nul_bytes)) is not None:
+        raise IngestError(f"{path}: the file is {encoding} text without a byte-order mark; convert it to UTF-8 "
+                          f"(iconv -f {encoding} -t UTF-8 FILE > NEW_FILE)")
+    return data
 
 
 def _parses(text: bytes) -> bool:
@@ -259,10 +287,11 @@ def _json_lines(data: bytes) -> bool:
     return first is not None and _parses(first[1])
 
 
-def _array_items(data: bytes) -> list[bytes]:
-    """The text of each record of a JSON array as written, one line each: a newline outside a string is
-    whitespace, and a JSON string holds none. Scans strings, brackets and commas only: no depth limit. A record
-    that is not valid JSON stays one item (the screen quarantines it); an array cut short ends at the file's end."""
+def _array_items(data: bytes) -> tuple[list[bytes], list[int]]:
+    """The text of each record of a JSON array as written, one line each (a newline outside a string is
+    whitespace, and a JSON string holds none), and the line (1-based) each record starts on. Scans strings, brackets
+    and commas only: no depth limit. A record that is not valid JSON stays one item (the screen quarantines it); an
+    array cut short ends at the file's end."""
     commas, depth, first, last = [], 0, 0, len(data)
     for token in _ARRAY_TOKEN.finditer(data):
         char = token[0]
@@ -277,10 +306,18 @@ def _array_items(data: bytes) -> list[bytes]:
                 break
         elif char == b"," and depth == 1:
             commas.append(token.start())
-    starts, ends = [first] + [comma + 1 for comma in commas], commas + [last]
-    items = [data[start:end].strip().replace(b"\n", b" ").replace(b"\r", b" ") for start, end in zip(starts, ends)]
-    trailing = data[last + 1:].strip()
-    return items + [trailing.replace(b"\n", b" ").replace(b"\r", b" ")] if trailing else items
+    spans = list(zip([first] + [comma + 1 for comma in commas], commas + [last]))
+    if data[last + 1:].strip():  # text after the array's end
+        spans.append((last + 1, len(data)))
+    items, line_nos, line, counted = [], [], 1, 0
+    for start, end in spans:
+        text = data[start:end]
+        begin = start + len(text) - len(text.lstrip())
+        line += data.count(b"\n", counted, begin)
+        counted = begin
+        items.append(text.strip().replace(b"\n", b" ").replace(b"\r", b" "))
+        line_nos.append(line)
+    return items, line_nos
 
 
 def _csv_lines(path: Path, data: bytes) -> tuple[list[bytes], list[int], dict[int, str]]:
@@ -408,7 +445,7 @@ def _detect_format(
         reason, same = Counter(reason for _, reason in bad).most_common(1)[0]
         first = next(line_nos[i] for i, other in bad if other == reason)
         raise IngestError(f"{path}: cannot detect the record format: no record could be read ({same} of {len(bad)} "
-                          f"records: {reason}; the first on line {first})")
+                          f"records: {reason}; the first on {position(str(path), first)})")
     if len(first_keys) == 1 and any(sep in first_keys[0] for sep in ";\t|"):
         raise IngestError(f"{path}: cannot detect the record format (one field {first_keys[0]!r}): "
                           f"only comma-separated CSV is read; convert the file to commas")

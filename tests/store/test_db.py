@@ -41,7 +41,8 @@ def test_newer_schema_is_refused(tmp_path):
 
 
 def test_a_v1_store_is_migrated_in_place_and_keeps_its_rows(tmp_path):
-    """v2 added samples.chat_template; a v1 file (as v1 created it) gains the column, its rows read NULL."""
+    """v2 added samples.chat_template; a v1 file (as v1 created it) gains the column, its rows read NULL. v3 counts a
+    parquet file's quarantined rows from 1 as the text files' lines are (they held the 0-based row index)."""
     path = tmp_path / "store.duckdb"
     v1_samples = {name: kind for name, kind in TABLES["samples"].items() if name != "chat_template"}
     with duckdb.connect(str(path)) as con:
@@ -50,14 +51,18 @@ def test_a_v1_store_is_migrated_in_place_and_keeps_its_rows(tmp_path):
         for table, columns in (TABLES | {"samples": v1_samples}).items():
             con.execute(f"CREATE TABLE {table} ({', '.join(f'{n} {k}' for n, k in columns.items())})")
         con.execute("INSERT INTO samples (run_id, prompt_id, sample_idx, completion) VALUES ('r', 'p', 0, 'c')")
+        con.execute("INSERT INTO quarantine (source, file, line_no, reason) VALUES ('d', '/x/d.PARQUET', 0, 'r'), "
+                    "('t', '/x/t.jsonl', 4, 'r'), ('p', '/x/p.parquet', 2, 'r')")
     with open_store(path, read_only=True) as store:  # a reader neither migrates nor fails
         assert store.schema_version() == 1 and "chat_template" not in store.read("samples").columns
     with open_store(path) as store:
-        assert store.schema_version() == SCHEMA_VERSION == 2
+        assert store.schema_version() == SCHEMA_VERSION == 3
         assert [row[0] for row in store._run("DESCRIBE samples")] == list(TABLES["samples"])
         assert store.read("samples").select("completion", "chat_template").rows() == [("c", None)]
+        assert sorted(store.read("quarantine").select("source", "line_no").rows()) == [("d", 1), ("p", 3), ("t", 4)]
     with open_store(path) as store:  # migrated once
-        assert store._run("SELECT version FROM schema_info ORDER BY version") == [(1,), (2,)]
+        assert store._run("SELECT version FROM schema_info ORDER BY version") == [(1,), (3,)]
+        assert sorted(store.read("quarantine").select("source", "line_no").rows()) == [("d", 1), ("p", 3), ("t", 4)]
 
 
 def test_insert_new_skips_known_keys(tmp_path):

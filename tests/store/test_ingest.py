@@ -101,14 +101,15 @@ def test_pairs_rows_ids_and_meta(tmp_path, store):
 
 def test_every_file_type_gives_the_same_rows(tmp_path, store):
     """The same 3 pairs (+1 bad record) as jsonl, jsonl.gz, json, parquet, csv: after the first file
-    every pair is a duplicate, and the bad record is reported at each type's line numbering."""
+    every pair is a duplicate, and the bad record is reported where it is, from 1: the line its text starts on
+    (the pretty-printed JSON array's second record starts on line 7), the parquet file's row."""
     records = [*PAIRS[:1], {"prompt": "bad", "chosen": "same", "rejected": "same"}, PAIRS[2], PAIRS[1]]
     jsonl = write_jsonl(tmp_path / "a.jsonl", records)
     (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(jsonl.read_bytes()))
-    (tmp_path / "c.json").write_bytes(orjson.dumps(records))
+    (tmp_path / "c.json").write_bytes(orjson.dumps(records, option=orjson.OPT_INDENT_2))
     pl.DataFrame(records).write_parquet(tmp_path / "d.parquet")
     pl.DataFrame(records).drop("id").write_csv(tmp_path / "e.csv")
-    expected_line = {"a.jsonl": 2, "b.jsonl.gz": 2, "c.json": 1, "d.parquet": 1, "e.csv": 3}
+    expected_line = {"a.jsonl": 2, "b.jsonl.gz": 2, "c.json": 7, "d.parquet": 2, "e.csv": 3}
     for i, (name, line_no) in enumerate(expected_line.items()):
         report = ingest_file(tmp_path / name, store)
         check_invariant(report)
@@ -329,8 +330,8 @@ def test_json_array_screens_records_as_written(tmp_path, store):
     report = ingest_file(tmp_path / "a.json", store)
     check_invariant(report)
     assert (report.rows_read, report.accepted) == (5, 2)
-    assert quarantine(store) == {0: "duplicate key 'chosen'", 2: "record is a number, expected a JSON object",
-                                 3: "duplicate key 'k'"}
+    assert quarantine(store) == {2: "duplicate key 'chosen'", 5: "record is a number, expected a JSON object",
+                                 6: "duplicate key 'k'"}
     assert store.read("quarantine")["raw"][0] == '{"prompt": "p,[}", "chosen": 5,    "rejected": "b", "chosen": "a"}'
     assert json.loads(store.read("preference_pairs")["meta"][0]) == {"id": big}
     # one repeated key beside a value that orjson writes back as `\":` must still be seen
@@ -599,12 +600,12 @@ def test_csv_cell_over_128_kb_is_read_and_the_record_limit_applies(tmp_path, sto
 
 def test_json_array_and_parquet_keep_exact_types(tmp_path, store):
     """A non-object array element and a numeric parquet column are quarantined, not cast to text."""
-    (tmp_path / "a.json").write_bytes(orjson.dumps([PAIRS[0], None, "text"]))
+    (tmp_path / "a.json").write_bytes(orjson.dumps([PAIRS[0], None, "text"], option=orjson.OPT_INDENT_2))
     report = ingest_file(tmp_path / "a.json", store)
     check_invariant(report)
     assert quarantine(store) == {
-        1: "record is null, expected a JSON object",
-        2: "record is a string, expected a JSON object",
+        7: "record is null, expected a JSON object",
+        8: "record is a string, expected a JSON object",
     }
     pl.DataFrame({"prompt": ["p"], "chosen": [1], "rejected": [2]}).write_parquet(tmp_path / "n.parquet")
     report = ingest_file(tmp_path / "n.parquet", store)
@@ -749,7 +750,7 @@ def test_a_bad_record_in_a_json_array_is_quarantined_not_the_whole_file(tmp_path
     report = ingest_file(nan, store)
     check_invariant(report)
     assert (report.rows_read, report.accepted, report.quarantined) == (3, 2, 1)
-    assert quarantine(store)[1].startswith("malformed JSON: NaN and Infinity are not JSON numbers (write null)")
+    assert quarantine(store)[2].startswith("malformed JSON: NaN and Infinity are not JSON numbers (write null)")
     cut = tmp_path / "cut.json"
     cut.write_bytes(b'[{"prompt": "q", "chosen": "a", "rejected": "b"},\n{"prompt": "q2", "ch')
     report = ingest_file(cut, store)

@@ -225,7 +225,7 @@ def test_parquet_map_keys_become_json_object_keys(tmp_path, store):
     (row,) = store.read("preference_pairs").to_dicts()
     assert orjson.loads(row["meta"]) == {"scores": {"1": "good", "2": "bad"}, "nested": [{"3": "x"}], "raw": {"k": "v"}}
     assert store.read("quarantine")[["line_no", "reason", "raw"]].rows() == [
-        (1, "invalid UTF-8 in field 'raw'", '{"prompt":"p2","chosen":"a","rejected":"b","scores":{},"nested":[{}],'
+        (2, "invalid UTF-8 in field 'raw'", '{"prompt":"p2","chosen":"a","rejected":"b","scores":{},"nested":[{}],'
                                             '"raw":{"\ufffd":"v"}}')]
 
 
@@ -253,7 +253,7 @@ def test_parquet_whose_every_row_is_refused_names_the_reason(tmp_path, store):
     frame = pl.DataFrame({"prompt": ["é".encode("latin-1"), b"\xff"], "chosen": ["a", "a"], "rejected": ["b", "b"]})
     frame.write_parquet(path)
     refused(path, store, "cannot detect the record format: no record could be read (2 of 2 records: invalid UTF-8 "
-                         "in field 'prompt'; the first on line 0)")
+                         "in field 'prompt'; the first on row 1)")
 
 
 # ---- bytes that are not UTF-8
@@ -282,7 +282,7 @@ def test_parquet_binary_columns_are_read_as_text(tmp_path, store):
     assert [(r["prompt"], orjson.loads(r["meta"])) for r in rows] == [
         ("p1", {"x": "\x00", "tags": ["t"]}), ("p3", {"x": None, "tags": []})]
     assert store.read("quarantine")[["line_no", "reason", "raw"]].rows() == [
-        (1, "invalid UTF-8 in field 'x'", '{"prompt":"p2","chosen":"a","rejected":"b","x":"\ufffd\ufffd","tags":["u"]}')]
+        (2, "invalid UTF-8 in field 'x'", '{"prompt":"p2","chosen":"a","rejected":"b","x":"\ufffd\ufffd","tags":["u"]}')]
 
 
 def test_parquet_nested_binary_that_is_not_utf8_quarantines_its_row_not_the_file(tmp_path, store):
@@ -295,19 +295,59 @@ def test_parquet_nested_binary_that_is_not_utf8_quarantines_its_row_not_the_file
     (row,) = store.read("preference_pairs").to_dicts()
     assert (row["prompt"], orjson.loads(row["meta"])) == ("n1", {"tags": ["t"], "info": {"k": ["v"]}})
     assert store.read("quarantine").sort("line_no")[["line_no", "reason", "raw"]].rows() == [
-        (1, "invalid UTF-8 in field 'tags'",
+        (2, "invalid UTF-8 in field 'tags'",
          '{"prompt":"n2","chosen":"a","rejected":"b","tags":["ok","\ufffd"],"info":{"k":["w"]}}'),
-        (2, "invalid UTF-8 in field 'info'",
+        (3, "invalid UTF-8 in field 'info'",
          '{"prompt":"n3","chosen":"a","rejected":"b","tags":[],"info":{"k":["\ufffd"]}}')]
 
 
-def test_utf16_file_is_refused_or_fully_quarantined(tmp_path, store):
-    path = tmp_path / "utf16.jsonl"
-    path.write_bytes(JSONL.decode().encode("utf-16"))
-    refused(path, store, "cannot detect the record format: no record could be read (40 of 41 records: malformed JSON")
-    report = ingest_file(path, store, format="pairs")  # told the format: every line is quarantined, none lost
-    # "\n" is b"\n\0" in UTF-16: 40 records + the trailing b"\0" after the last newline = 41 byte lines
-    assert report.rows_read == report.quarantined == 41 and report.accepted == 0
+ENCODINGS = ["UTF-16LE", "UTF-16BE", "UTF-32LE", "UTF-32BE"]
+UNICODE_RECORDS = [{"prompt": "café 中文 😀?", "chosen": "a", "rejected": "b"},
+                   {"prompt": "same", "chosen": "x", "rejected": "x"}, RECORDS[0]]
+UNICODE_FILES = {  # the same records, a bad one second, as each text file type (CRLF line ends in the CSV)
+    "jsonl": "\n".join(orjson.dumps(r).decode() for r in UNICODE_RECORDS) + "\n",
+    "json": orjson.dumps(UNICODE_RECORDS, option=orjson.OPT_INDENT_2).decode(),
+    "csv": "prompt,chosen,rejected\r\n" + "".join(f"{r['prompt']},{r['chosen']},{r['rejected']}\r\n"
+                                                   for r in UNICODE_RECORDS),
+}
+
+
+@pytest.mark.parametrize("suffix", UNICODE_FILES)
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_a_utf16_or_utf32_file_with_a_byte_order_mark_reads_as_its_utf8_text(tmp_path, store, encoding, suffix):
+    """What Excel and PowerShell write as "Unicode": the mark names the encoding, so the file is its text. Before,
+    every line was "invalid UTF-8" (refused, or with --format every byte-line quarantined)."""
+    text = UNICODE_FILES[suffix]
+    (tmp_path / f"utf8.{suffix}").write_text(text, encoding="utf-8", newline="")
+    (tmp_path / f"wide.{suffix}").write_bytes(("\ufeff" + text).encode(encoding))
+    first = ingest_file(tmp_path / f"utf8.{suffix}", store)
+    report = ingest_file(tmp_path / f"wide.{suffix}", store)
+    assert (first.accepted, first.quarantined) == (2, 1)
+    assert (report.format, report.rows_read, report.accepted, report.duplicates, report.quarantined) == (
+        "pairs", 3, 0, 2, 1)
+    quarantined = {source: store.read("quarantine", source=source)[["line_no", "raw", "reason"]].rows()
+                   for source in ("utf8", "wide")}
+    assert quarantined["wide"] == quarantined["utf8"] != []
+    assert "café 中文 😀?" in store.read("preference_pairs")["prompt"].to_list()
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_utf16_or_utf32_without_a_byte_order_mark_is_one_line_naming_it(tmp_path, store, encoding):
+    path = tmp_path / "wide.jsonl"
+    path.write_bytes(JSONL.decode().encode(encoding))
+    message = (f"the file is {encoding} text without a byte-order mark; convert it to UTF-8 "
+               f"(iconv -f {encoding} -t UTF-8 FILE > NEW_FILE)")
+    refused(path, store, message)
+    refused(path, store, message, format="pairs")  # before: 41 byte-lines quarantined as invalid UTF-8
+    with pytest.raises(IngestError, match=re.escape(message)):
+        check_readable(path)
+
+
+def test_a_file_its_byte_order_mark_does_not_fit_is_one_line(tmp_path, store):
+    path = tmp_path / "cut.jsonl"
+    path.write_bytes(("\ufeff" + JSONL.decode()).encode("utf-16-le")[:-1])  # cut inside its last character
+    refused(path, store, "starts with a UTF-16LE byte-order mark but is not UTF-16LE text (truncated data at byte "
+                         f"{2 * len(JSONL)})")
 
 
 def test_non_utf8_json_array_is_one_line_error(tmp_path, store):
