@@ -104,12 +104,36 @@ def exit_soon_after_ctrl_c(grace_s: float = 10.0) -> None:
 
 class DropUserErrorTracebacks(logging.Filter):
     """Prefect logs a failed run's exception with its traceback; an AlignflowError already says in one line
-    what is wrong and run_cli prints it, so its traceback is dropped (any other exception keeps its own)."""
+    what is wrong and run_cli prints it, so its traceback is dropped (any other exception keeps its own) and its
+    text is kept on the record for the console (`ShowUserErrorOnce`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and isinstance(record.exc_info[1], AlignflowError):
+            record.alignflow_error = str(record.exc_info[1])
             record.exc_info, record.exc_text = None, None
         return True
+
+
+class ShowUserErrorOnce(logging.Filter):
+    """On the console, an AlignflowError that fails a run shows once in Prefect's lines: on the first record that
+    carries it (the task run that raised it, named there); its echoes (the flow's exception, each run's `Finished
+    in state Failed(...)`, a pipeline's parent flows) are dropped from the console only, Prefect's API log (the
+    UI) keeps them. run_cli prints the error itself last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shown: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
+            return True
+        error = getattr(record, "alignflow_error", None)
+        if error is not None:
+            first = error not in self.shown
+            self.shown.add(error)
+            return first
+        message = record.getMessage().replace("\\'", "'")  # a state's repr escapes the quotes of its message
+        return not any(error in message for error in self.shown)
 
 
 def run_cli() -> None:
@@ -149,9 +173,7 @@ def ingest(
     except IngestError as exc:
         fail(str(exc))
     with run_lock():
-        from flows.ingest import ingest_flow
-
-        echo_result("ingest", ingest_flow(cfg))
+        echo_result("ingest", load_flow("ingest")(cfg))
 
 
 @data_app.command("stats")
@@ -283,11 +305,16 @@ def load_preset(preset: Path):
 
 
 def load_flow(stage: str):
-    """The flow object of a stage, imported on demand (after the workspace set PREFECT_HOME)."""
+    """The flow object of a stage, imported on demand (after the workspace set PREFECT_HOME); Prefect's console
+    handler, set up by that import, then shows a failing AlignflowError once (`ShowUserErrorOnce`)."""
     import importlib
 
     module, name = STAGES[stage][1].split(":")
-    return getattr(importlib.import_module(module), name)
+    flow = getattr(importlib.import_module(module), name)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, ShowUserErrorOnce) for f in handler.filters):
+            handler.addFilter(ShowUserErrorOnce())
+    return flow
 
 
 @app.command()
@@ -341,9 +368,7 @@ def sample(
         "max_new_tokens": max_new_tokens, "temperature": temperature, "max_problems": max_problems,
     }, origin="alignflow sample")
     with run_lock():
-        from flows.sample import sample_flow
-
-        echo_result("sample", sample_flow(cfg))
+        echo_result("sample", load_flow("sample")(cfg))
 
 
 def default_ks(n: int) -> str:
@@ -379,9 +404,7 @@ def evaluate(
         "ks": [k.strip() for k in ks.split(",") if k.strip()], "max_new_tokens": max_new_tokens,  # the config parses
     }, origin="alignflow eval")
     with run_lock():
-        from flows.evaluate import eval_flow
-
-        echo_result("eval", eval_flow(cfg))
+        echo_result("eval", load_flow("eval")(cfg))
 
 
 @app.command("vllm-env")
@@ -410,10 +433,8 @@ def demo(
         subprocess.run([sys.executable, str(REPO_ROOT / "data" / "generate.py"), "--out", str(generated)], check=True)
         ingest = [c.model_copy(update={"path": str(generated / Path(c.path).name)})
                   if c.path.startswith("data/demo/") else c for c in cfg.ingest]
-        from flows.pipeline import pipeline_flow
-
         start = time.perf_counter()
-        pipeline_flow(cfg.model_copy(update={"ingest": tuple(ingest)}))
+        load_flow("pipeline")(cfg.model_copy(update={"ingest": tuple(ingest)}))
         print_results(workspace, time.perf_counter() - start)
 
 

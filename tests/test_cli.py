@@ -268,13 +268,18 @@ def test_demo_with_a_bad_preset_fails_before_generating_its_data(tmp_path):
 
 
 @pytest.mark.slow  # several CLI processes, each starting Prefect: 30-70 s on 2 cores
-def test_prepare_without_texts_in_the_store_is_one_line(tmp_path):
+def test_an_error_inside_a_stage_shows_once_in_prefects_lines_then_as_the_error_line(tmp_path):
     config = tmp_path / "prepare.yaml"
     config.write_text("corpus_sources: [demo]\n")
     result = alignflow("run", "prepare", "--config", str(config), workspace=tmp_path / "ws")
     assert result.returncode == 2
-    assert ("error: prepare: no texts in sources ['demo'] to build the tokenizer from; ingest some first "
-            "(alignflow ingest data/demo/problems.jsonl --source demo)") in result.stderr.splitlines(), result.stderr
+    message = ("prepare: no texts in sources ['demo'] to build the tokenizer from; ingest some first "
+               "(alignflow ingest data/demo/problems.jsonl --source demo)")
+    # Prefect's task run line names the task; its echoes (flow exception, both `Finished in state Failed`) are
+    # dropped from the console
+    shown = [line for line in result.stderr.splitlines() if "no texts in sources" in line]
+    assert len(shown) == 2, result.stderr
+    assert "ERROR" in shown[0] and "Task run" in shown[0] and shown[1] == f"error: {message}"
     assert "Traceback" not in result.stderr
 
 
