@@ -200,7 +200,7 @@ def data_quarantine(
     workspace = resolve_workspace()
     with open_store(workspace.store_path, read_only=True) as store:
         frame = store.quarantine_reasons(source)
-        known = source is None or frame.height or source in store.stats()["source"].to_list()
+        known = source is None or frame.height or store.has_source(source)
     if not known:
         fail(f"source {source!r}: no rows in the store {workspace.store_path} (`alignflow data stats` lists sources)")
     typer.echo(f"{frame['n_rows'].sum()} quarantined rows in {workspace.store_path}")

@@ -105,6 +105,9 @@ def test_data_quarantine_lists_each_files_reasons(tmp_path):
     assert len(counts) == 2 and "field 'chosen'" in counts[0] and "┆ 2      ┆ line 2 " in counts[0], result.stdout
     assert "┆ 1      ┆ line 3 " in counts[1], result.stdout
     assert [line for line in lines if str(table) in line][0].endswith("┆ row 2  │"), result.stdout
+    with open_store(tmp_path / "ws" / "store.duckdb") as store:  # a sampled policy's name is no source
+        store.append("samples", pl.DataFrame({"run_id": ["r"], "prompt_id": ["p"], "sample_idx": [0],
+                                              "completion": ["c"], "policy": ["other"]}))
     other = alignflow("data", "quarantine", "--source", "other", workspace=tmp_path / "ws")
     assert other.returncode == 2 and other.stderr.startswith("error: source 'other': no rows in the store")
     with open_store(tmp_path / "ws" / "store.duckdb") as store:

@@ -82,6 +82,9 @@ TABLES: dict[str, dict[str, str]] = {
         "created_at": "TIMESTAMP DEFAULT current_timestamp",
     },
 }
+# the tables an ingest writes, each row under its file's `source`
+SOURCE_TABLES = ("preference_pairs", "rankings", "problems", "quarantine")
+
 TABLE_KEYS = {
     "preference_pairs": ["pair_id"],
     "rankings": ["ranking_id"],
@@ -215,8 +218,11 @@ class Store:
 
     def delete_source(self, source: str) -> dict[str, int]:
         """Delete the rows of `source` from the ingested tables and the quarantine; rows deleted per table."""
-        return {table: self._run(f"DELETE FROM {table} WHERE source = ?", [source])[0][0]
-                for table in ("preference_pairs", "rankings", "problems", "quarantine")}
+        return {table: self._run(f"DELETE FROM {table} WHERE source = ?", [source])[0][0] for table in SOURCE_TABLES}
+
+    def has_source(self, source: str) -> bool:
+        """Whether an ingest stored rows (or quarantined some) under `source`."""
+        return any(self.count(table, source=source) for table in SOURCE_TABLES)
 
     def append(self, table: str, frame: pl.DataFrame) -> int:
         """Append rows as they are, without a key check."""
@@ -340,7 +346,7 @@ class Store:
     def stats(self) -> pl.DataFrame:
         """Row counts per table and source (`alignflow data stats`)."""
         parts = []
-        for table in ("preference_pairs", "rankings", "problems", "quarantine"):
+        for table in SOURCE_TABLES:
             parts.append(f"SELECT '{table}' AS table_name, source, count(*) AS n_rows FROM {table} GROUP BY source")
         for table, label in (("samples", "policy"), ("eval_results", "model")):
             parts.append(f"SELECT '{table}' AS table_name, {label} AS source, count(*) AS n_rows FROM {table} GROUP BY {label}")
