@@ -10,6 +10,7 @@ import gzip
 import io
 import json
 import re
+import stat
 import time
 import zlib
 from collections import Counter
@@ -34,14 +35,18 @@ _DETECT_SAMPLE = 1_000  # records whose keys vote for the detected format
 _KEY_END = re.compile(rb'"\s*:')
 # orjson reads an integer past 64 bits as a float, which it writes with an exponent of 18 or more
 _HUGE_NUMBER = re.compile(rb"e\+(?:1[89]|[2-9][0-9]|[0-9]{3})")
-# the tokens that delimit the records of a JSON array: strings (whose text may hold brackets), brackets, commas
-_ARRAY_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},]')
-# one object's end and the next one's start with a lone CR between: JSON text holds no raw CR inside a string
-_CR_BETWEEN_RECORDS = re.compile(rb"}\s*\r\s*{")
+# the tokens that delimit the records of a JSON array: strings (whose text may hold brackets), brackets, commas.
+# A string left open by a cut file runs to the end: retried from each escaped quote in it, the scan was quadratic
+_ARRAY_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[\]{},]')
+# one object's end and the next one's start with a lone CR between: JSON text holds no raw CR inside a string.
+# Possessive: a backtracking `}\s*\r\s*{` took time quadratic in a run of CRs (blank lines) after the last `}`
+_CR_BETWEEN_RECORDS = re.compile(rb"}[^\S\r]*+\r\s*+{")
 # the first line of a JSON Lines file named .json: an object on one line, and the next record's start
 _FIRST_OF_LINES = re.compile(rb"\s*(\{[^\n]*)\n\s*\{")
 # a NaN or Infinity value, as Python writes them; only words the reason of a line that failed to parse
 _NON_JSON_NUMBER = re.compile(rb"[:\[,]\s*-?(?:NaN|Infinity)\s*[,}\]]")
+_FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFCHR: "a character device",
+               stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}  # what a data file is not
 _UTF8_BOM = b"\xef\xbb\xbf"
 # byte-order marks, UTF-32's before UTF-16's (FF FE 00 00 starts with FF FE); Python's codec names
 _BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"),
@@ -202,9 +207,10 @@ def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], Sequence[int], di
     Every number is 1-based: for text files (jsonl, json, csv) the physical line the record starts on (a CSV header
     is line 1), for parquet the row number. pre_bad maps record index -> reason for records the reader itself
     rejected."""
-    if path.is_dir():
-        raise IngestError(f"{path}: is a directory, expected a data file")
     try:
+        kind = _FILE_KINDS.get(stat.S_IFMT(path.stat().st_mode))  # a symlink's target
+        if kind is not None:  # a FIFO would block until written to, /dev/zero never ends
+            raise IngestError(f"{path}: is {kind}, expected a data file")
         data = path.read_bytes()
     except OSError as exc:
         raise IngestError(f"{path}: cannot read the file ({exc.strerror or exc})") from None
@@ -226,6 +232,8 @@ def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], Sequence[int], di
     data = _utf8(path, data)
     if suffix == ".json" and _json_lines(data):  # `Dataset.to_json` writes JSON Lines under this name
         suffix = ".jsonl"
+    elif suffix in (".jsonl", ".jsonl.gz") and re.match(rb"\s*\[", data) and _parses(data):
+        suffix = ".json"  # one JSON array under a JSON Lines name: its records, not one record that is a list
     if suffix in (".jsonl", ".jsonl.gz"):
         lines = data.split(b"\n")
         if lines and not lines[-1]:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import hashlib
+import os
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import orjson
@@ -14,10 +20,11 @@ import pytest
 from pipeline_lib.fingerprint import fingerprint_path
 from pipeline_lib.store.db import open_store
 from pipeline_lib.fingerprint import content_id
-from pipeline_lib.store.ingest import IngestError, IngestReport, ingest_file
+from pipeline_lib.store.ingest import IngestError, IngestReport, check_readable, ingest_file
 from pipeline_lib.store.shapes import hh_prompt_end
 
-DATA = Path(__file__).resolve().parents[2] / "data"
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "data"
 
 
 @pytest.fixture
@@ -666,6 +673,65 @@ def test_missing_file_and_bad_arguments(tmp_path, store):
         ingest_file(path, store, format="pair")
     with pytest.raises(IngestError, match="max_record_bytes must be > 0, got 0"):
         ingest_file(path, store, max_record_bytes=0)
+
+
+@pytest.mark.parametrize(("make", "kind"), [
+    (lambda path: path.mkdir(), "a directory"),
+    (lambda path: os.mkfifo(path), "a named pipe (FIFO)"),  # read_bytes waited for a writer forever
+    (lambda path: path.symlink_to("/dev/null"), "a character device"),  # /dev/zero: read until memory ran out
+], ids=["dir", "fifo", "device-symlink"])
+def test_a_path_that_is_no_regular_file_is_one_line(tmp_path, store, make, kind):
+    path = tmp_path / "data.jsonl"
+    make(path)
+    unblock = threading.Timer(5, _open_for_writing, [path])  # before the fix: let a blocked read end
+    unblock.start()
+    try:
+        with pytest.raises(IngestError) as err:
+            check_readable(path)
+    finally:
+        unblock.cancel()
+    assert str(err.value) == f"{path}: is {kind}, expected a data file"
+
+
+def _open_for_writing(path: Path) -> None:
+    with contextlib.suppress(OSError):  # no reader waits: the FIFO was not opened (ENXIO)
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+@pytest.mark.parametrize(("content", "line_no"), [
+    (lambda records: orjson.dumps(records) + b"\n", 1),
+    (lambda records: orjson.dumps(records, option=orjson.OPT_INDENT_2), 7),
+    (lambda records: gzip.compress(orjson.dumps(records, option=orjson.OPT_INDENT_2)), 7),
+], ids=["one-line", "pretty", "gzip"])
+def test_a_jsonl_file_holding_one_json_array_is_read_as_its_records(tmp_path, store, content, line_no):
+    """The mirror of a .json file holding JSON Lines: before, the array was one record, "a list" (refused), or each
+    line of a pretty-printed one was malformed JSON."""
+    records = [PAIRS[0], {"prompt": "bad", "chosen": "same", "rejected": "same"}, PAIRS[2]]
+    path = tmp_path / ("a.jsonl.gz" if content(records)[:2] == b"\x1f\x8b" else "a.jsonl")
+    path.write_bytes(content(records))
+    report = ingest_file(path, store)
+    check_invariant(report)
+    assert (report.format, report.rows_read, report.accepted, report.quarantined) == ("pairs", 3, 2, 1)
+    assert quarantine(store) == {line_no: "chosen identical to rejected"}
+
+
+@pytest.mark.parametrize("content", [
+    # a JSON array cut inside a string full of escaped quotes: the token scan retried from each one (minutes)
+    b'[{"prompt": "p", "chosen": "a", "rejected": "b"},\n {"prompt": "' + b'\\"' * 200_000,
+    # a record, a run of lone CRs (classic Mac OS blank lines), text: the lone-CR check backtracked over the run
+    orjson.dumps(PAIRS[0]) + b"\r" * 300_000 + b"x\n",
+], ids=["cut-array", "cr-run"])
+def test_reading_takes_linear_time_on_runs_that_used_to_be_quadratic(tmp_path, content):
+    path = tmp_path / ("cut.json" if content.startswith(b"[") else "cr.jsonl")
+    path.write_bytes(content)
+    script = ("import sys; from pathlib import Path; from pipeline_lib.store.ingest import IngestError, check_readable\n"
+              "try: print(check_readable(Path(sys.argv[1])))\nexcept IngestError as exc: print(exc)")
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == "pairs\n" if path.suffix == ".json" else "no record could be read" in result.stdout
+    assert time.monotonic() - start < 30  # about 3 s, imports included; before: over 2 minutes each
 
 
 def test_wrong_explicit_format_quarantines_every_row(tmp_path, store):
