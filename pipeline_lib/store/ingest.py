@@ -399,7 +399,8 @@ def _csv_records(physical: list[str]) -> Iterator[tuple[int, int, list[str] | st
                 yield first, first, f"malformed CSV ({exc})"
                 continue
             yield first, first, f"unclosed quote: the quoted cell runs on to line {last} ({exc})"
-            offset, reader = first, csv.reader(physical[first:], strict=True)
+            # the lines from `first` on, without copying them (a copy per such record was quadratic)
+            offset, reader = first, csv.reader(map(physical.__getitem__, range(first, len(physical))), strict=True)
             continue
         yield first, offset + reader.line_num, row
 

@@ -720,9 +720,12 @@ def test_a_jsonl_file_holding_one_json_array_is_read_as_its_records(tmp_path, st
     b'[{"prompt": "p", "chosen": "a", "rejected": "b"},\n {"prompt": "' + b'\\"' * 200_000,
     # a record, a run of lone CRs (classic Mac OS blank lines), text: the lone-CR check backtracked over the run
     orjson.dumps(PAIRS[0]) + b"\r" * 300_000 + b"x\n",
-], ids=["cut-array", "cr-run"])
+    # a quote left open on each line (`"` typed as text): the CSV reader restarted on a copy of the rest of the lines
+    b"prompt,chosen,rejected\n" + b'p,"a,b\n' * 300_000,
+], ids=["cut-array", "cr-run", "csv-quotes"])
 def test_reading_takes_linear_time_on_runs_that_used_to_be_quadratic(tmp_path, content):
-    path = tmp_path / ("cut.json" if content.startswith(b"[") else "cr.jsonl")
+    name = {b"[": "cut.json", b"{": "cr.jsonl", b"p": "quotes.csv"}[content[:1]]
+    path = tmp_path / name
     path.write_bytes(content)
     script = ("import sys; from pathlib import Path; from pipeline_lib.store.ingest import IngestError, check_readable\n"
               "try: print(check_readable(Path(sys.argv[1])))\nexcept IngestError as exc: print(exc)")
