@@ -275,7 +275,8 @@ def _utf8(path: Path, data: bytes) -> bytes:
                                   f"({exc.reason} at byte {len(bom) + exc.start})") from None
     sample = data[:4096]
     nul_bytes = tuple(sample[k::4].count(0) > len(sample) // 20 for k in range(4))  # a fifth of its bytes or more
-    if (encoding := _NUL_PATTERNS.get(nul_bytes)) is not None:
+    # the file's first character has the pattern too: UTF-16 lines after UTF-8 ones are that file's bad lines
+    if tuple(byte == 0 for byte in sample[:4]) == nul_bytes and (encoding := _NUL_PATTERNS.get(nul_bytes)):
         raise IngestError(f"{path}: the file is {encoding} text without a byte-order mark; convert it to UTF-8 "
                           f"(iconv -f {encoding} -t UTF-8 FILE > NEW_FILE)")
     return data

@@ -343,6 +343,18 @@ def test_utf16_or_utf32_without_a_byte_order_mark_is_one_line_naming_it(tmp_path
         check_readable(path)
 
 
+def test_utf16_lines_after_utf8_ones_are_quarantined_not_the_file_refused(tmp_path, store):
+    """Files of two encodings joined: the NULs of the UTF-16 part, at odd offsets from the file's start, read as
+    "UTF-16BE text without a byte-order mark" and refused the UTF-8 records too."""
+    path = tmp_path / "joined.jsonl"
+    first = JSONL.index(b"\n") + 1  # an odd number of bytes: the first record's line
+    path.write_bytes(JSONL[:first] + ("\ufeff" + JSONL[first:].decode()).encode("utf-16-le"))
+    report = ingest_file(path, store)
+    # "\n" is b"\n\0" in UTF-16: 39 records and the b"\0" after the last newline are 40 byte-lines
+    assert (report.rows_read, report.accepted, report.quarantined) == (41, 1, 40)
+    assert store.read("preference_pairs")["prompt"].to_list() == [RECORDS[0]["prompt"]]
+
+
 def test_a_file_its_byte_order_mark_does_not_fit_is_one_line(tmp_path, store):
     path = tmp_path / "cut.jsonl"
     path.write_bytes(("\ufeff" + JSONL.decode()).encode("utf-16-le")[:-1])  # cut inside its last character
