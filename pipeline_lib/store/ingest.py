@@ -63,7 +63,11 @@ _ID_FIELDS = {
 
 
 class IngestError(AlignflowError):
-    """A file that cannot be ingested at all (missing, unreadable, unknown type or shape); one line."""
+    """A file that cannot be ingested at all (missing, unreadable, unknown type or shape); one line, whatever the
+    file's name holds (a line break in it is written `\\n`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message.replace("\r", "\\r").replace("\n", "\\n"))
 
 
 @dataclass(frozen=True)

@@ -662,6 +662,16 @@ def test_unreadable_files_raise_one_line_error(tmp_path, store, name, content, m
     assert store.count("quarantine") == 0
 
 
+@pytest.mark.parametrize("name", ["two\nlines.jsonl", "two\r\nlines.txt"])
+def test_a_file_name_with_a_line_break_still_gives_one_line(tmp_path, store, name):
+    path = tmp_path / name
+    path.write_bytes(b"garbage\n")
+    with pytest.raises(IngestError) as err:
+        ingest_file(path, store)
+    shown = str(tmp_path / name).replace("\r", "\\r").replace("\n", "\\n")
+    assert "\n" not in str(err.value) and str(err.value).startswith(f"{shown}: "), str(err.value)
+
+
 def test_missing_file_and_bad_arguments(tmp_path, store):
     with pytest.raises(IngestError, match=r"nope\.jsonl: cannot read the file"):
         ingest_file(tmp_path / "nope.jsonl", store)
