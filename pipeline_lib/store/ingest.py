@@ -9,6 +9,7 @@ import csv
 import gzip
 import io
 import json
+import os
 import re
 import stat
 import time
@@ -136,7 +137,9 @@ def ingest_file(
     lines, line_nos, pre_bad, fmt = _read_records(path, suffix, format, max_record_bytes)
     rows = _screen(lines, fmt, max_record_bytes, pre_bad)
     accepted, bad = shape_records(fmt, rows, split=split or "train")
-    quarantine = _quarantine_frame(lines, line_nos, sorted(rows.bad + bad), source, str(path.resolve()))
+    # the file as named, not the target of a symlink: a Hugging Face snapshot's train.parquet links to a blob whose
+    # name has no suffix, so neither the user nor `position` (row or line) would know it
+    quarantine = _quarantine_frame(lines, line_nos, sorted(rows.bad + bad), source, os.path.abspath(path))
     n_records = rows.n_records
     del lines, rows  # free the raw lines and the parsed frame before hashing and inserting (peak memory)
     table = TABLE_OF[fmt]

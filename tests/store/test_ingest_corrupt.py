@@ -248,6 +248,19 @@ def test_parquet_uuid_column_is_its_canonical_text(tmp_path, store):
     assert sorted(orjson.loads(meta)["id"] for meta in store.read("preference_pairs")["meta"]) == sorted(ids)
 
 
+def test_a_symlinked_parquet_file_is_named_as_given_and_its_rows_counted_as_rows(tmp_path, store):
+    """A Hugging Face snapshot's data/train.parquet is a symlink to blobs/<hash>: the quarantine named the blob, and
+    `data quarantine` called its rows lines."""
+    blob = tmp_path / "blobs" / "9f86d081884c7d65"
+    blob.parent.mkdir()
+    pl.DataFrame({"prompt": ["p1", "p2"], "chosen": ["a", "same"], "rejected": ["b", "same"]}).write_parquet(blob)
+    link = tmp_path / "snapshot" / "train.parquet"
+    link.parent.mkdir()
+    link.symlink_to(blob)
+    assert ingest_file(link, store).quarantined == 1
+    assert store.quarantine_reasons()[["file", "first"]].rows() == [(str(link), "row 2")]
+
+
 def test_parquet_whose_every_row_is_refused_names_the_reason(tmp_path, store):
     path = tmp_path / "latin1.parquet"
     frame = pl.DataFrame({"prompt": ["é".encode("latin-1"), b"\xff"], "chosen": ["a", "a"], "rejected": ["b", "b"]})
