@@ -190,7 +190,10 @@ def _read_records(
     """_read_lines' (lines, line_nos, pre_bad) and the format to read them as. IngestError for a file with no record
     at all (empty, blank lines, `[]`, a CSV header alone), whatever the format: an ingest of nothing is a wrong path
     more often than an intended no-op."""
-    lines, line_nos, pre_bad = _read_lines(path, suffix)
+    try:
+        lines, line_nos, pre_bad = _read_lines(path, suffix)
+    except MemoryError:  # a gzip bomb, or a file larger than memory allows
+        raise IngestError(f"{path}: the file's data does not fit in this process's memory") from None
     if all(not line or line.isspace() for line in lines):
         raise IngestError(f"{path}: the file holds no records")
     return lines, line_nos, pre_bad, _detect_format(path, lines, line_nos, pre_bad, limit) if format == "auto" else format

@@ -89,6 +89,21 @@ def test_gzip_of_a_truncated_jsonl_quarantines_its_partial_line(tmp_path, store)
     assert reasons(store)[40].startswith("malformed JSON: unexpected end of data")
 
 
+def test_a_gzip_bomb_beyond_the_memory_limit_is_one_line(tmp_path):
+    """3 GiB of newlines in 3 MB of gzip, read under a 2.5 GB address-space limit: MemoryError escaped."""
+    member = gzip.compress(b"\n" * (64 << 20))
+    path = tmp_path / "bomb.jsonl.gz"
+    path.write_bytes(member * 48)  # gzip members one after another are one stream
+    script = ("import resource, sys; from pathlib import Path\n"
+              "from pipeline_lib.store.ingest import IngestError, check_readable\n"
+              "resource.setrlimit(resource.RLIMIT_AS, (2500 << 20, 2500 << 20))\n"
+              "try: check_readable(Path(sys.argv[1]))\nexcept IngestError as exc: print(exc)")
+    result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == f"{path}: the file's data does not fit in this process's memory\n"
+
+
 # ---- corrupted parquet
 
 
