@@ -5,15 +5,12 @@ Loops stay explicit, one per algorithm; these helpers only remove copies of the 
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
 import pickle
 import random
 import shutil
-import signal
-import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -156,26 +153,11 @@ def mean_over_ranks(ctx: Dist, values: dict[str, Tensor]) -> dict[str, float]:
     return dict(zip(keys, ctx.all_reduce_mean(stacked).tolist()))
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with_launcher() -> None:
-    """Have the kernel SIGKILL this process when its parent (the torchrun agent) dies. torchrun starts each rank
-    in a session of its own, so a SIGKILL of torchrun (or of its process group) left the ranks training on as
-    orphans, and the rerun that resumes the stage raced them in the same out_dir (its checkpoint write failed on
-    a temp dir the orphans had replaced). Called before joining the group, whose store lives in the agent: a rank
-    whose agent is already gone cannot join it. Linux only (prctl)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def init_distributed() -> Dist:
-    """Join the torchrun process group (gloo on CPU, NCCL on CUDA) when launched under torchrun; the rank dies
-    with its launcher (`_die_with_launcher`)."""
+    """Join the torchrun process group (gloo on CPU, NCCL on CUDA) when launched under torchrun."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return Dist()
-    _die_with_launcher()
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend=backend)

@@ -5,8 +5,11 @@ the `--config run.json` file that the loop modules' `__main__` read (`torchrun -
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
+import os
+import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -318,8 +321,24 @@ def read_run_file(path: str | Path, config_cls: type[C]) -> tuple[C, dict[str, p
     return cfg, frames, Path(run.out_dir), run.options
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_torchrun() -> None:
+    """Under torchrun (Linux), have the kernel SIGKILL this worker when its parent, the torchrun agent, dies.
+
+    torchrun starts every worker in a session of its own, so a SIGKILL of torchrun (or of its process group) left
+    the stage training on as an orphan (one rank or several), and the rerun that resumes it raced the orphan in
+    the same out_dir: its checkpoint write failed on a temp dir the orphan had replaced. An agent killed before
+    this call (while the worker imports) still leaves it orphaned."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def run_main(config_cls: type[C], train: Callable[..., Path], argv: Sequence[str] | None = None) -> None:
-    """`--config run.json` -> train(cfg, **frames, out_dir=, log=print_log, **options); one-line errors, exit 2."""
+    """`--config run.json` -> train(cfg, **frames, out_dir=, log=print_log, **options); one-line errors, exit 2.
+    A torchrun worker dies with its torchrun (`_die_with_torchrun`)."""
+    _die_with_torchrun()
     parser = argparse.ArgumentParser(description=train.__doc__)
     parser.add_argument("--config", required=True, help="run file: stage config + data paths + out_dir")
     args = parser.parse_args(argv)
