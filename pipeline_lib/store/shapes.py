@@ -293,7 +293,7 @@ def _problem(frame: pl.DataFrame, split: str) -> tuple[pl.DataFrame, list[tuple[
     return ok.select(
         pl.when(pl.col("split").is_null() | _blank("split"))
         .then(pl.lit(split))
-        .otherwise(pl.col("split"))
+        .otherwise(pl.col("split").str.strip_chars())  # `test ` is the test split, not one of its own
         .alias("split"),
         pl.col("_prompt").alias("prompt"),
         pl.col("_final").alias("answer"),

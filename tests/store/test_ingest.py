@@ -222,10 +222,12 @@ def test_problems_gsm8k_plain_numeric_and_split(tmp_path, store):
         {"question": "Q1", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"},
         {"prompt": "Q2", "answer": "x = 3"},
         {"question": "Q3", "answer": 7, "split": "test"},
+        {"question": "Q4", "answer": "1", "split": " test\t"},  # a spreadsheet cell's spaces: not a split of its own
     ]
     report = ingest_file(write_jsonl(tmp_path / "math.jsonl", records), store, split="dev")
     check_invariant(report)
-    assert (report.format, report.accepted) == ("problem", 3)
+    assert (report.format, report.accepted) == ("problem", 4)
+    assert sorted(store.read("problems", split="test")["prompt"]) == ["Q3", "Q4"]
     rows = {r["prompt"]: r for r in store.read("problems").to_dicts()}
     assert (rows["Q1"]["answer"], rows["Q1"]["split"]) == ("4", "dev")
     assert json.loads(rows["Q1"]["meta"]) == {"solution": "2 + 2 = <<2+2=4>>4\n#### 4"}
