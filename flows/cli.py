@@ -162,13 +162,9 @@ def ingest(
 
     cfg = validate_config(IngestConfig, {"path": str(path), "format": format, "source": source, "split": split,
                                          "max_record_bytes": max_record_bytes}, origin="alignflow ingest")
-    if cfg.resolved_path.is_dir():
-        fail(f"{path}: is a directory, expected a data file")
-    if not cfg.resolved_path.is_file():
-        fail(f"{path}: no such file")
     from pipeline_lib.store.ingest import IngestError, check_readable
 
-    try:  # before the flow starts: its server takes seconds, and Prefect would log the error three times
+    try:  # a missing file, a dir, a FIFO, a damaged or empty one: before the flow starts: its server takes seconds, and Prefect would log the error three times
         check_readable(cfg.resolved_path, cfg.format, cfg.max_record_bytes)
     except IngestError as exc:
         fail(str(exc))

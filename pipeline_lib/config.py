@@ -223,9 +223,7 @@ def check_ingest_files(cfg: BaseModel, origin: str = "config") -> None:
 
     for field, ingest in files.items():
         resolved = ingest.resolved_path
-        if resolved.is_dir():
-            raise ConfigError(f"{origin}: field '{field}': {ingest.path!r} is a directory, expected a data file")
-        if not resolved.is_file():
+        if not resolved.exists():
             where = "" if Path(ingest.path).expanduser().is_absolute() else (
                 f" (looked in the working directory and in the alignflow checkout {REPO_ROOT})")
             raise ConfigError(f"{origin}: field '{field}': no such file {ingest.path!r}{where}")

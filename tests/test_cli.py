@@ -30,6 +30,7 @@ def test_help_everywhere(tmp_path, command):
 @pytest.mark.parametrize("args, expected", [
     (["ingest", "/no/such.jsonl"], "error: /no/such.jsonl: no such file"),
     (["ingest", str(DATA)], f"error: {DATA}: is a directory, expected a data file"),
+    (["ingest", "/dev/zero"], "error: /dev/zero: is a character device, expected a data file"),
     (["ingest", str(DATA / "gsm8k" / "LICENSE")], f"error: {DATA / 'gsm8k' / 'LICENSE'}: unknown file type; expected"),
     (["run", "nosuch", "--config", "x.yaml"], "error: unknown stage 'nosuch'"),
     (["eval", "--model", "/no/model"], "error: /no/model: no such model dir"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -312,7 +313,11 @@ def test_a_missing_ingest_file_is_reported_when_the_preset_loads(tmp_path):
         load_config(IngestConfig, single)
     assert str(err.value) == f"{single}: field 'path': no such file '{tmp_path / 'nope.jsonl'}'"
     single.write_text(f"path: {tmp_path}\n")
-    with pytest.raises(ConfigError, match=f"field 'path': '{tmp_path}' is a directory, expected a data file"):
+    with pytest.raises(ConfigError, match=f"field 'path': {tmp_path}: is a directory, expected a data file"):
+        load_config(IngestConfig, single)
+    os.mkfifo(tmp_path / "pipe.jsonl")  # a FIFO would block the ingest until someone writes to it
+    single.write_text(f"path: {tmp_path / 'pipe.jsonl'}\n")
+    with pytest.raises(ConfigError, match=r"field 'path': .*pipe\.jsonl: is a named pipe \(FIFO\), expected a data file"):
         load_config(IngestConfig, single)
 
 

@@ -203,7 +203,16 @@ def _read_records(
 
 
 def suffix_of(path: Path) -> str:
-    """The file type of `path`: the one of SUFFIXES its name ends with; IngestError if none."""
+    """The file type of `path`: the one of SUFFIXES its name ends with; IngestError if none, or if `path` is no
+    regular file (missing, a dir; a FIFO would block until written to, /dev/zero never ends)."""
+    try:
+        kind = _FILE_KINDS.get(stat.S_IFMT(path.stat().st_mode))  # a symlink's target
+    except FileNotFoundError:
+        raise IngestError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise IngestError(f"{path}: cannot read the file ({exc.strerror or exc})") from None
+    if kind is not None:
+        raise IngestError(f"{path}: is {kind}, expected a data file")
     name = path.name.lower()
     for suffix in SUFFIXES:
         if name.endswith(suffix) and len(name) > len(suffix):
@@ -218,9 +227,6 @@ def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], Sequence[int], di
     is line 1), for parquet the row number. pre_bad maps record index -> reason for records the reader itself
     rejected."""
     try:
-        kind = _FILE_KINDS.get(stat.S_IFMT(path.stat().st_mode))  # a symlink's target
-        if kind is not None:  # a FIFO would block until written to, /dev/zero never ends
-            raise IngestError(f"{path}: is {kind}, expected a data file")
         data = path.read_bytes()
     except OSError as exc:
         raise IngestError(f"{path}: cannot read the file ({exc.strerror or exc})") from None

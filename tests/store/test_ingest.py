@@ -675,11 +675,14 @@ def test_a_file_name_with_a_line_break_still_gives_one_line(tmp_path, store, nam
 
 
 def test_missing_file_and_bad_arguments(tmp_path, store):
-    with pytest.raises(IngestError, match=r"nope\.jsonl: cannot read the file"):
+    with pytest.raises(IngestError, match=r"nope\.jsonl: no such file$"):
         ingest_file(tmp_path / "nope.jsonl", store)
     (tmp_path / "folder.jsonl").mkdir()
     with pytest.raises(IngestError, match=r"folder\.jsonl: is a directory, expected a data file"):
         ingest_file(tmp_path / "folder.jsonl", store)
+    (tmp_path / "folder").mkdir()  # what it is, before what its name says
+    with pytest.raises(IngestError, match=r"folder: is a directory, expected a data file"):
+        ingest_file(tmp_path / "folder", store)
     path = write_jsonl(tmp_path / "p.jsonl", PAIRS)
     with pytest.raises(IngestError, match="unknown format 'pair'"):
         ingest_file(path, store, format="pair")
