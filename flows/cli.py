@@ -271,7 +271,8 @@ def load_stage(stage: str, config: Path):
 
 def require_models(cfg, stage: str, config: Path) -> None:
     """Every model a config names (a dir, or a hub id in the local cache) is there, with a config and safetensors
-    weights, before the stage starts, not once Prefect runs it; `from:` references are outputs the pipeline makes."""
+    weights (a reward model with its head), before the stage starts, not once Prefect runs it; `from:` references are
+    outputs the pipeline makes."""
     from pipeline_lib.config import FROM, MODEL_FIELDS, STAGE_ORDER
 
     sections = {"": cfg} if stage != "pipeline" else {f"{s}.": getattr(cfg, s) for s in STAGE_ORDER[1:]}
@@ -282,11 +283,14 @@ def require_models(cfg, stage: str, config: Path) -> None:
     named = {field: path for field, path in named.items() if path and not path.startswith(FROM)}
     if not named:
         return
-    from pipeline_lib.model_dirs import ModelLoadError, check_weights, resolve_model_dir  # no torch: fails at once
+    from pipeline_lib.model_dirs import ModelLoadError, check_weights, head_files, resolve_model_dir  # no torch
 
     for field, path in named.items():
         try:
-            check_weights(resolve_model_dir(path))  # a config and safetensors weights, as loading will ask
+            model_dir = resolve_model_dir(path)
+            check_weights(model_dir)  # a config and safetensors weights, as loading will ask
+            if field.endswith("reward_model_path"):
+                head_files(model_dir, "reward")
         except ModelLoadError as exc:
             fail(f"{config}: field '{field}': {exc}")
 

@@ -168,3 +168,13 @@ def model_dir_complete(path: str | Path) -> bool:
     except (OSError, ValueError):
         return False
     return not missing_files(path, marker)
+
+
+def head_files(model_dir: Path, kind: str) -> tuple[Path, Path]:
+    """The head files of a `kind` ("reward", "value") model dir: its config and weights; ModelLoadError when either
+    is missing (a policy dir given as a reward model, say)."""
+    config_file, head_file = model_dir / f"{kind}_config.json", model_dir / f"{kind}_head.safetensors"
+    if not config_file.is_file() or not head_file.is_file():
+        raise ModelLoadError(f"{model_dir}: not a {kind} model dir (needs {config_file.name} and {head_file.name}); "
+                             "use from_policy() to start from a policy checkpoint")
+    return config_file, head_file

@@ -82,6 +82,21 @@ def test_a_model_dir_loading_would_refuse_fails_before_the_stage_starts(tmp_path
     assert not (tmp_path / "ws").exists()
 
 
+def test_a_policy_dir_given_as_the_reward_model_fails_before_the_stage_starts(tmp_path):
+    policy = tmp_path / "policy"  # what the check reads of a policy dir: its config and a safetensors file
+    policy.mkdir()
+    (policy / "config.json").write_text("{}")
+    (policy / "model.safetensors").write_bytes(b"")
+    config = tmp_path / "ppo.yaml"
+    config.write_text(f"policy_path: {policy}\nreward_model_path: {policy}\n")
+    result = alignflow("run", "ppo", "--config", str(config), workspace=tmp_path / "ws")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"error: {config}: field 'reward_model_path': {policy}: not a reward model "
+                                     "dir (needs reward_config.json and reward_head.safetensors); use from_policy() "
+                                     "to start from a policy checkpoint"), result.stderr
+    assert not (tmp_path / "ws").exists()
+
+
 def test_data_quarantine_lists_each_files_reasons(tmp_path):
     import polars as pl
 

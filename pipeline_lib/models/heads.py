@@ -16,6 +16,7 @@ from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from pipeline_lib.errors import first_line
+from pipeline_lib.model_dirs import head_files
 from pipeline_lib.models.loading import (
     ModelLoadError, atomic_output_dir, load_policy, load_pretrained, resolve_model_dir,
 )
@@ -113,12 +114,7 @@ def _load(
 ) -> tuple[PreTrainedModel, nn.Linear, dict]:
     """Inverse of `_save`: (backbone, head, config)."""
     model_dir = Path(path).expanduser()
-    config_file, head_file = model_dir / f"{kind}_config.json", model_dir / f"{kind}_head.safetensors"
-    if not config_file.is_file() or not head_file.is_file():
-        raise ModelLoadError(
-            f"{model_dir}: not a {kind} model dir (needs {config_file.name} and {head_file.name}); "
-            "use from_policy() to start from a policy checkpoint"
-        )
+    config_file, head_file = head_files(model_dir, kind)
     try:
         config = json.loads(config_file.read_text())
     except ValueError as exc:
