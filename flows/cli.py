@@ -164,7 +164,7 @@ def ingest(
                                          "max_record_bytes": max_record_bytes}, origin="alignflow ingest")
     from pipeline_lib.store.ingest import IngestError, check_readable
 
-    try:  # a missing file, a dir, a FIFO, a damaged or empty one: before the flow starts: its server takes seconds, and Prefect would log the error three times
+    try:  # a missing, damaged or empty file, a dir, a FIFO: before the flow starts, whose server takes seconds
         check_readable(cfg.resolved_path, cfg.format, cfg.max_record_bytes)
     except IngestError as exc:
         fail(str(exc))

@@ -9,8 +9,6 @@ import json
 import os
 from pathlib import Path
 
-import orjson
-
 from pipeline_lib.errors import AlignflowError, first_line
 
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
@@ -139,8 +137,9 @@ def check_weights(model_dir: Path, *, allow_pickle: bool = False) -> bool:
 
 
 def read_marker(final: Path) -> dict:
-    """A final's marker: a JSON object, else OSError/ValueError."""
-    marker = orjson.loads((final / FINAL_MARKER).read_bytes())
+    """A final's marker: a JSON object, else OSError/ValueError. Read with the json module that wrote it (its metrics
+    may hold NaN, which orjson refuses)."""
+    marker = json.loads((final / FINAL_MARKER).read_bytes())
     if not isinstance(marker, dict):
         raise ValueError(f"expected a JSON object, got {type(marker).__name__}")
     return marker

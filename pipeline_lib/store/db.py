@@ -276,14 +276,14 @@ class Store:
         """`read` with the filters whose value is not None, refused when no row matches: one line naming the
         selection and what the table holds, counted by the same columns (a mistyped source or split shows at once)."""
         where = {column: value for column, value in equals.items() if value is not None}
-        frame = self.read(table, **where)
+        frame = self.read(table, **where)  # checks the table and column names
         if frame.height:
             return frame
-        if self.count(table) == 0:
+        groups = self._run(f"SELECT {', '.join(where)}, count(*) FROM {table} GROUP BY ALL ORDER BY ALL") \
+            if where else []
+        if not groups:
             raise StoreError(f"no {table} rows in the store; ingest some first")
-        columns = list(where)
-        groups = self.read(table).group_by(columns).len().sort(columns).rows()
-        held = "; ".join(", ".join(f"{c}={v!r}" for c, v in zip(columns, group)) + f": {group[-1]} rows"
+        held = "; ".join(", ".join(f"{c}={v!r}" for c, v in zip(where, group)) + f": {group[-1]} rows"
                          for group in groups[:10])
         more = f"; and {len(groups) - 10} more" if len(groups) > 10 else ""
         shown = ", ".join(f"{column}={value!r}" for column, value in where.items())

@@ -196,7 +196,8 @@ def _read_records(
         raise IngestError(f"{path}: the file's data does not fit in this process's memory") from None
     if all(not line or line.isspace() for line in lines):
         raise IngestError(f"{path}: the file holds no records")
-    return lines, line_nos, pre_bad, _detect_format(path, lines, line_nos, pre_bad, limit) if format == "auto" else format
+    fmt = _detect_format(path, lines, line_nos, pre_bad, limit) if format == "auto" else format
+    return lines, line_nos, pre_bad, fmt
 
 
 # ---- reading: every file type becomes a list of JSON lines (one per record) plus its numbering

@@ -22,6 +22,7 @@ from torch import nn
 
 from pipeline_lib.config import SFTConfig
 from pipeline_lib.errors import AlignflowError
+from pipeline_lib.model_dirs import model_dir_complete
 from pipeline_lib.models import RewardModel, build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.train.common import (
     CHECKPOINT_DIR,
@@ -36,6 +37,7 @@ from pipeline_lib.train.common import (
     check_in_sync,
     clip_gradients,
     epoch_order,
+    finished_final,
     init_distributed,
     load_checkpoint,
     make_optimizer,
@@ -328,6 +330,16 @@ def test_unreadable_checkpoint_is_skipped_with_a_warning(tmp_path, damage):
     with pytest.warns(RuntimeWarning, match="is unreadable"):
         assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, run_key="run")[0] == 2
     assert torch.equal(fresh.weight, older.weight)
+
+
+def test_a_final_whose_metrics_hold_nan_is_finished_and_whole(tmp_path, tiny_dir):
+    """The marker is written by json (NaN allowed); reading it with orjson refused it, so a finished stage trained
+    again on every rerun and its cached dir counted as incomplete."""
+    final = save_final(load_policy(tiny_dir, device="cpu"), load_tokenizer(tiny_dir), tmp_path,
+                       metrics={"eval/loss": float("nan")}, run_key="run")
+    logged = []
+    assert finished_final(tmp_path, lambda metrics, step: logged.append(metrics), 1, "run") == final
+    assert math.isnan(logged[0]["eval/loss"]) and model_dir_complete(final)
 
 
 def test_failed_final_write_leaves_no_final_dir_and_keeps_the_checkpoint(tmp_path, tiny_dir, monkeypatch):
