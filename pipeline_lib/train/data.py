@@ -29,6 +29,7 @@ from pipeline_lib.fingerprint import content_id, frame_fingerprint, keyed_dir, m
 from pipeline_lib.logfns import print_log
 from pipeline_lib.model_dirs import resolve_model_dir
 from pipeline_lib.rewards.model import text_ids
+from pipeline_lib.train import LAUNCH_PARENT
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -329,10 +330,14 @@ def _die_with_torchrun() -> None:
 
     torchrun starts every worker in a session of its own, so a SIGKILL of torchrun (or of its process group) left
     the stage training on as an orphan (one rank or several), and the rerun that resumes it raced the orphan in
-    the same out_dir: its checkpoint write failed on a temp dir the orphan had replaced. An agent killed before
-    this call (while the worker imports) still leaves it orphaned."""
-    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    the same out_dir: its checkpoint write failed on a temp dir the orphan had replaced. An agent that died before
+    the request (while the worker imported torch) has left this worker a new parent: it kills itself then. Only
+    an agent killed in the worker's first milliseconds, before `pipeline_lib.train` is imported, goes unnoticed."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != LAUNCH_PARENT:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run_main(config_cls: type[C], train: Callable[..., Path], argv: Sequence[str] | None = None) -> None:

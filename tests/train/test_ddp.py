@@ -1,8 +1,8 @@
 """Multi-process DPO: `torchrun --standalone --nproc_per_node 2 -m pipeline_lib.train.dpo --config X.json` on
 gloo runs, the ranks stay in sync (the loop checks it; the result matches one process on the same global
 batch), only rank 0 prints and writes (rank 1's file-system calls are recorded with an audit hook), a
-write that fails on rank 0 ends every rank with one error line, and a SIGKILL of torchrun ends its ranks too,
-so the rerun resumes to the uninterrupted weights."""
+write that fails on rank 0 ends every rank with one error line, and a SIGKILL of torchrun ends its ranks too
+(even a worker still importing), so the rerun resumes to the uninterrupted weights."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import polars as pl
 import pytest
 from safetensors.torch import load_file
 
-from pipeline_lib.config import DPOConfig
+from pipeline_lib.config import DPOConfig, GRPOConfig
 from pipeline_lib.models import build_tiny_model
 from pipeline_lib.train.data import write_run_file
 
@@ -187,3 +187,46 @@ def test_sigkilled_torchrun_takes_its_ranks_along_and_the_rerun_resumes_to_the_u
     a = load_file(str(tmp_path / "full" / "final" / "model.safetensors"))
     b = load_file(str(tmp_path / "killed" / "final" / "model.safetensors"))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+
+
+@pytest.mark.slow  # one torchrun start, killed while its worker imports: ~10 s
+def test_a_worker_whose_torchrun_died_while_it_imported_kills_itself_before_training(tmp_path):
+    """The death signal asked for in run_main cannot fire for a parent that is already gone: a GRPO worker (one
+    process, no rendezvous with the agent that would fail) still importing torch when torchrun was killed trained
+    on as an orphan. It now sees its parent changed since `pipeline_lib.train` was imported, and dies at once."""
+    problems = pl.read_ndjson(ROOT / "data" / "demo" / "problems.jsonl").head(64)
+    cfg = GRPOConfig(policy_path=str(tiny_dpo_model(tmp_path)), max_steps=30, prompts_per_step=4, group_size=4,
+                     max_new_tokens=6, save_every=1, device="cpu")
+    run_file = write_run_file(tmp_path / "run.json", cfg, {"problems": problems}, tmp_path / "out")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+               "-m", "pipeline_lib.train.grpo", "--config", str(run_file)]
+    agent = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+
+    def worker_importing() -> int | None:
+        """The worker's pid once it has mapped libtorch: past `pipeline_lib.train`, not yet in run_main."""
+        children = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
+        for pid in children:
+            try:
+                if "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text():
+                    return int(pid)
+            except OSError:
+                pass
+        return None
+
+    deadline = time.monotonic() + 120
+    while (worker := worker_importing()) is None and agent.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert worker is not None, "no worker importing torch appeared"
+    os.killpg(agent.pid, signal.SIGKILL)  # the agent's group; the worker runs in a session of its own
+    agent.wait()
+    assert not (tmp_path / "out").exists(), "killed too late: the worker had started training"
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    orphaned = Path(f"/proc/{worker}").exists()
+    if orphaned:
+        os.kill(worker, signal.SIGKILL)  # not left training after the test
+    assert not orphaned, "the worker outlived the torchrun that was killed"
+    assert not (tmp_path / "out").exists(), "the orphaned worker trained"
