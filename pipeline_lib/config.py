@@ -82,7 +82,7 @@ class Config(BaseModel):
 
 class IngestConfig(Config):
     path: str
-    """File to ingest: .jsonl, .jsonl.gz, .json (array), .parquet or .csv."""
+    """File to ingest: .jsonl, .json (array), .csv (each also gzipped: .jsonl.gz, .json.gz, .csv.gz) or .parquet."""
     format: Literal["auto", "pairs", "hh", "chat", "ranking", "problem"] = "auto"
     """Record shape; `auto` detects it from the first valid records' keys."""
     source: str | None = None

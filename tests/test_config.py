@@ -330,7 +330,7 @@ def test_an_ingest_file_of_an_unsupported_type_is_reported_when_the_preset_loads
     with pytest.raises(ConfigError) as err:
         load_config(PipelineConfig, path)
     assert str(err.value) == (f"{path}: field 'ingest.1.path': {tmp_path / 'notes.txt'}: unknown file type; expected "
-                              f"one of .jsonl.gz, .jsonl, .json, .parquet, .csv")
+                              f"one of .jsonl.gz, .json.gz, .csv.gz, .jsonl, .json, .parquet, .csv")
 
 
 def test_ingest_files_resolve_against_the_checkout_and_are_not_checked_when_built_in_code(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """Ingest a data file into the store: read, validate, deduplicate by content hash, quarantine bad rows.
 
-Files: .jsonl, .jsonl.gz, .json (array), .parquet, .csv. Record shapes: pairs, hh,
+Files: .jsonl, .json (array), .csv (each also gzipped: .jsonl.gz ...), .parquet. Record shapes: pairs, hh,
 chat, ranking, problem. Invariant of every ingest: rows read = accepted + duplicates + quarantined."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pipeline_lib.store.parquet import ParquetError, read_parquet_lines
 from pipeline_lib.store.shapes import FIELDS, HH_TURN, SCHEMAS, TABLE_OF, TOO_DEEP, Rows, shape_records
 
 FORMATS = ("pairs", "hh", "chat", "ranking", "problem")
-SUFFIXES = (".jsonl.gz", ".jsonl", ".json", ".parquet", ".csv")
+SUFFIXES = (".jsonl.gz", ".json.gz", ".csv.gz", ".jsonl", ".json", ".parquet", ".csv")
 RAW_LIMIT = 10_000  # characters of a quarantined record kept in `raw`
 _DETECT_SAMPLE = 1_000  # records whose keys vote for the detected format
 # ends every object key, so a line with more of these than its record has keys may repeat a key
@@ -231,15 +231,18 @@ def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], Sequence[int], di
         data = path.read_bytes()
     except OSError as exc:
         raise IngestError(f"{path}: cannot read the file ({exc.strerror or exc})") from None
-    for magic, kind, kind_suffix in ((b"\x1f\x8b", "gzip", ".jsonl.gz"), (b"PAR1", "parquet", ".parquet")):
-        if data.startswith(magic) and suffix != kind_suffix:  # a reader of the named type would only say "invalid"
-            raise IngestError(f"{path}: the content is a {kind} file but the name ends in {suffix}; "
-                              f"name it *{kind_suffix}")
-    if suffix == ".jsonl.gz":
+    gzipped = suffix.endswith(".gz")
+    if data.startswith(b"\x1f\x8b") and not gzipped:  # a reader of the named type would only say "invalid"
+        named = f"*{suffix}.gz" if f"{suffix}.gz" in SUFFIXES else "*.jsonl.gz, *.json.gz or *.csv.gz by its content"
+        raise IngestError(f"{path}: the content is a gzip file but the name ends in {suffix}; name it {named}")
+    if data.startswith(b"PAR1") and suffix != ".parquet":
+        raise IngestError(f"{path}: the content is a parquet file but the name ends in {suffix}; name it *.parquet")
+    if gzipped:
         try:
             data = gzip.decompress(data)
         except (OSError, EOFError, zlib.error) as exc:
             raise IngestError(f"{path}: not a readable gzip file ({exc})") from None
+        suffix = suffix.removesuffix(".gz")
     if suffix == ".parquet":
         try:
             lines, pre_bad = read_parquet_lines(data)
@@ -249,9 +252,9 @@ def _read_lines(path: Path, suffix: str) -> tuple[list[bytes], Sequence[int], di
     data = _utf8(path, data)
     if suffix == ".json" and _json_lines(data):  # `Dataset.to_json` writes JSON Lines under this name
         suffix = ".jsonl"
-    elif suffix in (".jsonl", ".jsonl.gz") and re.match(rb"\s*\[", data) and _parses(data):
+    elif suffix == ".jsonl" and re.match(rb"\s*\[", data) and _parses(data):
         suffix = ".json"  # one JSON array under a JSON Lines name: its records, not one record that is a list
-    if suffix in (".jsonl", ".jsonl.gz"):
+    if suffix == ".jsonl":
         lines = data.split(b"\n")
         if lines and not lines[-1]:
             lines.pop()

@@ -107,7 +107,7 @@ def test_pairs_rows_ids_and_meta(tmp_path, store):
 
 
 def test_every_file_type_gives_the_same_rows(tmp_path, store):
-    """The same 3 pairs (+1 bad record) as jsonl, jsonl.gz, json, parquet, csv: after the first file
+    """The same 3 pairs (+1 bad record) as jsonl, json, parquet, csv, and gzipped jsonl/json/csv: after the first file
     every pair is a duplicate, and the bad record is reported where it is, from 1: the line its text starts on
     (the pretty-printed JSON array's second record starts on line 7), the parquet file's row."""
     records = [*PAIRS[:1], {"prompt": "bad", "chosen": "same", "rejected": "same"}, PAIRS[2], PAIRS[1]]
@@ -116,7 +116,10 @@ def test_every_file_type_gives_the_same_rows(tmp_path, store):
     (tmp_path / "c.json").write_bytes(orjson.dumps(records, option=orjson.OPT_INDENT_2))
     pl.DataFrame(records).write_parquet(tmp_path / "d.parquet")
     pl.DataFrame(records).drop("id").write_csv(tmp_path / "e.csv")
-    expected_line = {"a.jsonl": 2, "b.jsonl.gz": 2, "c.json": 7, "d.parquet": 2, "e.csv": 3}
+    (tmp_path / "f.json.gz").write_bytes(gzip.compress((tmp_path / "c.json").read_bytes()))
+    (tmp_path / "g.CSV.GZ").write_bytes(gzip.compress((tmp_path / "e.csv").read_bytes()))
+    expected_line = {"a.jsonl": 2, "b.jsonl.gz": 2, "c.json": 7, "d.parquet": 2, "e.csv": 3, "f.json.gz": 7,
+                     "g.CSV.GZ": 3}
     for i, (name, line_no) in enumerate(expected_line.items()):
         report = ingest_file(tmp_path / name, store)
         check_invariant(report)
@@ -649,6 +652,11 @@ def test_json_array_and_parquet_keep_exact_types(tmp_path, store):
          "3 fields, the header has 2; the first on line 2)"),
         ("zipped.jsonl", gzip.compress(b'{"prompt": "p"}\n'),
          "the content is a gzip file but the name ends in .jsonl; name it *.jsonl.gz"),
+        ("zipped.csv", gzip.compress(b"prompt,chosen,rejected\np,a,b\n"),
+         "the content is a gzip file but the name ends in .csv; name it *.csv.gz"),
+        ("zipped.parquet", gzip.compress(b"PAR1"), "the content is a gzip file but the name ends in .parquet; "
+         "name it *.jsonl.gz, *.json.gz or *.csv.gz by its content"),
+        ("broken.csv.gz", b"prompt,chosen,rejected\n", "not a readable gzip file"),
         ("table.json", b"PAR1\x00\x00", "the content is a parquet file but the name ends in .json; name it *.parquet"),
         ("semicolons.csv", b"prompt;chosen;rejected\np;a;b\n", "cannot detect the record format (one field "
          "'prompt;chosen;rejected'): only comma-separated CSV is read; convert the file to commas"),
