@@ -4,11 +4,15 @@ prompt (GRPO's G samples) can run that prompt once and attend to its cached keys
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
+
+from pipeline_lib.errors import AlignflowError
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -19,12 +23,36 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)  # (B, T)
 
 
+OutputLogits = Callable[[Tensor], Tensor]  # hidden states (..., H) -> float32 logits (..., V)
+
+
+class UnsupportedModelError(AlignflowError, ValueError):
+    """The model makes its logits in a way these log-probs do not reproduce."""
+
+
+def output_logits(model: PreTrainedModel) -> OutputLogits:
+    """Hidden states -> float32 logits as the model's own forward makes them from its output layer: times
+    `logit_scale` (Cohere), divided by `logits_scaling` (Granite), soft-capped by `final_logit_softcapping`
+    (Gemma 2 and 3). `_final_hidden` checks the result against the model's own logits at every call."""
+    inner = getattr(model, "module", model)  # DDP keeps the model in .module
+    lm_head, config = inner.get_output_embeddings(), inner.config
+    scale = getattr(config, "logit_scale", None) or 1.0
+    divisor = getattr(config, "logits_scaling", None) or 1.0
+    cap = getattr(config, "final_logit_softcapping", None)
+
+    def logits_of(hidden: Tensor) -> Tensor:
+        logits = lm_head(hidden).float() * scale / divisor
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    return logits_of
+
+
 def _chunk_logps(
-    lm_head: nn.Module, hidden: Tensor, targets: Tensor, with_entropy: bool, temperature: float
+    logits_of: OutputLogits, hidden: Tensor, targets: Tensor, with_entropy: bool, temperature: float
 ) -> tuple[Tensor, Tensor]:
     """Log-prob of `targets` and entropy for one chunk of positions under softmax(logits / temperature);
     the chunk's logits die here."""
-    logits = lm_head(hidden).float()  # (B, C, V)
+    logits = logits_of(hidden)  # (B, C, V)
     if temperature != 1.0:
         logits = logits / temperature
     normalizer = torch.logsumexp(logits, dim=-1)  # (B, C)
@@ -51,20 +79,15 @@ def _check_options(chunk_size: int, temperature: float) -> None:
         raise ValueError(f"temperature={temperature}: expected > 0")
 
 
-def _check_plain_lm_head(model: PreTrainedModel) -> None:
-    config = getattr(getattr(model, "module", model), "config", None)  # DDP keeps the model in .module
-    for field in ("final_logit_softcapping", "logit_scale"):
-        if getattr(config, field, None) not in (None, 1.0):
-            raise ValueError(f"model config {field}={getattr(config, field)}: logits = lm_head(hidden) is assumed")
-
-
-def _final_hidden(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, **cache_args) -> Tensor:
+def _final_hidden(model: PreTrainedModel, logits_of: OutputLogits, input_ids: Tensor, attention_mask: Tensor,
+                  **cache_args) -> Tensor:
     """Last hidden layer after the final norm, from the model's own forward.
 
     Calling `model(...)` (not its inner decoder) keeps DDP/PEFT wrappers in the loop; logits_to_keep=1
-    makes the built-in lm_head run on one position only. `cache_args` (position_ids, cache) continue a
-    cached prefix; without them positions come from the mask and nothing is cached."""
-    _check_plain_lm_head(model)
+    makes the built-in lm_head run on one position only, whose logits `logits_of` must give too (an
+    architecture whose forward transforms them otherwise is an UnsupportedModelError, not wrong log-probs).
+    `cache_args` (position_ids, cache) continue a cached prefix; without them positions come from the mask and
+    nothing is cached."""
     outputs = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -72,16 +95,26 @@ def _final_hidden(model: PreTrainedModel, input_ids: Tensor, attention_mask: Ten
         logits_to_keep=1,
         **(cache_args or {"position_ids": position_ids_from_mask(attention_mask), "use_cache": False}),
     )
-    return outputs.hidden_states[-1]  # (B, T, H): transformers applies the final norm to the last entry
+    hidden = outputs.hidden_states[-1]  # (B, T, H): transformers applies the final norm to the last entry
+    with torch.no_grad():
+        theirs, ours = outputs.logits[:, -1:].float(), logits_of(hidden[:, -1:])  # (B, 1, V)
+        # bf16 autocast rounds the model's transform and ours differently; a missing transform is far off
+        if not torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * (1.0 + float(theirs.abs().max()))):
+            config = getattr(model, "module", model).config
+            raise UnsupportedModelError(
+                f"{type(getattr(model, 'module', model)).__name__} ({config.model_type}): its forward makes its "
+                "logits otherwise than from its output layer (alignflow reproduces logit_scale, logits_scaling and "
+                f"final_logit_softcapping); max difference {float((ours - theirs).abs().max()):.3g}")
+    return hidden
 
 
-def _chunked_logps(lm_head: nn.Module, hidden: Tensor, targets: Tensor, return_entropy: bool, chunk_size: int,
+def _chunked_logps(logits_of: OutputLogits, hidden: Tensor, targets: Tensor, return_entropy: bool, chunk_size: int,
                    temperature: float) -> tuple[Tensor, Tensor]:
     """log π(targets) and entropies from hidden states that predict them, `chunk_size` positions at a time;
     under autograd each chunk is checkpointed, so backward recomputes its logits instead of keeping them."""
     logp_chunks, entropy_chunks = [], []
     for start in range(0, hidden.shape[1], chunk_size):
-        args = (lm_head, hidden[:, start:start + chunk_size], targets[:, start:start + chunk_size], return_entropy,
+        args = (logits_of, hidden[:, start:start + chunk_size], targets[:, start:start + chunk_size], return_entropy,
                 temperature)
         if torch.is_grad_enabled():
             chunk_logps, chunk_entropy = checkpoint(_chunk_logps, *args, use_reentrant=False)
@@ -119,9 +152,9 @@ def sequence_logprobs(
     needed = completion_mask[:, 1:].bool().any(dim=0).nonzero().flatten()  # target columns - 1
     if needed.numel() > 0:
         lo, hi = int(needed.min()), int(needed.max()) + 1  # hidden at column t predicts token t + 1
-        hidden = _final_hidden(model, input_ids[:, :hi], attention_mask[:, :hi])  # (B, hi, H)
-        lm_head = getattr(model, "module", model).get_output_embeddings()
-        span_logps, span_entropy = _chunked_logps(lm_head, hidden[:, lo:], input_ids[:, lo + 1:hi + 1],
+        logits_of = output_logits(model)
+        hidden = _final_hidden(model, logits_of, input_ids[:, :hi], attention_mask[:, :hi])  # (B, hi, H)
+        span_logps, span_entropy = _chunked_logps(logits_of, hidden[:, lo:], input_ids[:, lo + 1:hi + 1],
                                                   return_entropy, chunk_size, temperature)
         # Pad rather than write in place: in-place writes into `logps` would break autograd on the chunks.
         pad = (lo + 1, seq_len - hi - 1)
@@ -209,7 +242,8 @@ def shared_prompt_logprobs(
     _check_options(chunk_size, temperature)
     inner = getattr(model, "module", model)
     cache = DynamicCache(config=inner.config)
-    prompt_hidden = _final_hidden(model, prompt_ids, prompt_mask, cache=cache, use_cache=True,
+    logits_of = output_logits(model)
+    prompt_hidden = _final_hidden(model, logits_of, prompt_ids, prompt_mask, cache=cache, use_cache=True,
                                   position_ids=position_ids_from_mask(prompt_mask))  # (U, P, H)
     # the last prompt position predicts completion token 0, completion position t predicts token t + 1; only
     # the first `width` columns hold completion tokens (a mini-batch of short rows leaves trailing padding)
@@ -221,10 +255,11 @@ def shared_prompt_logprobs(
         inputs, input_mask = completion_ids[:, :width - 1], completion_mask[:, :width - 1]  # (N, width-1)
         prompt_lengths = prompt_mask.long().sum(dim=-1)[prompt_index]  # (N,)
         positions = prompt_lengths.unsqueeze(1) + torch.arange(inputs.shape[1], device=inputs.device)
-        completion_hidden = _final_hidden(model, inputs, torch.cat([prompt_mask[prompt_index], input_mask], 1),
-                                          cache=cache, use_cache=True, position_ids=positions)  # (N, width-1, H)
+        completion_hidden = _final_hidden(model, logits_of, inputs,
+                                          torch.cat([prompt_mask[prompt_index], input_mask], 1), cache=cache,
+                                          use_cache=True, position_ids=positions)  # (N, width-1, H)
         hidden = torch.cat([hidden, completion_hidden], dim=1)  # (N, width, H)
-    logps, entropy = _chunked_logps(inner.get_output_embeddings(), hidden, completion_ids[:, :width], return_entropy,
+    logps, entropy = _chunked_logps(logits_of, hidden, completion_ids[:, :width], return_entropy,
                                     chunk_size, temperature)
     pad = (0, completion_ids.shape[1] - width)  # back to (N, C); padded, not written in place (autograd)
     logps, entropy = nn.functional.pad(logps, pad), nn.functional.pad(entropy, pad)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from pipeline_lib.models import build_tiny_model, completion_logprob_sums, load_policy, sequence_logprobs
-from pipeline_lib.models.logprobs import position_ids_from_mask, shared_prompt_logprobs
+from pipeline_lib.models.logprobs import UnsupportedModelError, position_ids_from_mask, shared_prompt_logprobs
 
 CORPUS = [f"{a:02d}+{b:02d}={a + b}" for a in range(0, 100, 9) for b in range(0, 100, 13)] + ["hello world"]
 ATOL = 1e-5
@@ -113,7 +114,8 @@ def test_lm_head_only_sees_chunks(model):
         hook.remove()
     assert max(widths) <= 2
     # Only the completion span is scored: columns 6..10 predict the 5-token completion of row 1.
-    assert sum(widths) == 1 + 5  # + the single position transformers keeps itself (logits_to_keep=1)
+    # + the single position transformers keeps itself (logits_to_keep=1), which is checked against ours
+    assert sum(widths) == 1 + 1 + 5
 
 
 def test_completion_logprob_sums(model):
@@ -282,3 +284,63 @@ def test_shared_prompt_logprobs_rejects_mismatched_inputs(model):
         shared_prompt_logprobs(model, prompt_ids, prompt_mask, index, completion_ids[0], completion_mask[0])
     with pytest.raises(ValueError, match="completion_ids: expected at least one column"):
         shared_prompt_logprobs(model, prompt_ids, prompt_mask, index, completion_ids[:, :0], completion_mask[:, :0])
+
+
+# Decoders whose forward turns lm_head(hidden) into their logits, each transform strong enough to change every value
+HEAD_TRANSFORMS = {
+    "gemma2 final_logit_softcapping": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=24, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        intermediate_size=64, final_logit_softcapping=0.05)),
+    "cohere logit_scale": lambda: transformers.CohereForCausalLM(transformers.CohereConfig(
+        vocab_size=24, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64, logit_scale=8.0)),
+    "granite logits_scaling": lambda: transformers.GraniteForCausalLM(transformers.GraniteConfig(
+        vocab_size=24, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64, logits_scaling=0.125)),
+}
+
+
+@pytest.mark.parametrize("name", HEAD_TRANSFORMS)
+def test_a_model_that_transforms_its_logits_gets_the_log_probs_of_its_own_logits(name):
+    """Gemma 2/3 soft-cap their logits, Cohere scales them, Granite divides them: the log-probs are those of the
+    model's own logits (full and shared-prompt rows alike), not of its output layer's."""
+    torch.manual_seed(0)
+    model = HEAD_TRANSFORMS[name]().eval()
+    ids, attention, completion = _batch()
+    prompts, completions, index = _grouped()
+    rows = _full_rows(prompts, completions, index)
+    with torch.no_grad():
+        logps, entropy = sequence_logprobs(model, ids, attention, completion, return_entropy=True, chunk_size=2)
+        ref_logps, ref_entropy = _naive(model, ids, attention, completion)
+        hidden = model(ids, attention_mask=attention, position_ids=position_ids_from_mask(attention),
+                       output_hidden_states=True).hidden_states[-1]
+        head_only = model.get_output_embeddings()(hidden).log_softmax(-1)[:, :-1]
+        full = sequence_logprobs(model, *rows)
+        shared = shared_prompt_logprobs(model, *_grouped_tensors(prompts, completions, index))
+    torch.testing.assert_close(logps, ref_logps, atol=ATOL, rtol=0)
+    torch.testing.assert_close(entropy, ref_entropy, atol=ATOL, rtol=0)
+    taken = head_only.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)[completion[:, 1:].bool()]
+    assert float((taken - ref_logps[:, 1:][completion[:, 1:].bool()]).abs().min()) > 1e-3  # the transform matters
+    width = rows[0].shape[1]
+    for row, tokens in enumerate(completions):
+        torch.testing.assert_close(shared[row, :len(tokens)], full[row, width - len(tokens):], atol=ATOL, rtol=0)
+
+
+class _DoubledLogits(transformers.LlamaForCausalLM):
+    """Remote code of a kind these log-probs cannot know: the forward doubles the output layer's logits."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+
+def test_a_model_whose_logits_are_not_reproduced_is_a_one_line_error_not_wrong_log_probs(model):
+    doubled = _DoubledLogits(model.config).eval()
+    doubled.load_state_dict(model.state_dict())
+    ids, attention, completion = _batch()
+    with pytest.raises(UnsupportedModelError, match=r"^_DoubledLogits \(llama\): its forward makes its logits "
+                       r"otherwise than from its output layer .*; max difference [0-9.e+-]+$"):
+        sequence_logprobs(doubled, ids, attention, completion)
+    with pytest.raises(UnsupportedModelError):
+        shared_prompt_logprobs(doubled, *_grouped_tensors(*_grouped()))
