@@ -315,7 +315,7 @@ def _gsm8k_line(text: str) -> str | None:
     return None
 
 
-def _boxed_content(text: str) -> str | None:
+def boxed_content(text: str) -> str | None:
     """The content of the last `\\boxed{...}`, braces matched (nested braces allowed), or None."""
     last = None
     for last in _BOXED.finditer(text):
@@ -367,7 +367,7 @@ def extract_answer(text: str | None, *, numeric: bool = False) -> str | None:
     line = _gsm8k_line(text)
     if line is not None and (found := _segment_answer(line, numeric)) is not None:
         return found
-    content = _boxed_content(text)
+    content = boxed_content(text)
     if content is not None and (found := _boxed_answer(content)) is not None:
         return found
     for marker in (_ANSWER_IS, _A_COLON):

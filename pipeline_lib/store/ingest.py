@@ -439,7 +439,8 @@ def _shape_of(record: dict) -> str | None:
             return "pairs"
         # an HH transcript holds its turn markers; pairs whose prompt sits under another name are no transcript
         return "hh" if isinstance(record["chosen"], str) and HH_TURN in record["chosen"] else None
-    if "answer" in record and ("question" in record or "prompt" in record or "problem" in record):  # GSM8K, MATH
+    if ("answer" in record or "solution" in record) and ("question" in record or "prompt" in record
+                                                         or "problem" in record):  # GSM8K, MATH
         return "problem"
     return None
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import orjson
 import polars as pl
 
+from pipeline_lib.rewards.math import boxed_content
+
 # (names, kind, required): the first present of `names` is the field; kinds are checked per record
 # by ingest._field_problem (exact JSON types) before polars reads the values.
 FIELDS: dict[str, tuple[tuple[tuple[str, ...], str, bool], ...]] = {
@@ -16,7 +18,8 @@ FIELDS: dict[str, tuple[tuple[tuple[str, ...], str, bool], ...]] = {
     "hh": ((("chosen",), "text", True), (("rejected",), "text", True)),
     "chat": ((("prompt",), "chat_prompt", False), (("chosen",), "messages", True), (("rejected",), "messages", True)),
     "ranking": ((("prompt",), "text", True), (("responses",), "text_list", True), (("ranks",), "rank_list", False)),
-    "problem": ((("question", "prompt", "problem"), "text", True), (("answer",), "answer", True),
+    # MATH records have no answer field: the last \boxed{} of their solution is the answer
+    "problem": ((("question", "prompt", "problem"), "text", True), (("answer", "solution"), "answer", True),
                 (("split",), "text", False)),
 }
 SCHEMAS: dict[str, dict[str, pl.DataType]] = {
@@ -25,7 +28,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
     "ranking": {"prompt": pl.String, "responses": pl.List(pl.String), "ranks": pl.List(pl.Int64)},
     # numbers in `answer` (screened as int/float) become their decimal text
     "problem": {"question": pl.String, "prompt": pl.String, "problem": pl.String, "answer": pl.String,
-                "split": pl.String},
+                "solution": pl.String, "split": pl.String},
 }
 TABLE_OF = {"pairs": "preference_pairs", "hh": "preference_pairs", "chat": "preference_pairs",
             "ranking": "rankings", "problem": "problems"}
@@ -257,21 +260,29 @@ def _ranking(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
 def _problem(frame: pl.DataFrame, split: str) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
     """GSM8K answers ("... #### 18"): `answer` is the text after "####", the solution goes to meta.solution (what SFT
     trains on). A record with a `solution` field of its own keeps it: if that differs from the answer's, the row is
-    quarantined, as either way one of the two solutions would be lost. `split` is used where a record has no `split`
-    field of its own."""
+    quarantined, as either way one of the two solutions would be lost. A MATH record has a `solution` and no
+    `answer`: the answer is the content of its last \\boxed{}, the solution goes to meta.solution. `split` is used
+    where a record has no `split` field of its own."""
+    boxed = pl.col("solution").map_elements(boxed_content, return_dtype=pl.String, skip_nulls=True).str.strip_chars()
     frame = frame.with_columns(
         pl.coalesce("question", "prompt", "problem").alias("_prompt"),
         pl.when(pl.col("question").is_not_null()).then(pl.lit("question"))
         .when(pl.col("prompt").is_not_null()).then(pl.lit("prompt"))
         .otherwise(pl.lit("problem")).alias("_name"),
-        pl.when(pl.col("answer").str.contains("####", literal=True))
+        pl.when(pl.col("answer").is_null()).then(boxed)
+        .when(pl.col("answer").str.contains("####", literal=True))
         .then(pl.col("answer").str.split("####").list.last().str.strip_chars())
         .otherwise(pl.col("answer"))
         .alias("_final"),
     )
+    from_solution = pl.col("answer").is_null()
     reason = (
         pl.when(pl.col("_prompt").str.contains(r"^\s*$"))
         .then(pl.format("empty field '{}'", pl.col("_name")))
+        .when(from_solution & pl.col("_final").is_null())
+        .then(pl.lit("no 'answer' field, and field 'solution' has no \\boxed{} answer"))
+        .when(from_solution & (pl.col("_final") == ""))
+        .then(pl.lit("no 'answer' field, and the last \\boxed{} of field 'solution' is empty"))
         .when(_blank("answer"))
         .then(pl.lit("empty field 'answer'"))
         .when(pl.col("_final") == "")
@@ -279,10 +290,11 @@ def _problem(frame: pl.DataFrame, split: str) -> tuple[pl.DataFrame, list[tuple[
     )
     ok, bad = _split_off(frame, reason)
     keep, metas = [], []
-    for row, (idx, answer, meta) in enumerate(ok.select("_idx", "answer", "meta").iter_rows()):
-        if "####" in answer:
+    for row, (idx, answer, solution, meta) in enumerate(ok.select("_idx", "answer", "solution", "meta").iter_rows()):
+        worked = solution if answer is None else answer if "####" in answer else None
+        if worked is not None:
             extra = json.loads(meta) if meta else {}  # the stdlib parser keeps integers past 64 bits exact
-            if extra.setdefault("solution", answer) != answer:
+            if extra.setdefault("solution", worked) != worked:
                 bad.append((idx, "fields 'solution' and 'answer' hold different worked solutions ('answer' has one "
                                  "before '####'); keep one of them"))
                 continue

@@ -459,11 +459,37 @@ def test_problem_bad_rows(tmp_path, store):
     report = ingest_file(write_jsonl(tmp_path / "math.jsonl", lines), store, format="problem")
     check_invariant(report)
     assert quarantine(store) == {
-        2: "missing field 'answer'",
+        2: "missing field 'answer' (or 'solution')",
         3: "missing field 'question' (or 'prompt' or 'problem')",
         4: "empty answer after '####'",
         5: "field 'answer' is a boolean, expected a string or number",
         6: "empty field 'question'",
+    }
+
+
+def test_math_records_take_the_last_boxed_answer_of_their_solution(tmp_path, store):
+    """MATH (hendrycks): problem + solution, no answer field. The answer is the content of the solution's last
+    \\boxed{} (nested braces kept), the solution goes to meta.solution as GSM8K's does; MATH-500's own `answer`
+    wins over its solution; a solution without a boxed answer is quarantined with the reason."""
+    solution = "Add: $\\frac{1}{4}+\\frac{1}{4} = \\boxed{\\frac{1}{2}}$, not \\boxed{3} first... so $\\boxed{ \\frac{1}{2} }$."
+    lines = [
+        {"problem": "Compute 1/4+1/4.", "solution": solution, "level": "Level 1", "type": "Algebra"},
+        {"problem": "Solve x+1=3.", "solution": "So $x = 2$.", "answer": "2", "unique_id": "test/1.json"},
+        {"problem": "Name it.", "solution": "It has no boxed answer."},
+        {"problem": "Nothing boxed.", "solution": "$\\boxed{ }$"},
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "math.jsonl", lines), store)
+    check_invariant(report)
+    assert (report.format, report.accepted, report.quarantined) == ("problem", 2, 2)
+    rows = {r["prompt"]: r for r in store.read("problems").to_dicts()}
+    assert rows["Compute 1/4+1/4."]["answer"] == "\\frac{1}{2}"
+    assert json.loads(rows["Compute 1/4+1/4."]["meta"]) == {"level": "Level 1", "type": "Algebra",
+                                                             "solution": solution}
+    assert rows["Solve x+1=3."]["answer"] == "2"
+    assert json.loads(rows["Solve x+1=3."]["meta"]) == {"solution": "So $x = 2$.", "unique_id": "test/1.json"}
+    assert quarantine(store) == {
+        3: "no 'answer' field, and field 'solution' has no \\boxed{} answer",
+        4: "no 'answer' field, and the last \\boxed{} of field 'solution' is empty",
     }
 
 
