@@ -266,6 +266,11 @@ class TrainLoopConfig(Config):
     """Log training metrics every N steps."""
     seed: Seed = 0
     """Seeds the data order, the held-out split and torch's RNG."""
+    deterministic: bool = False
+    """torch's deterministic kernels (`torch.use_deterministic_algorithms`, deterministic cuDNN, no benchmarking),
+    so two CUDA runs of one config on the same GPU and software give the same weights; slower on CUDA, and an op
+    without such a kernel is an error. CPU training is deterministic already; the sample stage's vLLM server is not
+    covered."""
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
     trust_remote_code: bool = False
@@ -533,6 +538,11 @@ class GRPOConfig(Config):
     """Log metrics every N steps."""
     seed: Seed = 0
     """Seeds the prompt order, each rollout's sampling and the mini-batch order."""
+    deterministic: bool = False
+    """torch's deterministic kernels (`torch.use_deterministic_algorithms`, deterministic cuDNN, no benchmarking)
+    for the HF rollouts and the updates, so two CUDA runs of one config on the same GPU and software give the same
+    weights; slower on CUDA, and an op without such a kernel is an error. CPU training is deterministic already;
+    vLLM sampling (`backend: vllm`) is not covered."""
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
     trust_remote_code: bool = False
@@ -676,6 +686,11 @@ class PPOConfig(Config):
     """Log metrics every N steps."""
     seed: Seed = 0
     """Seeds the prompt order, each rollout's sampling and the mini-batch order."""
+    deterministic: bool = False
+    """torch's deterministic kernels (`torch.use_deterministic_algorithms`, deterministic cuDNN, no benchmarking)
+    for the HF rollouts and the updates, so two CUDA runs of one config on the same GPU and software give the same
+    weights; slower on CUDA, and an op without such a kernel is an error. CPU training is deterministic already;
+    vLLM sampling (`backend: vllm`) is not covered."""
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
     trust_remote_code: bool = False

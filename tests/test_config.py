@@ -144,6 +144,9 @@ def test_invalid_values_are_one_line_errors_naming_the_field(model, data, messag
     (DPOConfig, {"policy_path": "m", "disable_dropout": "off"}, "disable_dropout: expected true or false, got 'off'"),
     (SFTConfig, {"model_path": "m", "trust_remote_code": "yes"},
      "trust_remote_code: expected true or false, got 'yes'"),
+    (SFTConfig, {"model_path": "m", "deterministic": "yes"}, "deterministic: expected true or false, got 'yes'"),
+    (GRPOConfig, {"policy_path": "m", "deterministic": 1}, "deterministic: expected true or false, got 1"),
+    (PPOConfig, {"policy_path": "m", "deterministic": "off"}, "deterministic: expected true or false, got 'off'"),
     (EvalConfig, {"model_path": "m", "n": 4, "ks": [1.0, 2]}, "ks: expected an integer, got [1.0, 2]"),
     (SFTConfig, {"model_path": "m", "max_steps": 10.0}, "max_steps: expected an integer, got 10.0"),
     (PipelineConfig, {"eval": {"model_path": "m", "n": 4, "ks": [1, 2.5]}},
@@ -154,6 +157,16 @@ def test_booleans_take_only_true_or_false_and_integers_only_integers(model, data
     with pytest.raises(ConfigError) as err:
         validate_config(model, data, origin="cfg.yaml")
     assert str(err.value) == f"cfg.yaml: {message}"
+
+
+@pytest.mark.parametrize(("model", "required"), [
+    (SFTConfig, {"model_path": "m"}), (RMConfig, {"model_path": "m"}), (DPOConfig, {"policy_path": "m"}),
+    (GRPOConfig, {"policy_path": "m"}), (DAPOConfig, {"policy_path": "m"}),
+    (PPOConfig, {"policy_path": "m", "reward_model_path": "r"}),
+])
+def test_every_training_stage_takes_deterministic_off_by_default(model, required):
+    assert validate_config(model, required).deterministic is False
+    assert validate_config(model, required | {"deterministic": True}).deterministic is True
 
 
 def test_yaml_booleans_are_still_booleans(tmp_path):

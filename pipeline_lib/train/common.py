@@ -1,10 +1,11 @@
-"""What every training loop shares: seeding, device/dtype, optimizer and schedule, DDP, seeded data order,
-atomic checkpoint save/resume, the NaN guard and the final atomic model save.
+"""What every training loop shares: seeding, deterministic kernels, device/dtype, optimizer and schedule, DDP,
+seeded data order, atomic checkpoint save/resume, the NaN guard and the final atomic model save.
 
 Loops stay explicit, one per algorithm; these helpers only remove copies of the same plumbing."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -12,8 +13,8 @@ import pickle
 import random
 import shutil
 import warnings
-from collections.abc import Iterator
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,42 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+@contextmanager
+def deterministic_kernels(enabled: bool) -> Iterator[None]:
+    """With `enabled`, torch's deterministic kernels inside the block, what transformers' `enable_full_determinism`
+    sets for torch; the process-global settings before it are restored at its end (the stages of an in-process
+    pipeline each get their own config's mode). CPU training is deterministic without it.
+
+    cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, at its first call: the loops enter this block before they load a
+    model (`with_deterministic_kernels`; a process whose earlier stage used cuBLAS keeps the workspace chosen
+    then). torch raises on an op that has no deterministic kernel."""
+    if not enabled:
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # torch refuses cuBLAS calls without it
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+
+
+def with_deterministic_kernels(train: Callable[..., Path]) -> Callable[..., Path]:
+    """The training loop `train(cfg, ...)` run inside `deterministic_kernels(cfg.deterministic)`: on before it loads
+    any model, the settings before it back when it returns or raises."""
+
+    @functools.wraps(train)
+    def run(cfg, *args, **kwargs) -> Path:
+        with deterministic_kernels(cfg.deterministic):
+            return train(cfg, *args, **kwargs)
+
+    return run
 
 
 def autocast(device: torch.device):
@@ -153,9 +190,14 @@ def mean_over_ranks(ctx: Dist, values: dict[str, Tensor]) -> dict[str, float]:
     return dict(zip(keys, ctx.all_reduce_mean(stacked).tolist()))
 
 
+def torchrun_world_size() -> int:
+    """The number of processes torchrun started (its WORLD_SIZE); 1 for a plain process."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed() -> Dist:
     """Join the torchrun process group (gloo on CPU, NCCL on CUDA) when launched under torchrun."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = torchrun_world_size()
     if world_size == 1:
         return Dist()
     if not dist.is_initialized():
@@ -252,10 +294,22 @@ def _other_run(what: Path, recorded: str | None, run_key: str) -> None:
                             f"one's); delete it or pass another out_dir")
 
 
+def _topology(model: nn.Module) -> dict:
+    """Where a run trains: torchrun's world size and the device type of the model's parameters."""
+    return {"world_size": torchrun_world_size(), "device": next(unwrap(model).parameters()).device.type}
+
+
+def _describe(topology: dict) -> str:
+    """`2 processes on cuda`: a topology as the resume warning names it."""
+    processes = topology["world_size"]
+    return f"{processes} process{'es' if processes != 1 else ''} on {topology['device']}"
+
+
 def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, scheduler=None,
                     extra: dict | None = None, run_key: str) -> Path:
     """Write model, optimizer, scheduler, RNG states and the step to `out_dir/checkpoint` atomically, with
-    `run_key` (`train.data.run_key`: config + models + data), so only the same run resumes from it.
+    `run_key` (`train.data.run_key`: config + models + data), so only the same run resumes from it, and the
+    world size and device type it trains on (`_topology`), so a resume elsewhere says it will not be bit-exact.
 
     The checkpoint is written to a temp dir, fsynced and renamed over the previous one: a crash (or power cut)
     mid-write leaves the previous checkpoint intact, and a failed write (disk full) is a one-line
@@ -277,7 +331,7 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
         tmp.mkdir(parents=True)
         # torch.save reports a full disk as a RuntimeError ("unexpected pos ..."), not an OSError
         torch.save(state, tmp / "state.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "run_key": run_key}))
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "run_key": run_key, **_topology(model)}))
         (tmp / "python_rng.json").write_text(json.dumps([python_state[0], list(python_state[1]), python_state[2]]))
         _fsync_tree(tmp)
         if final.exists():  # else `old` may be the only good checkpoint (a crash between the renames): keep it
@@ -293,14 +347,15 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
     return final
 
 
-def _read_checkpoint(ckpt: Path) -> tuple[int, str | None, dict, list] | None:
-    """(step, run key, state, python RNG state) of a complete checkpoint dir; None when there is none or it is
-    unreadable (a truncated file: disk corruption, a power cut after the rename), with a warning naming it."""
+def _read_checkpoint(ckpt: Path) -> tuple[int, dict, dict, list] | None:
+    """(step, trainer_state.json, state, python RNG state) of a complete checkpoint dir; None when there is none
+    or it is unreadable (a truncated file: disk corruption, a power cut after the rename), with a warning naming
+    it."""
     if not (ckpt / "trainer_state.json").exists():
         return None
     try:
         trainer_state = json.loads((ckpt / "trainer_state.json").read_text())
-        step, key = int(trainer_state["step"]), trainer_state.get("run_key")
+        step = int(trainer_state["step"])
         python_rng = json.loads((ckpt / "python_rng.json").read_text())
         # weights_only: our own file, but never unpickle arbitrary objects
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
@@ -311,7 +366,7 @@ def _read_checkpoint(ckpt: Path) -> tuple[int, str | None, dict, list] | None:
         warnings.warn(f"checkpoint {ckpt} is unreadable ({first_line(exc)}); ignoring it", RuntimeWarning,
                       stacklevel=3)
         return None
-    return step, key, state, python_rng
+    return step, trainer_state, state, python_rng
 
 
 def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=None,
@@ -320,7 +375,10 @@ def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=Non
 
     Returns (step, extra) — the loop continues at `step` — or None for a fresh start. An unreadable checkpoint
     is skipped: training is seeded, so starting over costs time, never a different result. A checkpoint of
-    another run (its run key differs) is a one-line OtherRunError: resuming it would train neither run."""
+    another run (its run key differs) is a one-line OtherRunError: resuming it would train neither run. One
+    written under another world size or device type (`_topology`) resumes with a warning from rank 0 (torchrun's
+    RANK): the summation order or precision changes, so the final is not an uninterrupted run's; one that records
+    neither (an older alignflow's) resumes without."""
     # .old: a crash between the two renames of save_checkpoint left only the previous checkpoint
     for ckpt in (out_dir / CHECKPOINT_DIR, out_dir / f".{CHECKPOINT_DIR}.old"):
         found = _read_checkpoint(ckpt)
@@ -328,8 +386,8 @@ def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=Non
             break
     else:
         return None
-    step, key, state, (version, internal, gauss) = found
-    _other_run(ckpt, key, run_key)
+    step, trainer_state, state, (version, internal, gauss) = found
+    _other_run(ckpt, trainer_state.get("run_key"), run_key)
     try:
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -344,6 +402,11 @@ def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=Non
     if state["cuda_rng"]:
         torch.cuda.set_rng_state_all(state["cuda_rng"])
     random.setstate((version, tuple(internal), gauss))
+    written, current = {key: trainer_state.get(key) for key in ("world_size", "device")}, _topology(model)
+    if None not in written.values() and written != current and int(os.environ.get("RANK", "0")) == 0:
+        warnings.warn(f"resuming {ckpt} (step {step}) written by {_describe(written)} with {_describe(current)}: "
+                      "training continues, but the final will not equal an uninterrupted run's bit for bit",
+                      RuntimeWarning, stacklevel=2)
     return step, state["extra"]
 
 

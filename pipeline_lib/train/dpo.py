@@ -42,6 +42,7 @@ from pipeline_lib.train.common import (
     save_final,
     seed_everything,
     unwrap,
+    with_deterministic_kernels,
     wrap_model,
 )
 from pipeline_lib.train.data import (
@@ -167,6 +168,7 @@ def add_lora(model: nn.Module, cfg: DPOConfig) -> nn.Module:
                              f"({cfg.policy_path}); its 2-D weights belong to {weights}") from None
 
 
+@with_deterministic_kernels
 def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = no_log, *,
               cache_dir: Path | str | None = None) -> Path:
     """DPO on `pairs` (prompt, chosen, rejected[, prompt_messages]); reference = the starting policy.

@@ -36,6 +36,7 @@ from pipeline_lib.train.common import (
     save_checkpoint,
     save_final,
     seed_everything,
+    with_deterministic_kernels,
 )
 from pipeline_lib.train.data import render_prompts, require_chat_template, require_columns, run_key, run_main
 from pipeline_lib.train.rollout import (
@@ -160,6 +161,7 @@ def load_grpo_data(store: Store, cfg: GRPOConfig) -> pl.DataFrame:
     return read_problems(store, split=cfg.split, source=cfg.problems_source, chat_template=cfg.chat_template)
 
 
+@with_deterministic_kernels
 def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogFn = no_log) -> Path:
     """GRPO/DAPO on `problems` (prompt, answer[, prompt_messages]); returns `out_dir/final`.
 

@@ -40,6 +40,7 @@ from pipeline_lib.train.common import (
     save_checkpoint,
     save_final,
     seed_everything,
+    with_deterministic_kernels,
 )
 from pipeline_lib.train.data import (
     Batch,
@@ -89,6 +90,7 @@ def adapt_kl_coef(kl_coef: float, kl: float, *, target: float, horizon: int, n_s
     return kl_coef * (1.0 + error * n_samples / horizon)
 
 
+@with_deterministic_kernels
 def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn = no_log) -> Path:
     """PPO on `prompts` (prompt[, prompt_messages][, answer]); returns `out_dir/final` (the actor).
 

@@ -35,6 +35,7 @@ from pipeline_lib.train.common import (
     save_final,
     seed_everything,
     unwrap,
+    with_deterministic_kernels,
     wrap_model,
 )
 from pipeline_lib.train.data import (
@@ -133,6 +134,7 @@ def pairwise_accuracy(model: torch.nn.Module, groups: Groups, ids: list[int], *,
     return {"eval/rm_accuracy": correct / max(count, 1), "eval/rm_margin": margin / max(count, 1)}
 
 
+@with_deterministic_kernels
 def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_log) -> Path:
     """Train a reward model on `data` (preference_pairs for bradley_terry, rankings for plackett_luce).
 

@@ -5,7 +5,6 @@ or (GRPO) distinct prompts + completions so G samples of a prompt share one prom
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,7 +23,7 @@ from pipeline_lib.models import save_model, sequence_logprobs
 from pipeline_lib.models.logprobs import shared_prompt_logprobs
 from pipeline_lib.sampling import Completion, Sampler
 from pipeline_lib.store.db import Store
-from pipeline_lib.train.common import autocast
+from pipeline_lib.train.common import autocast, torchrun_world_size
 from pipeline_lib.train.data import Batch, Encoded, collate
 
 SyncFn = Callable[[], float]
@@ -234,5 +233,5 @@ def grouped_logprobs_in_chunks(model: PreTrainedModel, batch: GroupedBatch, chun
 
 def check_single_process(stage: str) -> None:
     """The online-RL loops run in one process: their rollout batches are not sharded over torchrun ranks."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if torchrun_world_size() > 1:
         raise AlignflowError(f"{stage}: runs in a single process; launch it without torchrun")

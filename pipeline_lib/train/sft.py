@@ -33,6 +33,7 @@ from pipeline_lib.train.common import (
     save_final,
     seed_everything,
     unwrap,
+    with_deterministic_kernels,
     wrap_model,
 )
 from pipeline_lib.train.data import (
@@ -113,6 +114,7 @@ def completion_nll(model: torch.nn.Module, encoded: Encoded, *, pad_id: int, dev
     return total / max(count, 1)
 
 
+@with_deterministic_kernels
 def train_sft(cfg: SFTConfig, rows: pl.DataFrame, out_dir: Path, log: LogFn = no_log, *,
               eval_rows: pl.DataFrame | None = None) -> Path:
     """SFT on `rows` (prompt, completion[, prompt_messages]); eval/loss on `eval_rows`. Returns `out_dir/final`.

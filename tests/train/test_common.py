@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from torch import nn
 
 from pipeline_lib.config import SFTConfig
 from pipeline_lib.errors import AlignflowError
+from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.model_dirs import model_dir_complete
 from pipeline_lib.models import RewardModel, build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.train.common import (
@@ -36,6 +38,7 @@ from pipeline_lib.train.common import (
     check_finite,
     check_in_sync,
     clip_gradients,
+    deterministic_kernels,
     epoch_order,
     finished_final,
     init_distributed,
@@ -211,6 +214,57 @@ def test_checkpoint_survives_a_crash_between_renames(tmp_path, monkeypatch):
     assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, run_key="run")[0] == 4
 
 
+def _resume_warnings(out_dir: Path) -> list[str]:
+    """The warnings of resuming a fresh model from `out_dir`'s checkpoint, which must exist."""
+    fresh, fresh_opt, fresh_sched = _trained_state(seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert load_checkpoint(out_dir, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched, run_key="run")
+    return [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize(("change", "written_by", "resumed_with"), [
+    ("2 processes", "1 process on cpu", "2 processes on cpu"),
+    ("written on cuda", "1 process on cuda", "1 process on cpu"),
+])
+def test_a_resume_under_another_topology_warns_once_from_rank_0(tmp_path, monkeypatch, change, written_by,
+                                                                 resumed_with):
+    """A single-process checkpoint resumed under torchrun trained on silently to a final ~2e-5 from either
+    uninterrupted run's (a CUDA one on CPU too): it still resumes, with one warning naming both topologies."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    model, optimizer, scheduler = _trained_state()
+    ckpt = save_checkpoint(tmp_path, step=4, model=model, optimizer=optimizer, scheduler=scheduler, run_key="run")
+    trainer_state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert (trainer_state["world_size"], trainer_state["device"]) == (1, "cpu")
+    if change == "2 processes":
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "0")
+    else:  # no GPU needed: the file says what a CUDA run writes
+        (ckpt / "trainer_state.json").write_text(json.dumps(trainer_state | {"device": "cuda"}))
+    assert _resume_warnings(tmp_path) == [f"resuming {ckpt} (step 4) written by {written_by} with {resumed_with}: "
+                                          "training continues, but the final will not equal an uninterrupted "
+                                          "run's bit for bit"]
+
+
+@pytest.mark.parametrize("case", ["same topology", "rank 1 of 2", "older alignflow"])
+def test_a_resume_under_the_same_topology_on_another_rank_or_from_an_older_checkpoint_is_silent(
+        tmp_path, monkeypatch, case):
+    """The warning is rank 0's alone, and a checkpoint of an older alignflow, which records no topology, resumes
+    as it did."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    model, optimizer, scheduler = _trained_state()
+    ckpt = save_checkpoint(tmp_path, step=4, model=model, optimizer=optimizer, scheduler=scheduler, run_key="run")
+    if case == "rank 1 of 2":  # rank 0 warns for every rank
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "1")
+    elif case == "older alignflow":
+        (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "run_key": "run"}))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _resume_warnings(tmp_path) == []
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "base", ["12+34=46", "no answer!"],
@@ -360,11 +414,16 @@ def test_failed_final_write_leaves_no_final_dir_and_keeps_the_checkpoint(tmp_pat
     assert torch.equal(load_policy(final, device="cpu").lm_head.weight, policy.lm_head.weight)
 
 
-def sft_run(tiny_dir: Path, out_dir: Path, **overrides) -> Path:
+def sft_run(tiny_dir: Path, out_dir: Path, log: LogFn = no_log, **overrides) -> Path:
     rows = pl.DataFrame({"prompt": [f"{a}+{a}=" for a in range(16)], "completion": [str(2 * a) for a in range(16)]})
-    cfg = SFTConfig(model_path=str(tiny_dir), max_steps=6, batch_size=4, save_every=2, lr=1e-3, device="cpu",
-                    **overrides)
-    return train_sft(cfg, rows, out_dir)
+    cfg = SFTConfig(**{"model_path": str(tiny_dir), "max_steps": 6, "batch_size": 4, "save_every": 2, "lr": 1e-3,
+                       "device": "cpu", **overrides})
+    return train_sft(cfg, rows, out_dir, log)
+
+
+def same_weights(final_a: Path, final_b: Path) -> bool:
+    a, b = load_file(str(final_a / "model.safetensors")), load_file(str(final_b / "model.safetensors"))
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("failing", ["checkpoint", "final"])
@@ -394,9 +453,7 @@ def test_sft_stage_with_a_failing_write_reruns_to_the_uninterrupted_weights(one_
     expected_step = 2 if failing == "checkpoint" else 4
     assert json.loads((tmp_path / "failed" / CHECKPOINT_DIR / "trainer_state.json").read_text())["step"] == \
         expected_step
-    rerun = sft_run(tiny_dir, tmp_path / "failed")
-    a, b = load_file(str(uninterrupted / "model.safetensors")), load_file(str(rerun / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_weights(uninterrupted, sft_run(tiny_dir, tmp_path / "failed"))
 
 
 # ---- a stage dir holds only its own run's checkpoint and final model (run_key: config + models + data)
@@ -450,8 +507,7 @@ def test_an_incomplete_final_is_trained_again(one_thread, tiny_dir, tmp_path, da
         (final / FINAL_MARKER).write_text(json.dumps({"metrics": {}}))
     with pytest.warns(RuntimeWarning, match="training again"):
         rerun = sft_run(tiny_dir, out)
-    a, b = load_file(str(uninterrupted / "model.safetensors")), load_file(str(rerun / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_weights(uninterrupted, rerun)
 
 
 def test_a_checkpoint_without_a_run_key_resumes_with_a_warning(tiny_dir, tmp_path):
@@ -463,3 +519,64 @@ def test_a_checkpoint_without_a_run_key_resumes_with_a_warning(tiny_dir, tmp_pat
     state.write_text(json.dumps({"step": 3}))
     with pytest.warns(RuntimeWarning, match="records no run key"):
         assert load_checkpoint(tmp_path, model=model, optimizer=optimizer, run_key="new")[0] == 3
+
+
+# ---- deterministic kernels (`deterministic: true`): process-global torch settings, on only inside a stage
+
+
+def determinism_settings() -> tuple[bool, bool, bool, bool]:
+    return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+
+
+@pytest.fixture
+def global_determinism():
+    """torch's process-global determinism settings (and CUBLAS_WORKSPACE_CONFIG) as before the test, restored at
+    its end however it ends: a test failing inside a deterministic block must not leave the next ones in it."""
+    before = determinism_settings()
+    workspace = os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    yield before
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+    os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    if workspace is not None:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
+
+
+def test_deterministic_kernels_are_on_inside_the_block_only(global_determinism):
+    """What transformers' enable_full_determinism sets for torch, then the settings before it, also after an error;
+    disabled, the block leaves the caller's settings alone (here a caller's own warn-only mode)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = True
+    caller = determinism_settings()
+    with deterministic_kernels(False):
+        assert determinism_settings() == caller
+    with pytest.raises(NonFiniteLossError), deterministic_kernels(True):
+        assert determinism_settings() == (True, False, True, False)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        check_finite(torch.tensor(float("nan")), step=1)
+    assert determinism_settings() == caller
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"  # the user's own (also deterministic) value is kept
+    with deterministic_kernels(True):
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+def test_sft_with_deterministic_kernels_trains_to_the_same_weights_on_cpu(one_thread, tiny_dir, tmp_path,
+                                                                          global_determinism):
+    """CPU kernels are deterministic already: the mode changes no weight. It is on for the stage's steps only."""
+    during: list[bool] = []
+    plain = sft_run(tiny_dir, tmp_path / "plain")
+    deterministic = sft_run(tiny_dir, tmp_path / "deterministic", deterministic=True,
+                            log=lambda metrics, step: during.append(torch.are_deterministic_algorithms_enabled()))
+    assert during and all(during)
+    assert determinism_settings() == global_determinism
+    assert same_weights(plain, deterministic)
+
+
+@pytest.mark.gpu
+def test_two_deterministic_sft_runs_on_cuda_give_the_same_weights(tiny_dir, tmp_path, global_determinism):
+    """On CUDA, seeding alone leaves the kernels free to sum in any order; with deterministic kernels two
+    uninterrupted runs of one config end bit for bit equal."""
+    first = sft_run(tiny_dir, tmp_path / "first", device="cuda", deterministic=True)
+    second = sft_run(tiny_dir, tmp_path / "second", device="cuda", deterministic=True)
+    assert same_weights(first, second)
