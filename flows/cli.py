@@ -150,7 +150,8 @@ def run_cli() -> None:
 
 @app.command()
 def ingest(
-    path: Path = typer.Argument(..., help="A .jsonl, .json, .csv (or gzipped: .jsonl.gz, .json.gz, .csv.gz) or .parquet file."),
+    path: Path = typer.Argument(..., help="A .jsonl, .json, .csv (or gzipped: .jsonl.gz, .json.gz, .csv.gz) or "
+                                          ".parquet file."),
     format: str = typer.Option("auto", "--format", "-f", help="auto|pairs|hh|chat|ranking|problem"),
     source: Optional[str] = typer.Option(None, "--source", "-s", help="Source name (default: file name)."),
     split: Optional[str] = typer.Option(None, "--split", help="Split for problems (default: train)."),

@@ -104,9 +104,9 @@ def _final_hidden(model: PreTrainedModel, logits_of: OutputLogits, input_ids: Te
         theirs, ours = theirs[finite], ours[finite]
         if theirs.numel() and not torch.allclose(ours, theirs, rtol=1e-2,
                                                  atol=1e-2 * (1.0 + float(theirs.abs().max()))):
-            config = getattr(model, "module", model).config
+            inner = getattr(model, "module", model)  # DDP keeps the model in .module
             raise UnsupportedModelError(
-                f"{type(getattr(model, 'module', model)).__name__} ({config.model_type}): its forward makes its "
+                f"{type(inner).__name__} ({inner.config.model_type}): its forward makes its "
                 "logits otherwise than from its output layer (alignflow reproduces logit_scale, logits_scaling and "
                 f"final_logit_softcapping); max difference {float((ours - theirs).abs().max()):.3g}")
     return hidden

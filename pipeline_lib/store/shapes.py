@@ -263,19 +263,21 @@ def _problem(frame: pl.DataFrame, split: str) -> tuple[pl.DataFrame, list[tuple[
     quarantined, as either way one of the two solutions would be lost. A MATH record has a `solution` and no
     `answer`: the answer is the content of its last \\boxed{}, the solution goes to meta.solution. `split` is used
     where a record has no `split` field of its own."""
-    boxed = pl.col("solution").map_elements(boxed_content, return_dtype=pl.String, skip_nulls=True).str.strip_chars()
+    from_solution = pl.col("answer").is_null()
+    # only the rows without an answer: boxed_content runs in Python, once a row
+    boxed = pl.when(from_solution).then(pl.col("solution")) \
+        .map_elements(boxed_content, return_dtype=pl.String, skip_nulls=True).str.strip_chars()
     frame = frame.with_columns(
         pl.coalesce("question", "prompt", "problem").alias("_prompt"),
         pl.when(pl.col("question").is_not_null()).then(pl.lit("question"))
         .when(pl.col("prompt").is_not_null()).then(pl.lit("prompt"))
         .otherwise(pl.lit("problem")).alias("_name"),
-        pl.when(pl.col("answer").is_null()).then(boxed)
+        pl.when(from_solution).then(boxed)
         .when(pl.col("answer").str.contains("####", literal=True))
         .then(pl.col("answer").str.split("####").list.last().str.strip_chars())
         .otherwise(pl.col("answer"))
         .alias("_final"),
     )
-    from_solution = pl.col("answer").is_null()
     reason = (
         pl.when(pl.col("_prompt").str.contains(r"^\s*$"))
         .then(pl.format("empty field '{}'", pl.col("_name")))

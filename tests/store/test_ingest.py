@@ -471,7 +471,8 @@ def test_math_records_take_the_last_boxed_answer_of_their_solution(tmp_path, sto
     """MATH (hendrycks): problem + solution, no answer field. The answer is the content of the solution's last
     \\boxed{} (nested braces kept), the solution goes to meta.solution as GSM8K's does; MATH-500's own `answer`
     wins over its solution; a solution without a boxed answer is quarantined with the reason."""
-    solution = "Add: $\\frac{1}{4}+\\frac{1}{4} = \\boxed{\\frac{1}{2}}$, not \\boxed{3} first... so $\\boxed{ \\frac{1}{2} }$."
+    solution = ("Add: $\\frac{1}{4}+\\frac{1}{4} = \\boxed{\\frac{1}{2}}$, not \\boxed{3} first... "
+                "so $\\boxed{ \\frac{1}{2} }$.")
     lines = [
         {"problem": "Compute 1/4+1/4.", "solution": solution, "level": "Level 1", "type": "Algebra"},
         {"problem": "Solve x+1=3.", "solution": "So $x = 2$.", "answer": "2", "unique_id": "test/1.json"},
