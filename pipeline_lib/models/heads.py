@@ -58,26 +58,41 @@ def _new_head(hidden_size: int, *, zero: bool, seed: int) -> nn.Linear:
     return head
 
 
-def final_norm(backbone: PreTrainedModel) -> nn.Module:
-    """The norm a transformer applies to its last layer's output before `hidden_states[-1]` (Llama, Qwen, Mistral:
-    `norm`; GPT-2: `ln_f`; GPT-NeoX: `final_layer_norm`): the backbone's last direct child named like a norm."""
-    norms = [module for _, module in backbone.named_children() if type(module).__name__.lower().endswith("norm")]
-    if not norms:
-        raise ModelLoadError(f"pooling last_two_layers: {type(backbone).__name__} has no final norm among its "
-                             "direct modules to put the layer before the last on the last layer's scale; use "
-                             "pooling last_token or mean")
-    return norms[-1]
+def final_norm_name(backbone: PreTrainedModel) -> str:
+    """Where the norm sits that turns the last layer's output into `hidden_states[-1]` (Llama, Qwen, Mistral:
+    `norm`; GPT-2: `ln_f`; GPT-NeoX: `final_layer_norm`; OPT: `decoder.final_layer_norm`): the last module named
+    like a norm outside the numbered layers, kept only if a 2-token forward shows its output is that entry (a
+    projection after it, or a norm that is not the final one, is refused; so is OPT-350m, which has none)."""
+    names = [name for name, module in backbone.named_modules()
+             if type(module).__name__.lower().endswith("norm") and not any(part.isdigit() for part in name.split("."))]
+    if names:
+        seen = []
+        hook = backbone.get_submodule(names[-1]).register_forward_hook(lambda _m, _args, out: seen.append(out))
+        try:
+            with torch.no_grad():
+                ids = torch.zeros(1, 2, dtype=torch.long, device=backbone.device)
+                outputs = backbone(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True,
+                                   use_cache=False)
+            last = outputs.hidden_states[-1]
+        finally:
+            hook.remove()
+        if len(seen) == 1 and seen[0].shape == last.shape and torch.equal(seen[0], last):
+            return names[-1]
+    raise ModelLoadError(f"pooling last_two_layers: {type(backbone).__name__} has no final norm that gives its last "
+                         "hidden state, to put the layer before the last on the last layer's scale; use pooling "
+                         "last_token or mean")
 
 
 def _hidden_states(
-    backbone: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, *, last_two: bool
+    backbone: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, *, norm_name: str | None = None
 ) -> tuple[Tensor, ...]:
-    """Backbone hidden states in float32: the last layer's (final-normed), and with `last_two` before it the
-    previous layer's through the same final norm (raw, a pre-norm model's residual stream is on another scale:
-    far larger on trained LLMs). Positions come from the mask so padding side does not matter."""
+    """Backbone hidden states in float32: the last layer's (final-normed), and with `norm_name` (the final norm's,
+    `final_norm_name`) before it the previous layer's through that norm (raw, a pre-norm model's residual stream
+    is on another scale: far larger on trained LLMs). Positions come from the mask so padding side does not matter."""
     if attention_mask.shape != input_ids.shape or input_ids.dim() != 2:
         raise ValueError(
-            f"attention_mask: expected shape {tuple(input_ids.shape)} (B, T) like input_ids, got {tuple(attention_mask.shape)}"
+            f"attention_mask: expected shape {tuple(input_ids.shape)} (B, T) like input_ids, "
+            f"got {tuple(attention_mask.shape)}"
         )
     if not bool(attention_mask.bool().any(dim=-1).all()):
         raise ValueError("attention_mask: every row needs at least one valid (1) token")
@@ -85,11 +100,12 @@ def _hidden_states(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
-        output_hidden_states=last_two,
+        output_hidden_states=norm_name is not None,
         use_cache=False,
     )
-    if last_two:
-        return final_norm(backbone)(outputs.hidden_states[-2]).float(), outputs.hidden_states[-1].float()
+    if norm_name is not None:
+        norm = backbone.get_submodule(norm_name)
+        return norm(outputs.hidden_states[-2]).float(), outputs.hidden_states[-1].float()
     return (outputs.last_hidden_state.float(),)
 
 
@@ -141,15 +157,15 @@ class RewardModel(nn.Module):
     Poolings (the seeds' three choices): `last_token` = last layer at the last valid token;
     `mean` = masked mean of the last layer over valid tokens; `last_two_layers` = mean of the last two
     layers at the last valid token, both through the backbone's final norm (`hidden_states[-1]` is; the layer
-    before it is given the same norm, `final_norm`). The head is float32 whatever the backbone dtype."""
+    before it is given the same norm, `final_norm_name`). The head is float32 whatever the backbone dtype."""
 
     def __init__(self, backbone: PreTrainedModel, head: nn.Linear, pooling: Pooling = "last_token",
                  chat_prompts: bool | None = None) -> None:
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"pooling={pooling!r}: expected one of {POOLINGS}")
-        if pooling == "last_two_layers":
-            final_norm(backbone)  # one that has none is refused before any training
+        # a backbone without a final norm is refused here, before any training
+        self.norm_name = final_norm_name(backbone) if pooling == "last_two_layers" else None
         self.backbone, self.head, self.pooling = backbone, head.float(), pooling
         self.chat_prompts = chat_prompts  # trained on chat-rendered prompts (None: not recorded); saved with it
 
@@ -183,9 +199,7 @@ class RewardModel(nn.Module):
                      tokenizer)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        hidden = _hidden_states(
-            self.backbone, input_ids, attention_mask, last_two=self.pooling == "last_two_layers"
-        )
+        hidden = _hidden_states(self.backbone, input_ids, attention_mask, norm_name=self.norm_name)
         mask = attention_mask.bool()  # (B, T)
         if self.pooling == "mean":
             # where, not multiply: a pad position's state must not leak in even if it is inf/nan.
@@ -232,6 +246,6 @@ class ValueModel(nn.Module):
         return _save(out_dir, self.backbone, self.head, "value", {}, tokenizer)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        (hidden,) = _hidden_states(self.backbone, input_ids, attention_mask, last_two=False)  # (B, T, H)
+        (hidden,) = _hidden_states(self.backbone, input_ids, attention_mask)  # (B, T, H)
         values = self.head(hidden).squeeze(-1)  # (B, T)
         return torch.where(attention_mask.bool(), values, torch.zeros_like(values))

@@ -171,15 +171,29 @@ def test_bad_inputs_are_one_line_errors(policy_dir, tmp_path):
 
 
 def test_last_two_layers_needs_a_final_norm_and_refuses_a_head_trained_without_it(policy_dir, tmp_path):
-    """OPT keeps its final norm inside `decoder`: refused at construction, not at the first score. A reward dir
-    saved before the layer before the last was normed (no `penultimate_normed`) would score with a head trained
-    on another scale: refused, naming the cure."""
-    opt = tmp_path / "opt"
-    OPTForCausalLM(OPTConfig(vocab_size=20, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=2,
-                             max_position_embeddings=32, word_embed_proj_dim=32)).save_pretrained(opt)
-    with pytest.raises(ModelLoadError, match="OPTModel has no final norm.*use pooling last_token or mean"):
-        RewardModel.from_policy(opt, pooling="last_two_layers")
-    assert RewardModel.from_policy(opt, pooling="mean").pooling == "mean"
+    """OPT keeps its final norm inside `decoder`: found there, the layer before the last goes through it. OPT-350m's
+    layout (post-norm layers, no final norm, a projection after the last layer) and a projection after the final
+    norm have none that gives the last hidden state: refused at construction, not at the first score. A reward dir
+    saved before the layer before the last was normed (no `penultimate_normed`) would score with a head trained on
+    another scale: refused, naming the cure."""
+    sizes = dict(vocab_size=20, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=2,
+                 max_position_embeddings=32)
+    torch.manual_seed(0)
+    OPTForCausalLM(OPTConfig(**sizes, word_embed_proj_dim=32)).save_pretrained(tmp_path / "opt")
+    model = RewardModel.from_policy(tmp_path / "opt", pooling="last_two_layers")
+    assert model.norm_name == "decoder.final_layer_norm"
+    with torch.no_grad():
+        out = model.backbone(torch.tensor([SEQUENCES[0]]), output_hidden_states=True)
+        norm = model.backbone.decoder.final_layer_norm
+        by_hand = (out.hidden_states[-1][0, -1] + norm(out.hidden_states[-2][0, -1])) / 2
+        assert torch.allclose(model(torch.tensor([SEQUENCES[0]]), torch.ones(1, len(SEQUENCES[0]), dtype=torch.long)),
+                              model.head(by_hand), atol=1e-6)
+    for post_norm in (True, False):
+        OPTForCausalLM(OPTConfig(**sizes, word_embed_proj_dim=16, do_layer_norm_before=not post_norm)).save_pretrained(
+            tmp_path / "projected")
+        with pytest.raises(ModelLoadError, match="OPTModel has no final norm that gives.*pooling last_token or mean"):
+            RewardModel.from_policy(tmp_path / "projected", pooling="last_two_layers")
+        assert RewardModel.from_policy(tmp_path / "projected", pooling="mean").pooling == "mean"
     out = RewardModel.from_policy(policy_dir, pooling="last_two_layers").save_pretrained(tmp_path / "rm")
     config = json.loads((out / "reward_config.json").read_text())
     assert config["penultimate_normed"] is True
