@@ -16,13 +16,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_args import positive_int  # this directory
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help="SFT optimizer steps")
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--steps", type=positive_int, default=30, help="SFT optimizer steps")
+    parser.add_argument("--batch-size", type=positive_int, default=128)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="alignflow-cache-bench-") as tmp:

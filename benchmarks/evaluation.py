@@ -12,7 +12,10 @@ import time
 
 import numpy as np
 
+from bench_args import positive_int  # this directory
+
 from pipeline_lib.evaluation import count_votes, maj_at_k_from_votes, pass_at_k
+
 
 def make_answers(n_problems: int, n_samples: int, seed: int) -> tuple[list[list[str | None]], list[str]]:
     rng = np.random.default_rng(seed)
@@ -41,9 +44,9 @@ def best_time(fn, repeats: int) -> tuple[float, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--problems", type=int, default=10_000)
-    parser.add_argument("--samples", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--problems", type=positive_int, default=10_000)
+    parser.add_argument("--samples", type=positive_int, default=64)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--distinct", action="store_true", help="every sample a distinct answer")
     args = parser.parse_args()

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from bench_args import positive_int  # this directory
+
 METHODS = ("chunked", "naive", "shared")
 MODES = ("no_grad", "grad")
 
@@ -89,21 +91,25 @@ def _worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--batch", type=positive_int, default=8)
+    parser.add_argument("--seq-len", type=positive_int, default=512)
+    parser.add_argument("--vocab", type=positive_int, default=32768)
+    parser.add_argument("--hidden", type=positive_int, default=256)
+    parser.add_argument("--layers", type=positive_int, default=2)
+    parser.add_argument("--chunk-size", type=positive_int, default=64)
     parser.add_argument("--completion-frac", type=float, default=0.5, help="share of each row that is completion")
-    parser.add_argument("--group", type=int, default=1, help="rows per shared prompt (the shared method needs > 1)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads; 1 is steadier on a shared 2-core box")
+    parser.add_argument("--group", type=positive_int, default=1,
+                        help="rows per shared prompt (the shared method needs > 1)")
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="torch threads; 1 is steadier on a shared 2-core box")
     parser.add_argument("--method", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.batch % args.group or not 1 <= int(args.seq_len * (1 - args.completion_frac)) < args.seq_len:
         parser.error("--group must divide --batch, and --completion-frac leave every row a prompt and a completion")
+    if args.hidden % 64:
+        parser.error(f"--hidden {args.hidden}: expected a multiple of 64 (the model's heads are 64 wide)")
     if args.method:
         _worker(args)
         return

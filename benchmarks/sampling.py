@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from bench_args import positive_int  # this directory
 from vs_trl import SIZES, build_model, grpo_problems  # this directory: same model and prompts as vs_trl.py
 
 from pipeline_lib.sampling.hf import HFSampler
@@ -41,10 +42,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", choices=sorted(SIZES), default="demo")
     parser.add_argument("--data", choices=["demo", "gsm8k"], default="demo")
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=positive_int, default=64)
+    parser.add_argument("--n", type=positive_int, default=8)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--no-vllm", action="store_true", help="HF only (no vLLM env needed)")
     args = parser.parse_args()
 

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_args import positive_int  # this directory
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "data" / "demo"
 # TinyModelConfig defaults (the calibrated demo model) and a ~34M-parameter Llama where compute dominates
@@ -308,15 +310,33 @@ def summarize(algo: str, results: dict[str, list[dict]]) -> list[str]:
     return rows
 
 
+def algo_settings(args: argparse.Namespace, algo: str, overrides: dict[str, str]) -> dict:
+    """DEFAULTS of the model and algorithm, with --steps, --warmup and the --set values that apply to it (a key of
+    the other algorithm applies there); a value of the wrong type, or no step left to time, exits in one line."""
+    settings = dict(DEFAULTS[(args.model, algo)]) | ({"data": args.data} if algo == "grpo" else {})
+    settings.update({k: v for k, v in (("steps", args.steps), ("warmup", args.warmup)) if v is not None})
+    for key, value in overrides.items():
+        if key in settings:
+            try:
+                settings[key] = type(settings[key])(value)
+            except ValueError:
+                kind = {int: "an integer", float: "a number"}[type(settings[key])]
+                raise SystemExit(f"--set {key}={value}: expected {kind}") from None
+    if not 0 <= settings["warmup"] < settings["steps"]:
+        raise SystemExit(f"{algo}: warmup {settings['warmup']} with {settings['steps']} steps: expected 0 <= warmup "
+                         "< steps (the steps after the warm-up are timed)")
+    return settings
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(SIZES), default="demo")
     parser.add_argument("--algo", nargs="+", choices=sorted(IMPLS), default=["dpo", "grpo"])
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each implementation, alternating")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads in every run")
+    parser.add_argument("--repeats", type=positive_int, default=2, help="runs of each implementation, alternating")
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch threads in every run")
     parser.add_argument("--data", choices=["demo", "gsm8k"], default="demo",
                         help="GRPO's prompts: demo `ab+cd=` problems (6 tokens) or GSM8K questions (~240)")
-    parser.add_argument("--steps", type=int, help="optimizer steps per run (default: per model and algorithm)")
+    parser.add_argument("--steps", type=positive_int, help="optimizer steps per run (default: per model and algorithm)")
     parser.add_argument("--warmup", type=int, help="steps left out of the step-time mean")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="override a hyper-parameter of DEFAULTS for both sides, e.g. --set batch=8 pairs=64")
@@ -339,6 +359,7 @@ def main() -> None:
     known = {key for (size, _), values in DEFAULTS.items() if size == args.model for key in values}
     if set(overrides) - known:
         raise SystemExit(f"--set: unknown key(s) {sorted(set(overrides) - known)}; expected some of {sorted(known)}")
+    every_settings = {algo: algo_settings(args, algo, overrides) for algo in args.algo}  # bad values fail first
     print(f"uptime at start: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} "
           f"(1/5/15 min load), nproc {os.cpu_count()}, torch {torch.__version__}, trl {trl.__version__}, "
           f"threads {args.threads}, {time.strftime('%Y-%m-%d %H:%M')}")
@@ -346,12 +367,7 @@ def main() -> None:
         model_dir, n_params = build_model(Path(tmp) / "model", args.model, args.data)
         print(f"model {args.model}: {n_params:,} parameters, {SIZES[args.model] or 'TinyModelConfig defaults'}")
         lines = []
-        for algo in args.algo:
-            settings = dict(DEFAULTS[(args.model, algo)]) | ({"data": args.data} if algo == "grpo" else {})
-            settings.update({k: v for k, v in (("steps", args.steps), ("warmup", args.warmup)) if v is not None})
-            for key, value in overrides.items():
-                if key in settings:  # a key of the other algorithm applies there
-                    settings[key] = type(settings[key])(value)
+        for algo, settings in every_settings.items():
             print(f"{algo}: {settings}, {repeats} run(s) each\n  TRL: {TRL_SETTINGS[algo]}", flush=True)
             impls = [i for i in IMPLS[algo] if not (args.no_trl_precompute and i == "trl_precompute")]
             results: dict[str, list[dict]] = {impl: [] for impl in impls}

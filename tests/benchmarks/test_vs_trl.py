@@ -41,3 +41,16 @@ def test_vs_trl_grpo_runs_on_the_gsm8k_prompts():
     rows = [line for line in out.splitlines() if line.startswith("| GRPO")]
     assert [row.split(" | ")[1] for row in rows] == ["alignflow train_grpo (hf sampler)",
                                                      "TRL GRPOTrainer (use_vllm=False)"]
+
+
+@pytest.mark.parametrize(("args", "error"), [
+    (["--steps", "2", "--warmup", "2"], "dpo: warmup 2 with 2 steps: expected 0 <= warmup < steps"),
+    (["--set", "prompts=abc"], "--set prompts=abc: expected an integer"),
+    (["--set", "lr=fast"], "--set lr=fast: expected a number"),
+])
+def test_vs_trl_refuses_settings_that_time_nothing_in_one_line_before_it_builds_the_model(args, error):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--algo", "dpo", "grpo", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "uptime" not in done.stdout
+    [line] = done.stderr.splitlines()
+    assert line.startswith(error)

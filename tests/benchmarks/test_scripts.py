@@ -1,0 +1,64 @@
+"""The other benchmark scripts: a count below 1 is a one-line usage error, and a tiny run of each prints its
+table, so the scripts cannot rot (not cache_rerun.py, ~90 s of Prefect start-ups, nor logprobs.py, six
+workers of ~7 s each: their code paths have their own tests)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def bench(script: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / script), *args], check=check, capture_output=True, text=True,
+                          timeout=300)
+
+
+def table(out: str) -> list[list[str]]:
+    """The data rows of the last markdown table in `out` (the rows after its `|---` line), cells stripped."""
+    lines = out.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("|---")) + 1
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[start:end]]
+
+
+@pytest.mark.parametrize(("script", "option"), [
+    ("evaluation.py", "--samples"), ("ingest.py", "--n"), ("cache_rerun.py", "--steps"), ("logprobs.py", "--batch"),
+    ("sampling.py", "--prompts"), ("vs_trl.py", "--repeats"),
+])
+def test_a_count_below_one_is_a_one_line_usage_error(script, option):
+    done = bench(script, option, "0", check=False)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines()[-1] == f"{script}: error: argument {option}: expected an integer >= 1, got 0"
+
+
+def test_evaluation_prints_pass_and_maj_at_k_for_each_k():
+    rows = table(bench("evaluation.py", "--problems", "50", "--samples", "4", "--repeats", "1").stdout)
+    assert [row[0] for row in rows] == ["1", "2", "4"]
+    pass_k, maj_k = [float(row[1]) for row in rows], [float(row[2]) for row in rows]
+    assert pass_k[0] == maj_k[0]  # one sample: its vote is the majority
+    assert pass_k == sorted(pass_k) and all(m <= p for m, p in zip(maj_k, pass_k))
+
+
+def test_ingest_accepts_the_good_rows_it_planted_and_flags_the_rest():
+    out = bench("ingest.py", "--n", "1000", "--skip-datasets").stdout
+    planted = ast.literal_eval(out.split("planted: ")[1].splitlines()[0])
+    first, again = re.findall(r"read (\d+) = accepted (\d+) \+ duplicates (\d+) \+ quarantined (\d+)", out)
+    bad = sum(planted.values()) - planted["good"] - planted["duplicate"]
+    assert tuple(map(int, first)) == (1000, planted["good"], planted["duplicate"], bad)
+    assert tuple(map(int, again)) == (1000, 0, 1000 - bad, bad)
+    assert [row[2] for row in table(out)] == ["alignflow ingest_file, fresh store",
+                                              "alignflow re-ingest, all duplicates"]
+
+
+def test_sampling_prints_hf_throughput_without_the_vllm_env():
+    out = bench("sampling.py", "--no-vllm", "--prompts", "2", "--n", "2", "--max-new-tokens", "2", "--repeats", "1")
+    rows = table(out.stdout)
+    assert [row[:3] for row in rows] == [["hf generate", "2", "1"], ["hf generate", "2", "2"]]
+    assert [int(row[3]) for row in rows] == [4, 8]  # every prompt runs to max_new_tokens on the random-init model
