@@ -1,9 +1,11 @@
 """Checkpoint/resume: `python -m pipeline_lib.train.<stage> --config run.json` killed with SIGKILL once a
 checkpoint exists, then rerun, ends with the same weights as an uninterrupted run (CPU: within 1e-6).
-Stages: sft, rm, dpo, dapo, ppo here; grpo's own SIGKILL test is in test_grpo.py."""
+Stages: sft, rm, dpo, dapo, ppo here; grpo's own SIGKILL test is in test_grpo.py. The same runs, shortened, are
+this suite's CUDA check of every stage (`gpu`)."""
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -20,6 +22,11 @@ from safetensors.torch import load_file
 from pipeline_lib.config import DAPOConfig, DPOConfig, PPOConfig, RMConfig, SFTConfig
 from pipeline_lib.models import build_tiny_model
 from pipeline_lib.train.data import write_run_file
+from pipeline_lib.train.dpo import train_dpo
+from pipeline_lib.train.grpo import train_grpo
+from pipeline_lib.train.ppo import train_ppo
+from pipeline_lib.train.rm import train_rm
+from pipeline_lib.train.sft import train_sft
 
 ROOT = Path(__file__).resolve().parents[2]
 # one thread in every run: the same kernels in the same order, so floats match bit for bit
@@ -113,3 +120,31 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_weights(stage, tiny, reward_
         start = load_file(str(tiny / "model.safetensors"))
         final = load_file(str(tmp_path / "full" / "final" / "model.safetensors"))
         assert any(not torch.equal(start[k], final[k]) for k in start)
+
+
+def weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model dir's safetensors files, named without a causal LM's `model.` prefix (an RM's
+    backbone is saved without it)."""
+    return {name.removeprefix("model."): tensor for file in sorted(model_dir.glob("*.safetensors"))
+            for name, tensor in load_file(str(file)).items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "dapo", "ppo"])
+def test_each_stage_trains_on_cuda_under_bf16_autocast(stage, tiny, reward_model, tmp_path):
+    """`device: auto` on a CUDA machine: the GPU, bf16 autocast, the fused AdamW, sampling on the device (DAPO, PPO
+    with the HF sampler). Three steps end in a final whose weights are finite and moved, every logged train metric
+    finite. Not run yet: no GPU machine was lent to the sessions that wrote it."""
+    cfg, frames = stage_run(stage, tiny, reward_model)
+    cfg = type(cfg).model_validate(cfg.model_dump() | {"device": "auto", "max_steps": 3, "save_every": 3})
+    train = {"sft": train_sft, "rm": train_rm, "dpo": train_dpo, "dapo": train_grpo, "ppo": train_ppo}[stage]
+    logged: list[dict] = []
+    torch.cuda.reset_peak_memory_stats()
+    [frame] = frames.values()
+    final = train(cfg, frame, tmp_path / "out", log=lambda metrics, step: logged.append(dict(metrics)))
+    assert torch.cuda.max_memory_allocated() > 0  # the run was on the GPU
+    values = [value for metrics in logged for key, value in metrics.items() if key.startswith("train/")]
+    assert values and all(math.isfinite(value) for value in values)
+    start, end = weights(tiny), weights(final)
+    assert all(torch.isfinite(tensor.float()).all() for tensor in end.values())
+    assert any(not torch.equal(start[name], end[name]) for name in start.keys() & end.keys())
