@@ -76,7 +76,7 @@ def final_norm_name(backbone: PreTrainedModel) -> str:
             last = outputs.hidden_states[-1]
         finally:
             hook.remove()
-        if len(seen) == 1 and seen[0].shape == last.shape and torch.equal(seen[0], last):
+        if len(seen) == 1 and torch.equal(seen[0], last):  # False for another shape too (a projection)
             return names[-1]
     raise ModelLoadError(f"pooling last_two_layers: {type(backbone).__name__} has no final norm that gives its last "
                          "hidden state, to put the layer before the last on the last layer's scale; use pooling "

@@ -1,6 +1,6 @@
-"""The other benchmark scripts: a count below 1 is a one-line usage error, and a tiny run of each prints its
-table, so the scripts cannot rot (not cache_rerun.py, ~90 s of Prefect start-ups, nor logprobs.py, six
-workers of ~7 s each: their code paths have their own tests)."""
+"""Every benchmark script refuses a count below 1 in one usage line; the ones besides vs_trl.py (test_vs_trl.py)
+print their table on a tiny run, so they cannot rot. Not run: cache_rerun.py (~90 s of Prefect start-ups) and
+logprobs.py (six workers of ~7 s each); their code paths have their own tests."""
 
 from __future__ import annotations
 
