@@ -305,13 +305,43 @@ def load_preset(preset: Path):
     return cfg
 
 
+def start_prefect_server() -> threading.Thread | None:
+    """Prefect starts its temporary server (no PREFECT_API_URL) on its first API call, after the stage's modules
+    (torch, transformers) have loaded, then waits seconds for it. Started here, on a thread that only waits for
+    the server process, it boots on another core while those modules load. A start that fails here fails
+    again, and is reported, at that first API call."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    if settings.api.url or not settings.server.ephemeral.enabled:
+        return None
+    from prefect.logging.configuration import ensure_logging_setup
+    from prefect.server.api.server import SubprocessASGIServer
+
+    ensure_logging_setup()  # its "Starting temporary server" line shows as before
+
+    def start() -> None:
+        try:
+            SubprocessASGIServer().start()
+        except Exception:  # noqa: BLE001 - Prefect's own start, at its first API call, reports it
+            pass
+
+    thread = threading.Thread(target=start, name="prefect-server-start", daemon=True)
+    thread.start()
+    return thread
+
+
 def load_flow(stage: str):
-    """The flow object of a stage, imported on demand (after the workspace set PREFECT_HOME); Prefect's console
-    handler, set up by that import, then shows a failing AlignflowError once (`ShowUserErrorOnce`)."""
+    """The flow object of a stage, imported on demand (after the workspace set PREFECT_HOME), with Prefect's
+    temporary server booting meanwhile; Prefect's console handler then shows a failing AlignflowError once
+    (`ShowUserErrorOnce`)."""
     import importlib
 
+    starting = start_prefect_server()
     module, name = STAGES[stage][1].split(":")
     flow = getattr(importlib.import_module(module), name)
+    if starting is not None:
+        starting.join()
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, ShowUserErrorOnce) for f in handler.filters):
             handler.addFilter(ShowUserErrorOnce())

@@ -20,8 +20,10 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 from prefect.exceptions import TerminationSignal
+from prefect.settings import get_current_settings
 from prefect.states import Failed, Running
 
+from flows.cli import start_prefect_server
 from flows.common import _api, on_record
 from flows.ingest import ingest_flow
 from pipeline_lib.config import ConfigError, IngestConfig
@@ -87,6 +89,36 @@ def test_a_record_goes_with_the_flow_but_stays_when_a_signal_ends_it(workspace):
     with pytest.raises(TerminationSignal), on_record(workspace, "terminated"):
         raise TerminationSignal(signal.SIGTERM)
     assert [path.name for path in records.iterdir()] == ["terminated.json"]
+
+
+@pytest.mark.slow  # a process that loads a stage and boots a Prefect server: ~20 s on 2 cores
+def test_the_cli_boots_prefects_temporary_server_while_the_stage_loads_and_the_flow_uses_that_one(tmp_path):
+    """`load_flow` starts the server before it imports the stage (torch, transformers: seconds on 2 cores), so the
+    two overlap: when it returns, the server is up, though no API call has been made; the flow's client then
+    uses that server, not a second one. On the harness's (already migrated) database, in a process of its own."""
+    code = textwrap.dedent("""
+        import sys
+        import psutil
+        from prefect.client.orchestration import get_client
+        from flows.cli import load_flow
+        from flows.common import _prefect_servers
+        load_flow("sft")
+        [server] = _prefect_servers(psutil.Process())
+        assert "torch" in sys.modules
+        with get_client(sync_client=True) as client:
+            assert client.hello().status_code == 200
+            port = client.api_url.port
+        assert [s.pid for s in _prefect_servers(psutil.Process())] == [server.pid]
+        assert any(c.laddr.port == port for c in server.net_connections("inet") if c.status == psutil.CONN_LISTEN)
+        print("one server, started by load_flow")
+    """)
+    database = get_current_settings().server.database.connection_url.get_secret_value()
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")} | {
+        "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_DATABASE_CONNECTION_URL": database}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.stdout.strip() == "one server, started by load_flow", done.stderr
+    assert start_prefect_server() is None  # under a Prefect API (here the harness's), no temporary server
 
 
 def alignflow(workspace: Path, *args: str, **popen) -> subprocess.Popen:
