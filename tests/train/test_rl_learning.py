@@ -33,7 +33,7 @@ TEST = PROBLEMS.filter(pl.col("split") == "test")
 @pytest.fixture(scope="module")
 def sft_model(tmp_path_factory) -> Path:
     """The demo SFT model (the demo preset's sft settings): character-level tiny Llama, 500 steps x 128 at a constant
-    lr of 1e-3, stopped early on purpose: greedy ~77% but sampled Pass@1 38-45% (by the CPU's kernels), room for RL.
+    lr of 1e-3, stopped early on purpose: greedy ~77% but sampled Pass@1 38-45% (by machine), room for RL.
     ~30 s on 2 cores."""
     root = tmp_path_factory.mktemp("rl_learning")
     pairs = pl.read_ndjson(DEMO / "pairs.jsonl")
@@ -99,7 +99,8 @@ def test_ppo_raises_the_reward_model_score_with_bounded_kl(sft_model, tmp_path):
     16 samples per held-out problem (3,200) measure the gain to ±0.05 (one standard error); 120 steps gain
     0.35-0.44 over 5 training x 3 sampling seeds (60 steps gained 0.24-0.29: 0.3 passed or failed by chance).
     The last 10 steps' KL must stay below 3 nats per sequence: 1.2-1.7 over those seeds, 1.8-2.4 over 5 training
-    seeds on a CPU with AVX-512/AMX kernels (whose SFT start differs), 5.3-6.2 with β = 0 there."""
+    seeds on another machine (a Xeon with AVX-512/AMX, where the SFT start differs), 5.3-6.2 with β = 0 there
+    (2 seeds)."""
     pairs = pl.read_ndjson(DEMO / "pairs.jsonl").select("prompt", "chosen", "rejected")
     rm_cfg = RMConfig(model_path=str(sft_model), max_steps=300, batch_size=64, lr=3e-4, device="cpu",
                       save_every=1000)
