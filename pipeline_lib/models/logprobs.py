@@ -139,7 +139,8 @@ def sequence_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     temperature: float = 1.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """log π(x_t | x_<t) of each taken token, aligned to input_ids positions; position 0 gets 0.
+    """log π(x_t | x_<t) of each taken token, aligned to input_ids positions; a row's first valid token (position 0,
+    or the first after left padding) has nothing before it and gets 0.
 
     `temperature` divides the logits, as the sampler did: the log-probs of the distribution a rollout drew from.
 
@@ -153,7 +154,9 @@ def sequence_logprobs(
     batch, seq_len = input_ids.shape
     logps = torch.zeros((batch, seq_len), dtype=torch.float32, device=input_ids.device)  # (B, T)
     entropy = torch.zeros_like(logps)
-    needed = completion_mask[:, 1:].bool().any(dim=0).nonzero().flatten()  # target columns - 1
+    after_valid = nn.functional.pad(attention_mask[:, :-1].bool(), (1, 0))  # (B, T): a valid token precedes it
+    keep = completion_mask.bool() & after_valid
+    needed = keep[:, 1:].any(dim=0).nonzero().flatten()  # target columns - 1
     if needed.numel() > 0:
         lo, hi = int(needed.min()), int(needed.max()) + 1  # hidden at column t predicts token t + 1
         logits_of = output_logits(model)
@@ -165,7 +168,6 @@ def sequence_logprobs(
         logps = nn.functional.pad(span_logps, pad)  # (B, T)
         entropy = nn.functional.pad(span_entropy, pad)  # (B, T)
 
-    keep = completion_mask.bool()
     logps = torch.where(keep, logps, torch.zeros_like(logps))  # (B, T)
     if return_entropy:
         return logps, torch.where(keep, entropy, torch.zeros_like(entropy))
@@ -243,6 +245,9 @@ def shared_prompt_logprobs(
                          f"got {prompt_index.shape[0]}")
     if completion_ids.shape[1] == 0:
         raise ValueError("completion_ids: expected at least one column")
+    empty = (~prompt_mask.bool().any(dim=1)).nonzero().flatten()
+    if empty.numel():  # nothing would predict its rows' first completion token
+        raise ValueError(f"prompt_mask: prompt {int(empty[0])} has no token; every prompt needs at least one")
     _check_options(chunk_size, temperature)
     inner = getattr(model, "module", model)
     cache = DynamicCache(config=inner.config)

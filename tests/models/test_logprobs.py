@@ -87,6 +87,24 @@ def test_position_zero_and_prompt_are_zero(model):
     assert all(torch.count_nonzero(t) == 0 for t in nothing)
 
 
+def test_a_row_without_prompt_scores_its_first_token_0_however_padded(model):
+    """The first valid token of a row with no prompt has nothing before it: 0 left-padded (collate's layout) as
+    right-padded and alone, not a log-prob predicted from the pad column before it."""
+    ids = torch.tensor([[8, 9, 10, 11, 12], [0, 0, 13, 14, 15]])
+    attention = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    completion = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 1, 1]])
+    with torch.no_grad():
+        left = sequence_logprobs(model, ids, attention, completion)
+        right = sequence_logprobs(model, torch.tensor([[8, 9, 10, 11, 12], [13, 14, 15, 0, 0]]),
+                                  torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]),
+                                  torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]]))
+        alone = sequence_logprobs(model, ids[1:, 2:], attention[1:, 2:], completion[1:, 2:])
+    assert left[1, 2] == 0 and right[1, 0] == 0 and alone[0, 0] == 0
+    torch.testing.assert_close(left[1, 2:], alone[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(right[1, :3], alone[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(left[0], right[0], atol=ATOL, rtol=0)
+
+
 def test_gradients_match_the_naive_reference(model):
     ids, attention, completion = _batch()
     model.zero_grad()
@@ -284,6 +302,9 @@ def test_shared_prompt_logprobs_rejects_mismatched_inputs(model):
         shared_prompt_logprobs(model, prompt_ids, prompt_mask, index, completion_ids[0], completion_mask[0])
     with pytest.raises(ValueError, match="completion_ids: expected at least one column"):
         shared_prompt_logprobs(model, prompt_ids, prompt_mask, index, completion_ids[:, :0], completion_mask[:, :0])
+    with pytest.raises(ValueError, match="prompt_mask: prompt 1 has no token"):
+        shared_prompt_logprobs(model, prompt_ids, prompt_mask * torch.tensor([[1], [0]]), index, completion_ids,
+                               completion_mask)
 
 
 # Decoders whose forward turns lm_head(hidden) into their logits, each transform strong enough to change every value
