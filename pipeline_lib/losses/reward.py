@@ -48,7 +48,7 @@ def plackett_luce_loss(
 
     Per ranking: -Σ_i [s_i - logsumexp(s_i..s_K)] over its valid entries. Each term is written as
     logsigmoid(s_i - logsumexp(s_{i+1}..s_K)), so with K = 2 it is exactly the Bradley-Terry loss. Rows
-    without any valid entry (padding) are left out of the mean."""
+    with fewer than two valid entries (padding, or a ranking of one) rank nothing and are left out of the mean."""
     if scores.ndim != 2 or scores.shape[0] == 0:
         raise ValueError(f"scores: expected a non-empty 2-D (B, K) tensor, got shape {tuple(scores.shape)}")
     if mask is None:
@@ -65,7 +65,7 @@ def plackett_luce_loss(
     suffix_lse = torch.logcumsumexp(filled.flip(-1), dim=-1).flip(-1)  # (B, K): lse(s_i..s_K)
     rest_lse = torch.cat([suffix_lse[:, 1:], torch.full_like(suffix_lse[:, :1], floor)], dim=-1)  # lse(s_{i+1}..s_K)
     log_probs = torch.where(valid, F.logsigmoid(filled - rest_lse), torch.zeros_like(scores))  # (B, K)
-    loss = -log_probs.sum(-1).sum() / valid.any(dim=-1).sum().clamp(min=1)
+    loss = -log_probs.sum(-1).sum() / (valid.sum(dim=-1) >= 2).sum().clamp(min=1)
 
     pair_valid = valid[:, 1:] & valid[:, :-1]  # (B, K-1) adjacent pairs inside a ranking
     gaps = (filled[:, :-1] - filled[:, 1:]).detach()  # (B, K-1)

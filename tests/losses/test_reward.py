@@ -78,9 +78,10 @@ def test_plackett_luce_mask_equals_the_truncated_ranking():
     torch.testing.assert_close(loss, torch.stack(per_ranking).mean())
 
 
-def test_plackett_luce_leaves_empty_padding_rows_out_of_the_mean():
-    scores = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
-    loss, _ = plackett_luce_loss(scores, mask=torch.tensor([[1, 1, 1], [0, 0, 0]]))
+@pytest.mark.parametrize("short_row", [[0, 0, 0], [1, 0, 0]], ids=["empty", "one response"])
+def test_plackett_luce_leaves_rows_that_rank_nothing_out_of_the_mean(short_row):
+    scores = torch.tensor([[1.0, 2.0, 3.0], [5.0, 0.0, 0.0]])
+    loss, _ = plackett_luce_loss(scores, mask=torch.tensor([[1, 1, 1], short_row]))
     torch.testing.assert_close(loss, plackett_luce_loss(scores[:1])[0])
 
 
