@@ -116,8 +116,10 @@ def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
 
 def format_validation_error(exc: ValidationError, origin: str, model: type[BaseModel] | None = None) -> str:
     """`origin: field 'a.b': <what was expected> (got ...)` for the first error, on one line; a misspelled
-    field gets the closest real one, a cross-field check its own message."""
-    err = exc.errors()[0]
+    field gets the closest real one, a cross-field check its own message. An unknown field is reported before
+    the rest: a misspelled required field also makes the real one missing, and the misspelling is the cause."""
+    errors = exc.errors()
+    err = next((error for error in errors if error["type"] == "extra_forbidden"), errors[0])
     field = ".".join(str(part) for part in err["loc"])
     if err["type"] == "extra_forbidden":
         known = _fields_at(model, err["loc"][:-1]) if model is not None else []

@@ -38,6 +38,18 @@ def test_misspelled_field_is_one_line_error_naming_file_and_field(tmp_path):
     assert str(path) in message and "learning_rate" in message
 
 
+@pytest.mark.parametrize("model, text, expected", [
+    (SFTConfig, "model_pth: m\n", "unknown field 'model_pth' (did you mean 'model_path'?)"),
+    (DPOConfig, "polcy_path: m\nbeta: 0.1\n", "unknown field 'polcy_path' (did you mean 'policy_path'?)"),
+])
+def test_a_misspelled_required_field_is_named_not_reported_missing(tmp_path, model, text, expected):
+    path = tmp_path / "stage.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(model, path)
+    assert str(err.value) == f"{path}: {expected}"
+
+
 def test_wrong_type_names_field_and_value(tmp_path):
     path = tmp_path / "sft.yaml"
     path.write_text("model_path: m\nmax_steps: many\n")
@@ -211,7 +223,13 @@ def test_numbers_written_as_strings_are_still_read():
 
 @pytest.mark.parametrize(("rewards", "message"), [
     ([{"name": "verifer"}], "rewards[0].name: unknown reward 'verifer'; expected one of"),
-    ([{"name": "verifier", "foo": 1}], "rewards[0] (verifier): got an unexpected keyword argument 'foo'"),
+    ([{"name": "verifier", "foo": 1}], "rewards[0].foo: unknown option of reward 'verifier' (expected one of "
+                                       "['weight', 'incorrect'])"),
+    # a misspelled required option is named, not reported as the missing one
+    ([{"name": "overlong", "max_len": 6, "cach_len": 2}], "rewards[0].cach_len: unknown option of reward 'overlong' "
+                                                          "(did you mean 'cache_len'?)"),
+    ([{"name": "verifier", "weigth": 2}], "rewards[0].weigth: unknown option of reward 'verifier' (did you mean "
+                                          "'weight'?)"),
     ([{"name": "verifier"}, {"name": "verifier"}], "each reward may appear once"),
     ([{"name": "overlong", "cache_len": 2}], "missing a required argument: 'max_len'"),
     ([{"name": "verifier", "weight": "abc"}], "rewards[0].weight: expected a finite number, got 'abc'"),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 import typing
@@ -106,8 +107,15 @@ def _component(spec: Mapping[str, Any], index: int) -> tuple[str, float, dict[st
         raise ValueError(f"{where}.name: unknown reward {name!r}; expected one of {sorted(REWARDS)}")
     if weight is None:
         raise ValueError(f"{where}.weight: expected a finite number, got {spec['weight']!r}")
+    signature = inspect.signature(REWARDS[name])
+    known = [key for key in signature.parameters if key not in ("prompts", "completions", "answers", "lengths")]
+    for key in options:
+        if key not in known:  # before binding: a misspelled option would otherwise read as a missing one
+            close = difflib.get_close_matches(key, ["weight", *known], n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"expected one of {['weight', *known]}"
+            raise ValueError(f"{where}.{key}: unknown option of reward {name!r} ({hint})")
     try:
-        inspect.signature(REWARDS[name]).bind([], [], answers=[], lengths=[], **options)
+        signature.bind([], [], answers=[], lengths=[], **options)
     except TypeError as exc:
         raise ValueError(f"{where} ({name}): {exc}") from None
     hints = typing.get_type_hints(REWARDS[name])
