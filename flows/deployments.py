@@ -4,6 +4,7 @@ servers (Prefect + MLflow on 127.0.0.1) behind `alignflow serve` and `alignflow 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,6 +34,7 @@ def build_deployments(cfg: PipelineConfig, origin: str = "config") -> list:
     from flows.pipeline import pipeline_flow
 
     check_cron(cfg.schedule_cron, origin)
+    check_name(cfg.name, origin)
 
     deployments = [pipeline_flow.to_deployment(name=cfg.name, cron=cfg.schedule_cron,
                                                parameters={"cfg": cfg.model_dump(mode="json")})]
@@ -58,6 +60,16 @@ def check_cron(cron: str | None, origin: str) -> None:
     except ValueError:  # pydantic's ValidationError
         raise ConfigError(f"{origin}: field 'schedule_cron': expected a cron expression: minute hour day month "
                           f"weekday, like '0 3 * * *' (got {cron!r})") from None
+
+
+def check_name(name: str, origin: str) -> None:
+    """Prefect's own rule for deployment names (the pipeline's and `<name>-<stage>`): not empty, none of its banned
+    characters; without it a bad name fails inside to_deployment as an InvalidNameError traceback."""
+    from prefect.types import BANNED_CHARACTERS, WITHOUT_BANNED_CHARACTERS
+
+    if not re.match(WITHOUT_BANNED_CHARACTERS, name):
+        raise ConfigError(f"{origin}: field 'name': expected a non-empty deployment name without any of "
+                          f"{' '.join(BANNED_CHARACTERS)} (got {name!r})")
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout: float, log: Path) -> None:

@@ -69,6 +69,14 @@ def test_an_invalid_cron_is_a_one_line_config_error_before_anything_is_deployed(
                               f"weekday, like '0 3 * * *' (got {cron!r})")
 
 
+@pytest.mark.parametrize("name", ["a/b c", "", "50%"])
+def test_a_name_prefect_refuses_is_a_one_line_config_error_before_anything_is_deployed(name):
+    with pytest.raises(ConfigError) as err:
+        build_deployments(PipelineConfig(name=name), origin="p.yaml")
+    assert str(err.value) == (f"p.yaml: field 'name': expected a non-empty deployment name without any of "
+                              f"/ % & > < (got {name!r})")
+
+
 def test_serve_reports_an_invalid_cron_in_one_line_without_a_server(tmp_path, subprocess_env):
     preset = tmp_path / "p.yaml"
     preset.write_text("name: p\nschedule_cron: every day\n")
