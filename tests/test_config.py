@@ -50,6 +50,11 @@ def test_a_misspelled_required_field_is_named_not_reported_missing(tmp_path, mod
     assert str(err.value) == f"{path}: {expected}"
 
 
+def test_an_empty_corpus_source_list_is_refused_not_read_as_all_sources():
+    with pytest.raises(ConfigError, match=r"^p.yaml: field 'corpus_sources': .*at least 1 item"):
+        validate_config(TinyModelConfig, {"corpus_sources": []}, origin="p.yaml")
+
+
 def test_wrong_type_names_field_and_value(tmp_path):
     path = tmp_path / "sft.yaml"
     path.write_text("model_path: m\nmax_steps: many\n")
