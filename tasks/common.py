@@ -26,9 +26,10 @@ def _config_key(context, parameters) -> str:
 # A stage task's inputs are its config (`config_key`: a new checkpoint interval is the same stage) and the
 # fingerprints of what it reads, so an unchanged stage is a cache hit across processes; the workspace is part of
 # the key (its paths are in the results), and so is alignflow's version (another release may train differently);
-# results persist under PREFECT_HOME (inside the workspace).
+# `force` is not (a forced run refreshes the entry the next unforced run hits); results persist under PREFECT_HOME
+# (inside the workspace).
 CACHED = {
-    "cache_policy": (INPUTS - "cfg") + TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_workspace_key)
+    "cache_policy": (INPUTS - "cfg" - "force") + TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_workspace_key)
     + CacheKeyFnPolicy(cache_key_fn=_config_key),
     "persist_result": True,
 }

@@ -171,6 +171,14 @@ def test_a_model_retrained_to_the_same_weights_leaves_the_next_stage_cached(flow
     assert model_fingerprint(reward_model) != before[1]
 
 
+def test_a_forced_stage_leaves_the_next_unforced_run_a_cache_hit(flow_workspace, tiny):
+    """`--force` on a config never run before (a changed stage forced at once): the next plain run hits its entry."""
+    cfg = SFTConfig(model_path=tiny, **FAST)
+    final = sft_flow(cfg, force=True)
+    assert sft_flow(cfg) == final
+    assert len(tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'sft'")) == 1
+
+
 def test_rm_flow_reports_held_out_accuracy(flow_workspace, tiny, the_run):
     final = Path(rm_flow(RMConfig(model_path=tiny, eval_fraction=0.2, **FAST)))
     RewardModel.from_pretrained(final, device="cpu")
