@@ -11,4 +11,4 @@ from tasks.store import inputs_fingerprint_task
 @stage_flow("dpo")
 def dpo_flow(cfg: DPOConfig, force: bool = False) -> str:
     """force: retrain from scratch, even if a cached result exists."""
-    return run_model_task(dpo_task, cfg, inputs_fingerprint_task(cfg), force=force, refresh=force)
+    return run_model_task(dpo_task, cfg, inputs_fingerprint_task(cfg, "dpo"), force=force, refresh=force)

@@ -19,7 +19,7 @@ def eval_run_name() -> str:
 def eval_flow(cfg: EvalConfig, force: bool = False) -> list[dict]:
     """A cache hit whose eval_results rows have left the store since evaluates again (its samples are still
     there, so only the scoring runs), so the store's summary (`alignflow demo`) agrees with what is printed."""
-    inputs = inputs_fingerprint_task(cfg)
+    inputs = inputs_fingerprint_task(cfg, eval_run_name())
     rows = eval_task.with_options(refresh_cache=force)(cfg, inputs)
     if eval_results_count_task(cfg) != len(rows):
         rows = eval_task.with_options(refresh_cache=True)(cfg, inputs)

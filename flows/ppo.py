@@ -11,4 +11,4 @@ from tasks.store import inputs_fingerprint_task
 @stage_flow("ppo")
 def ppo_flow(cfg: PPOConfig, force: bool = False) -> str:
     """Train into the stage dir of this config and data; returns the final policy dir. force: retrain from scratch."""
-    return run_model_task(ppo_task, cfg, inputs_fingerprint_task(cfg), force=force, refresh=force)
+    return run_model_task(ppo_task, cfg, inputs_fingerprint_task(cfg, "ppo"), force=force, refresh=force)

@@ -11,4 +11,4 @@ from tasks.store import inputs_fingerprint_task
 @stage_flow("rm")
 def rm_flow(cfg: RMConfig, force: bool = False) -> str:
     """force: retrain from scratch, even if a cached result exists."""
-    return run_model_task(rm_task, cfg, inputs_fingerprint_task(cfg), force=force, refresh=force)
+    return run_model_task(rm_task, cfg, inputs_fingerprint_task(cfg, "rm"), force=force, refresh=force)

@@ -12,7 +12,7 @@ from tasks.store import inputs_fingerprint_task, samples_count_task
 def sample_flow(cfg: SampleConfig, force: bool = False) -> dict:
     """A cache hit whose rows have left the store since (deleted by hand, another store file) samples again: the
     run resumes and writes what is missing, instead of handing the filters an empty run."""
-    inputs = inputs_fingerprint_task(cfg)
+    inputs = inputs_fingerprint_task(cfg, "sample")
     report = sample_task.with_options(refresh_cache=force)(cfg, inputs)
     if samples_count_task(report["run_id"]) != report["n_rows"]:
         report = sample_task.with_options(refresh_cache=True)(cfg, inputs)

@@ -18,4 +18,4 @@ def sft_run_name() -> str:
 @stage_flow("sft", flow_run_name=sft_run_name)
 def sft_flow(cfg: SFTConfig, force: bool = False) -> str:
     """force: retrain from scratch, even if a cached result exists."""
-    return run_model_task(sft_task, cfg, inputs_fingerprint_task(cfg), force=force, refresh=force)
+    return run_model_task(sft_task, cfg, inputs_fingerprint_task(cfg, sft_stage(cfg)), force=force, refresh=force)

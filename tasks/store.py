@@ -7,6 +7,7 @@ import polars as pl
 from prefect import task
 from pydantic import BaseModel
 
+from pipeline_lib import tracking
 from pipeline_lib.config import (
     DAPOConfig,
     DPOConfig,
@@ -18,6 +19,7 @@ from pipeline_lib.config import (
     SFTConfig,
     model_paths,
 )
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.filters import west_of_n_of_run
 from pipeline_lib.fingerprint import content_id, frame_fingerprint, model_fingerprint
 from pipeline_lib.sampling.stage import sample_run_id, select_problems
@@ -27,21 +29,30 @@ from pipeline_lib.train.grpo import load_grpo_data
 from pipeline_lib.train.ppo import load_ppo_data
 from pipeline_lib.train.rm import load_rm_data
 from pipeline_lib.train.sft import load_sft_data
-from tasks.common import current_workspace
+from tasks.common import current_workspace, run_tags
 
 LOADERS = {SFTConfig: load_sft_data, RMConfig: load_rm_data, DPOConfig: load_dpo_data,
            GRPOConfig: load_grpo_data, DAPOConfig: load_grpo_data, PPOConfig: load_ppo_data,
            SampleConfig: select_problems, EvalConfig: lambda store, cfg: select_problems(store, cfg.sample_config)}
 
 
-@task(name="inputs-fingerprint")
-def inputs_fingerprint_task(cfg: BaseModel) -> str:
+@task(name="inputs-fingerprint", task_run_name="{stage}-inputs")
+def inputs_fingerprint_task(cfg: BaseModel, stage: str) -> str:
     """Fingerprint of the store rows a stage reads (its own loader, so exactly what it trains on or samples)
-    and of the model dirs its config names: the cache key changes iff its inputs do."""
-    with open_store(current_workspace().store_path) as store:
-        data = LOADERS[type(cfg)](store, cfg)
+    and of the model dirs its config names: the cache key changes iff its inputs do.
+
+    Inputs the stage cannot read fail it here, before it starts: the error names `stage` (a pipeline has several
+    `source:` fields) and the stage's MLflow run is recorded FAILED with it."""
+    workspace = current_workspace()
+    try:
+        with open_store(workspace.store_path) as store:
+            data = LOADERS[type(cfg)](store, cfg)
+        models = [model_fingerprint(path) for path in model_paths(cfg)]
+    except AlignflowError as exc:
+        exc.args = (f"{stage}: {exc}",)
+        with tracking.stage_run(workspace, stage, cfg, tags=run_tags()):
+            raise
     frames = [f for f in (data if isinstance(data, tuple) else (data,)) if isinstance(f, pl.DataFrame)]
-    models = [model_fingerprint(path) for path in model_paths(cfg)]
     return content_id(*(frame_fingerprint(f) for f in frames), *models)
 
 

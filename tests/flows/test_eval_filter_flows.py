@@ -57,7 +57,7 @@ def test_eval_flow_writes_results_metrics_and_plots(flow_workspace, tmp_path, pr
     run = tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'eval-tiny'")[0]
     assert run.data.metrics["eval/pass_at_4"] == rows[2]["pass_at_k"]
     assert "eval/maj_at_1" in run.data.metrics
-    assert run.data.tags["data.fingerprint"] == inputs_fingerprint_task.fn(cfg)
+    assert run.data.tags["data.fingerprint"] == inputs_fingerprint_task.fn(cfg, "eval-tiny")
     plots = {a.path for a in MlflowClient(flow_workspace.tracking_uri).list_artifacts(run.info.run_id, "plots")}
     assert plots == {"plots/pass_at_k.png", "plots/maj_at_k.png", "plots/reward_length_hist.png"}
     name, _, artifact_keys = prefect_run(state)

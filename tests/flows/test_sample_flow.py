@@ -39,7 +39,7 @@ def test_sample_flow_writes_samples_and_logs_to_mlflow(flow_workspace, tmp_path)
     assert run.data.metrics["sample/accuracy"] == report["accuracy"]
     assert run.data.params["n"] == "2"
     assert run.data.tags["samples.run_id"] == report["run_id"]
-    assert run.data.tags["data.fingerprint"] == inputs_fingerprint_task.fn(cfg)  # the problems and the policy
+    assert run.data.tags["data.fingerprint"] == inputs_fingerprint_task.fn(cfg, "sample")  # the problems and the policy
     assert run.data.tags["prefect.flow_run_id"]
 
 

@@ -15,6 +15,7 @@ from flows.rm import rm_flow
 from flows.sft import sft_flow
 from pipeline_lib import tracking
 from pipeline_lib.config import DPOConfig, PPOConfig, RMConfig, SFTConfig
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import model_fingerprint
 from pipeline_lib.model_dirs import FINAL_MARKER
 from pipeline_lib.models import RewardModel, build_tiny_model, load_policy
@@ -177,6 +178,17 @@ def test_a_forced_stage_leaves_the_next_unforced_run_a_cache_hit(flow_workspace,
     final = sft_flow(cfg, force=True)
     assert sft_flow(cfg) == final
     assert len(tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'sft'")) == 1
+
+
+def test_a_stage_whose_data_cannot_be_read_fails_its_own_run_naming_the_stage(flow_workspace, tiny):
+    """The inputs are read before training starts: the error says which stage (a pipeline has several `source:`
+    fields) and the stage's MLflow run is FAILED with it, as for a failure while training."""
+    with pytest.raises(AlignflowError) as err:
+        dpo_flow(DPOConfig(policy_path=tiny, source="nosuch", **FAST))
+    assert str(err.value).startswith("dpo: ") and "nosuch" in str(err.value)
+    (run,) = tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'dpo'")
+    assert run.info.status == "FAILED" and run.data.tags["alignflow.error"].endswith(str(err.value))
+    assert run.data.params["source"] == "nosuch"
 
 
 def test_rm_flow_reports_held_out_accuracy(flow_workspace, tiny, the_run):
