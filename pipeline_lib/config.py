@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -171,9 +172,22 @@ def _refuse_repeated_keys(root: yaml.Node | None) -> None:
                 first_lines[key] = key_node.start_mark.line + 1
 
 
+class _PresetLoader(yaml.SafeLoader):
+    """yaml.SafeLoader whose booleans are YAML 1.2's, true/false (any case): YAML 1.1's yes/no/on/off stay text, so
+    `source: no` names the source 'no' and `chat_template: yes` is an error rather than true."""
+
+
+_PresetLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_PresetLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
+
+
 def _safe_load_unique(text: str) -> object:
-    """yaml.safe_load, refusing repeated keys (_refuse_repeated_keys)."""
-    loader = yaml.SafeLoader(text)
+    """yaml.safe_load (with YAML 1.2 booleans: _PresetLoader), refusing repeated keys (_refuse_repeated_keys)."""
+    loader = _PresetLoader(text)
     try:
         root = loader.get_single_node()
         _refuse_repeated_keys(root)

@@ -55,6 +55,20 @@ def test_an_empty_corpus_source_list_is_refused_not_read_as_all_sources():
         validate_config(TinyModelConfig, {"corpus_sources": []}, origin="p.yaml")
 
 
+def test_yaml_booleans_are_true_and_false_only(tmp_path):
+    """YAML 1.1's yes/no/on/off are text (YAML 1.2): a source named `no` is that source, `yes` is no boolean."""
+    path = tmp_path / "sft.yaml"
+    path.write_text("model_path: m\nsource: no\nsplit: off\nchat_template: False\n")
+    cfg = load_config(SFTConfig, path)
+    assert (cfg.source, cfg.split, cfg.chat_template) == ("no", "off", False)
+    path.write_text("model_path: m\ntrust_remote_code: yes\n")
+    with pytest.raises(ConfigError, match=r"trust_remote_code: expected true or false, got 'yes'"):
+        load_config(SFTConfig, path)
+    path.write_text("policy_path: m\ndisable_dropout: FALSE\ntrust_remote_code: True\n")
+    cfg = load_config(DPOConfig, path)
+    assert (cfg.disable_dropout, cfg.trust_remote_code) == (False, True)
+
+
 def test_wrong_type_names_field_and_value(tmp_path):
     path = tmp_path / "sft.yaml"
     path.write_text("model_path: m\nmax_steps: many\n")
@@ -184,13 +198,6 @@ def test_booleans_take_only_true_or_false_and_integers_only_integers(model, data
 def test_every_training_stage_takes_deterministic_off_by_default(model, required):
     assert validate_config(model, required).deterministic is False
     assert validate_config(model, required | {"deterministic": True}).deterministic is True
-
-
-def test_yaml_booleans_are_still_booleans(tmp_path):
-    path = tmp_path / "dpo.yaml"
-    path.write_text("policy_path: m\ndisable_dropout: false\ntrust_remote_code: yes\n")
-    cfg = load_config(DPOConfig, path)  # YAML 1.1 (PyYAML) reads yes/no/on/off as booleans too
-    assert (cfg.disable_dropout, cfg.trust_remote_code) == (False, True)
 
 
 @pytest.mark.parametrize(("model", "data", "message"), [
