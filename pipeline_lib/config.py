@@ -900,6 +900,12 @@ class PipelineConfig(Config):
             if target not in REF_TARGETS[field]:
                 raise ValueError(f"{stage}.{field}: 'from:{target}' is not a stage whose output fits {field}; "
                                  f"expected one of {REF_TARGETS[field]}")
+        # MLflow, models/ and eval name an SFT run by its data (rs_sft = Best-of-N): each section must be its stage
+        if self.rs_sft is not None and self.rs_sft.data != "best_of_n":
+            raise ValueError(f"rs_sft.data: expected 'best_of_n' (rejection-sampling SFT), got {self.rs_sft.data!r}; "
+                             "SFT on other data is the sft section")
+        if self.sft is not None and self.sft.data == "best_of_n":
+            raise ValueError("sft.data: 'best_of_n' is the rs_sft section (it runs after the sample stage)")
         unknown = set(self.eval_models) - set(POLICY_STAGES)
         if unknown:
             raise ValueError(f"eval_models: {sorted(unknown)} are not policy stages; expected names from {POLICY_STAGES}")

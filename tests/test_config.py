@@ -122,6 +122,16 @@ def test_reference_to_a_later_or_disabled_stage_is_rejected():
         validate_config(PipelineConfig, base | {"dpo": {"policy_path": "from:rm"}})
 
 
+def test_each_sft_section_holds_the_data_its_stage_is_named_after():
+    base = {"base": {}, "sft": {"model_path": "from:base"}}
+    with pytest.raises(ConfigError, match=r"^config: rs_sft.data: expected 'best_of_n' \(rejection-sampling SFT\), "
+                                          r"got 'pairs'"):
+        validate_config(PipelineConfig, base | {"rs_sft": {"model_path": "from:sft", "data": "pairs"}})
+    with pytest.raises(ConfigError, match=r"^config: sft.data: 'best_of_n' is the rs_sft section"):
+        validate_config(PipelineConfig, {"base": {}, "sft": {"model_path": "from:base", "data": "best_of_n",
+                                                             "samples_run_id": "sample-1"}})
+
+
 def test_dpo_reads_stored_pairs_or_one_sampling_runs_not_both():
     with pytest.raises(ConfigError, match=r"set one of source \(stored pairs\) and samples_run_id"):
         validate_config(DPOConfig, {"policy_path": "/m", "source": "west_of_n", "samples_run_id": "sample-1"})
