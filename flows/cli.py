@@ -393,11 +393,11 @@ def sample(
     """N scored samples per problem into the samples table (resumable)."""
     from pipeline_lib.config import SampleConfig, validate_config
 
-    require_model_dir(model)
     cfg = validate_config(SampleConfig, {
         "model_path": str(model), "problems_source": problems, "split": split, "n": n, "backend": backend,
         "max_new_tokens": max_new_tokens, "temperature": temperature, "max_problems": max_problems,
     }, origin="alignflow sample")
+    require_model_dir(model)
     with run_lock():
         echo_result("sample", load_flow("sample")(cfg))
 
@@ -408,10 +408,17 @@ def default_ks(n: int) -> str:
 
 
 def require_model_dir(model: Path) -> None:
+    """--model of `sample` and `eval`: a dir with a config and safetensors weights, checked before Prefect starts."""
     if model.is_file():
         fail(f"{model}: a file; expected a model dir")
     if not model.is_dir():
         fail(f"{model}: no such model dir")
+    from pipeline_lib.model_dirs import ModelLoadError, check_weights  # no torch
+
+    try:
+        check_weights(model)
+    except ModelLoadError as exc:
+        fail(f"--model: {exc}")
 
 
 @app.command("eval")
@@ -428,12 +435,12 @@ def evaluate(
     """Pass@K / Maj@K of a model on held-out problems."""
     from pipeline_lib.config import EvalConfig, validate_config
 
-    require_model_dir(model)
     ks = default_ks(n) if ks is None else ks
     cfg = validate_config(EvalConfig, {
         "model_path": str(model), "model_name": name, "problems_source": problems, "split": split, "n": n,
         "ks": [k.strip() for k in ks.split(",") if k.strip()], "max_new_tokens": max_new_tokens,  # the config parses
     }, origin="alignflow eval")
+    require_model_dir(model)
     with run_lock():
         echo_result("eval", load_flow("eval")(cfg))
 

@@ -80,6 +80,11 @@ def test_a_model_dir_loading_would_refuse_fails_before_the_stage_starts(tmp_path
     assert result.stderr.strip().startswith(f"error: {config}: field 'model_path': model dir {model}: {expected}"), \
         result.stderr
     assert not (tmp_path / "ws").exists()
+    for command in ("eval", "sample"):  # --model of the two commands that take a dir, not a config
+        result = alignflow(command, "--model", str(model), workspace=tmp_path / "ws")
+        assert result.returncode == 2
+        assert result.stderr.strip().startswith(f"error: --model: model dir {model}: {expected}"), result.stderr
+        assert not (tmp_path / "ws").exists()
 
 
 def test_a_policy_dir_given_as_the_reward_model_fails_before_the_stage_starts(tmp_path):
