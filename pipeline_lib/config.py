@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline_lib.errors import AlignflowError
+from pipeline_lib.sampling.base import MIN_TEMPERATURE
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 M = TypeVar("M", bound=BaseModel)
@@ -25,6 +26,16 @@ RewardSpecs = tuple[dict[str, Any], ...]
 # epoch e with seed * 100_003 + e, sampling batch b with seed + b), which a 32-bit seed keeps inside that range
 Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
 INT_LIMIT = 2**63  # every other integer fits in 64 bits, as torch, DuckDB and MLflow hold it
+
+
+def _greedy_or_sampled(temperature: float) -> float:
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"expected 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}")
+    return temperature
+
+
+# a sampling run's temperature (0 = greedy); an RL rollout's must sample: Field(ge=MIN_TEMPERATURE)
+SamplingTemperature = Annotated[float, Field(ge=0), AfterValidator(_greedy_or_sampled)]
 
 
 class ConfigError(AlignflowError, ValueError):
@@ -418,13 +429,13 @@ class SampleConfig(Config):
     """Samples per prompt: N of Best-of-N, G of GRPO, the K budget of Pass@K (typically 4-64)."""
     max_new_tokens: int = Field(64, ge=1)
     """Generation budget per sample; longer samples end with finish_reason `length` (demo: 6, GSM8K: 256+)."""
-    temperature: float = Field(1.0, ge=0)
+    temperature: SamplingTemperature = 1.0
     """Softmax temperature; 0 is greedy (then all n samples are equal). RL rollouts use 1.0."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass (Holtzman et al. 2020); 1.0 disables it."""
     seed: Seed = 0
     """Batch b of the run is sampled with seed + b, so a resumed run reproduces an uninterrupted one."""
-    stop: tuple[str, ...] = ()
+    stop: tuple[Annotated[str, Field(min_length=1)], ...] = ()
     """Strings that end a sample early (cut from the text, finish_reason `stop`); eos always stops."""
     chat_template: bool = False
     """Render each prompt as one user turn with the tokenizer's chat template (instruct models);
@@ -525,7 +536,7 @@ class GRPOConfig(Config):
     """Clip the global gradient norm to this value; None disables clipping."""
     max_new_tokens: int = Field(1024, ge=1)
     """Generation budget per completion (DeepSeekMath: 1024; the demo: 6)."""
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE)
     """Sampling temperature of the rollouts. θ, θ_old and the reference log-probs divide the logits by it too
     (as TRL and verl do), so the ratio and the KL are taken on the distribution the rollouts were drawn from."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -667,7 +678,7 @@ class PPOConfig(Config):
     """Clip the global gradient norm (actor and critic together); None disables clipping."""
     max_new_tokens: int = Field(256, ge=1)
     """Generation budget per completion."""
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, ge=MIN_TEMPERATURE)
     """Rollout sampling temperature; the actor, θ_old and reference log-probs divide the logits by it too."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass; 1.0 disables it."""
@@ -779,7 +790,7 @@ class EvalConfig(Config):
     """K values of the Pass@K and Maj@K curves (each <= n)."""
     max_new_tokens: int = Field(64, ge=1)
     """Generation budget per sample."""
-    temperature: float = Field(1.0, ge=0)
+    temperature: SamplingTemperature = 1.0
     """Sampling temperature (1.0: the policy's own distribution, the sampled Pass@1 the README quotes)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass; 1.0 disables it."""

@@ -69,6 +69,21 @@ def test_yaml_booleans_are_true_and_false_only(tmp_path):
     assert (cfg.disable_dropout, cfg.trust_remote_code) == (False, True)
 
 
+@pytest.mark.parametrize(("model", "data", "message"), [
+    (SampleConfig, {"model_path": "m", "temperature": 1e-40}, "temperature: expected 0 (greedy) or >= 0.01, got 1e-40"),
+    (EvalConfig, {"model_path": "m", "temperature": 0.005}, "temperature: expected 0 (greedy) or >= 0.01, got 0.005"),
+    (GRPOConfig, {"policy_path": "m", "temperature": 0.001},
+     "field 'temperature': Input should be greater than or equal to 0.01 (got 0.001)"),
+    (PPOConfig, {"policy_path": "m", "reward_model_path": "r", "temperature": 0},
+     "field 'temperature': Input should be greater than or equal to 0.01 (got 0)"),
+    (SampleConfig, {"model_path": "m", "stop": ["\n", ""]}, "field 'stop.1': String should have at least 1 character"),
+])
+def test_sampling_values_the_samplers_would_refuse_are_refused_at_load(model, data, message):
+    with pytest.raises(ConfigError) as err:
+        validate_config(model, data, origin="p.yaml")
+    assert str(err.value).startswith(f"p.yaml: {message}")
+
+
 def test_wrong_type_names_field_and_value(tmp_path):
     path = tmp_path / "sft.yaml"
     path.write_text("model_path: m\nmax_steps: many\n")

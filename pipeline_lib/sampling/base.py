@@ -54,8 +54,11 @@ class Sampler(Protocol):
     ) -> list[list[Completion]]: ...
 
 
+MIN_TEMPERATURE = 0.01  # logits / T overflow below it; vLLM raises such temperatures to 0.01 itself
+
+
 def check_sampling_args(prompts: Sequence[str], *, n: int, max_new_tokens: int, temperature: float,
-                        top_p: float) -> None:
+                        top_p: float, stop: Sequence[str] = ()) -> None:
     """Both backends reject the same bad arguments with the same one-line errors."""
     if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
         raise SamplingError("prompts: expected a list of strings")
@@ -63,7 +66,9 @@ def check_sampling_args(prompts: Sequence[str], *, n: int, max_new_tokens: int, 
         raise SamplingError(f"n={n}: expected at least 1 sample per prompt")
     if max_new_tokens < 1:
         raise SamplingError(f"max_new_tokens={max_new_tokens}: expected at least 1")
-    if temperature < 0:
-        raise SamplingError(f"temperature={temperature}: expected >= 0 (0 is greedy)")
+    if temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
+        raise SamplingError(f"temperature={temperature}: expected 0 (greedy) or >= {MIN_TEMPERATURE}")
+    if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
+        raise SamplingError(f"stop={stop!r}: expected a list of non-empty strings")
     if not 0 < top_p <= 1:
         raise SamplingError(f"top_p={top_p}: expected a value in (0, 1]")

@@ -116,7 +116,8 @@ class HFSampler:
         stop: Sequence[str] = (),
         logprobs: bool = False,
     ) -> list[list[Completion]]:
-        check_sampling_args(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        check_sampling_args(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                            stop=stop)
         if not prompts:
             return []
         device = self.model.device

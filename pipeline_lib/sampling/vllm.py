@@ -139,7 +139,8 @@ class VLLMSampler:
         stop: Sequence[str] = (),
         logprobs: bool = False,
     ) -> list[list[Completion]]:
-        check_sampling_args(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        check_sampling_args(prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                            stop=stop)
         base = {
             "model": self.model_name,
             "n": n if temperature > 0 else 1,  # vLLM rejects n > 1 when greedy: decode once, copy below

@@ -344,6 +344,12 @@ def test_bad_arguments_are_one_line_errors(hf_sampler):
         hf_sampler.generate(["1+1="], n=1, max_new_tokens=300)
     with pytest.raises(SamplingError, match="top_p"):
         hf_sampler.generate(["1+1="], n=1, max_new_tokens=4, top_p=0)
+    # logits / 1e-40 overflow to inf: multinomial failed with a RuntimeError traceback (vLLM raises it to 0.01)
+    with pytest.raises(SamplingError, match=r"temperature=1e-40: expected 0 \(greedy\) or >= 0.01"):
+        hf_sampler.generate(["1+1="], n=1, max_new_tokens=4, temperature=1e-40)
+    # an empty stop string ended every sample at its first token, silently (vLLM refuses it)
+    with pytest.raises(SamplingError, match=r"stop=\[''\]: expected a list of non-empty strings"):
+        hf_sampler.generate(["1+1="], n=1, max_new_tokens=4, stop=[""])
 
 
 
