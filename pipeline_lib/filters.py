@@ -192,8 +192,11 @@ def west_of_n_of_run(store: Store, run_id: str, source: str = "west_of_n") -> tu
     samples = run_samples(store, run_id)
     chat_template = sampled_with_chat_template(samples, run_id)
     pairs, skipped = west_of_n(samples, source=source, chat_template=chat_template)
-    return pairs, {"filter/prompts": samples["prompt_id"].n_unique(), "filter/pairs": pairs.height,
-                   "filter/skipped_ties": skipped, "filter/chat_template": int(chat_template)}
+    prompts = samples["prompt_id"].n_unique()
+    # prompts = pairs + ties + prompts without a scored sample with text (no candidate at all)
+    return pairs, {"filter/prompts": prompts, "filter/pairs": pairs.height, "filter/skipped_ties": skipped,
+                   "filter/skipped_unscored": prompts - pairs.height - skipped,
+                   "filter/chat_template": int(chat_template)}
 
 
 def run_west_of_n_stage(store: Store, *, run_id: str, source: str = "west_of_n") -> dict[str, int]:

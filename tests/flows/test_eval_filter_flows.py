@@ -100,13 +100,23 @@ def test_an_unnamed_model_is_named_after_the_stage_that_wrote_it(flow_workspace,
     assert model_label(cfg.model_copy(update={"model_path": str(outside)})) == "Tiny_Model"  # its dir name
 
 
+def test_west_of_n_accounts_for_every_prompt_of_the_run(flow_workspace):
+    """A prompt without a scored sample (all rewards NaN) gives no pair and is no tie: it is counted on its own."""
+    unscored = SAMPLES.head(4).with_columns(prompt_id=pl.lit("d"), reward=pl.lit(float("nan")))
+    with open_store(flow_workspace.store_path) as store:
+        store.insert_new("samples", pl.concat([SAMPLES, unscored]).with_columns(run_id=pl.lit("r4")))
+    stats = filter_task.fn("west_of_n", "r4")
+    assert (stats["filter/prompts"], stats["filter/pairs"], stats["filter/skipped_ties"],
+            stats["filter/skipped_unscored"]) == (4, 1, 2, 1)
+
+
 def test_filter_flows_on_a_sampling_run(flow_workspace, the_run, prefect_run):
     with open_store(flow_workspace.store_path) as store:
         store.insert_new("samples", SAMPLES)
     state = filter_flow("west_of_n", "r1", return_state=True)
     won = state.result()
     assert won == {"filter/prompts": 3, "filter/pairs": 1, "filter/pairs_inserted": 1, "filter/skipped_ties": 2,
-                   "filter/chat_template": 0}
+                   "filter/skipped_unscored": 0, "filter/chat_template": 0}
     with open_store(flow_workspace.store_path) as store:
         read = frame_fingerprint(store.read("samples", run_id="r1"))
     assert the_run(flow_workspace, "west_of_n")[0].data.tags["data.fingerprint"] == read  # the rows it filtered
