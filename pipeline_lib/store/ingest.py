@@ -317,8 +317,9 @@ def _json_lines(data: bytes) -> bool:
 
 
 def _array_items(data: bytes) -> tuple[list[bytes], list[int]]:
-    """The text of each record of a JSON array as written, one line each (a newline outside a string is
-    whitespace, and a JSON string holds none), and the line (1-based) each record starts on. Scans strings, brackets
+    """The text of each record of a JSON array as written, one line each, and the line (1-based) each record starts
+    on. Line breaks become tabs: outside a string both are whitespace, inside one both are invalid JSON, so a
+    record with a raw line break in a string is still quarantined, not read with a space there. Scans strings, brackets
     and commas only: no depth limit. A record that is not valid JSON stays one item (the screen quarantines it); an
     array cut short ends at the file's end."""
     commas, depth, first, last = [], 0, 0, len(data)
@@ -344,7 +345,7 @@ def _array_items(data: bytes) -> tuple[list[bytes], list[int]]:
         begin = start + len(text) - len(text.lstrip())
         line += data.count(b"\n", counted, begin)
         counted = begin
-        items.append(text.strip().replace(b"\n", b" ").replace(b"\r", b" "))
+        items.append(text.strip().replace(b"\n", b"\t").replace(b"\r", b"\t"))
         line_nos.append(line)
     return items, line_nos
 

@@ -332,7 +332,8 @@ def test_repeated_key_is_quarantined(tmp_path, store):
 
 def test_json_array_screens_records_as_written(tmp_path, store):
     """orjson parses the whole array first, dropping a repeated key and rounding a huge integer: such a file's
-    records are screened from their own text, pretty-printed or not, and `raw` shows them as written."""
+    records are screened from their own text, pretty-printed or not, and `raw` shows them as written (a line break
+    as a tab: one line per record)."""
     big = 123456789012345678901234567890
     text = ('[\n  {"prompt": "p,[}", "chosen": 5,\n   "rejected": "b", "chosen": "a"},\n'
             '  {"prompt": "q", "chosen": "a", "rejected": "b", "id": %d},\n  7,\n'
@@ -344,7 +345,7 @@ def test_json_array_screens_records_as_written(tmp_path, store):
     assert (report.rows_read, report.accepted) == (5, 2)
     assert quarantine(store) == {2: "duplicate key 'chosen'", 5: "record is a number, expected a JSON object",
                                  6: "duplicate key 'k'"}
-    assert store.read("quarantine")["raw"][0] == '{"prompt": "p,[}", "chosen": 5,    "rejected": "b", "chosen": "a"}'
+    assert store.read("quarantine")["raw"][0] == '{"prompt": "p,[}", "chosen": 5,\t   "rejected": "b", "chosen": "a"}'
     assert json.loads(store.read("preference_pairs")["meta"][0]) == {"id": big}
     # one repeated key beside a value that orjson writes back as `\":` must still be seen
     (tmp_path / "b.json").write_bytes(b'[{"prompt":"p","chosen":"5","rejected":"b","chosen":"a"},'
@@ -877,6 +878,19 @@ def test_a_bad_record_in_a_json_array_is_quarantined_not_the_whole_file(tmp_path
     report = ingest_file(cut, store)
     assert (report.rows_read, report.accepted, report.quarantined) == (2, 1, 1)
     assert set(store.read("preference_pairs")["prompt"]) == {"p", "p3", "q"}
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"])
+def test_a_raw_line_break_inside_a_json_array_string_is_quarantined_not_read_as_a_space(tmp_path, store, newline):
+    """A raw line break in a string is invalid JSON (as a raw tab is); between tokens it is whitespace."""
+    path = tmp_path / "arr.json"
+    path.write_bytes(b'[{"prompt": "line1' + newline + b'line2", "chosen": "c", "rejected": "r"},' + newline
+                     + b'{"prompt":' + newline + b'"p2", "chosen": "c", "rejected": "r"}]')
+    report = ingest_file(path, store)
+    check_invariant(report)
+    assert (report.rows_read, report.accepted, report.quarantined) == (2, 1, 1)
+    assert quarantine(store)[1].startswith("malformed JSON: unexpected control character in string")
+    assert store.read("preference_pairs")["prompt"].to_list() == ["p2"]
 
 
 def test_pairs_whose_prompt_has_another_name_are_one_line_not_hh_quarantine(tmp_path, store):
