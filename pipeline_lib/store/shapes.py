@@ -230,7 +230,8 @@ def _chat(rows: Rows) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
 
 
 def _ranking(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
-    """Responses are stored best -> worst (1 = best); ranks as given, or 1..K when absent."""
+    """Responses are stored best -> worst and their ranks as 1..K, aligned with them (the record's ranks refer to
+    its own order of the responses and would misread beside the reordered ones)."""
     k = pl.col("responses").list.len()
     ranks = pl.col("ranks")
     reason = (
@@ -252,7 +253,7 @@ def _ranking(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
         .then(pl.col("responses"))
         .otherwise(pl.col("responses").list.gather(ranks.list.eval(pl.element().arg_sort())))
         .alias("responses"),
-        pl.when(ranks.is_null()).then(pl.int_ranges(1, k + 1)).otherwise(ranks).cast(pl.List(pl.Int32)).alias("ranks"),
+        pl.int_ranges(1, k + 1).cast(pl.List(pl.Int32)).alias("ranks"),
     )
     return ok.select("prompt", "responses", "ranks", "meta"), bad
 

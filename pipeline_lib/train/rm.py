@@ -74,7 +74,7 @@ class Groups:
 def build_groups(tokenizer, frame: pl.DataFrame, loss: str, *, max_length: int) -> Groups:
     """Pairs (prompt, chosen, rejected) or rankings (prompt, responses) -> tokenized groups, best first.
 
-    `rankings.responses` is ordered best -> worst by ingest (its `ranks` column keeps the ranks as given)."""
+    `rankings.responses` is ordered best -> worst by ingest (its `ranks` column is then 1..K)."""
     if loss == "bradley_terry":
         require_columns(frame, ["prompt", "chosen", "rejected"], "reward-model pairs")
         responses = [[c, r] for c, r in zip(frame["chosen"].to_list(), frame["rejected"].to_list())]

@@ -215,7 +215,7 @@ def test_rankings_ordered_best_to_worst(tmp_path, store):
     assert (report.format, report.table, report.accepted) == ("ranking", "rankings", 2)
     rows = {r["prompt"]: r for r in store.read("rankings").to_dicts()}
     assert rows["p1"]["responses"] == ["best", "mid", "worst"]
-    assert rows["p1"]["ranks"] == [2, 1, 3]  # as given
+    assert rows["p1"]["ranks"] == [1, 2, 3]  # aligned with the reordered responses, not the record's [2, 1, 3]
     assert rows["p2"]["responses"] == ["a", "b"] and rows["p2"]["ranks"] == [1, 2]
     assert rows["p1"]["ranking_id"] == content_id("p1", "best", "mid", "worst")
 
