@@ -156,7 +156,8 @@ def ingest(
     source: Optional[str] = typer.Option(None, "--source", "-s", help="Source name (default: file name)."),
     split: Optional[str] = typer.Option(None, "--split", help="Split for problems (default: train)."),
     max_record_bytes: int = typer.Option(1_000_000, "--max-record-bytes",
-                                         help="Records larger than this are quarantined."),
+                                         help="Records whose JSON text is larger than this (a CSV or parquet "
+                                              "row: the JSON record it becomes) are quarantined."),
 ) -> None:
     """Validate a data file into the store; bad rows go to the quarantine with a reason."""
     from pipeline_lib.config import IngestConfig, validate_config

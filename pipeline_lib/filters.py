@@ -12,9 +12,8 @@ import torch
 from torch import Tensor
 
 from pipeline_lib.errors import AlignflowError
-from pipeline_lib.fingerprint import content_id
 from pipeline_lib.store.db import Store
-from pipeline_lib.store.shapes import split_chat
+from pipeline_lib.store.shapes import pair_id, split_chat
 
 
 class SamplesError(AlignflowError, ValueError):
@@ -54,8 +53,8 @@ def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n", chat_template
     reward and first sample_idx: a reward model may score one text slightly differently in two batches), so
     chosen and rejected always differ. Ties pick the lowest sample_idx on both ends. Prompts whose best and
     worst rewards are equal (all samples tie, a single distinct text) give no pair and are counted. Returns
-    (pairs, n_skipped); pairs have the preference_pairs columns pair_id (content_id(prompt, chosen,
-    rejected)), source, prompt, chosen, rejected, prompt_messages (with `chat_template`, the samples' prompts
+    (pairs, n_skipped); pairs have the preference_pairs columns pair_id (store.shapes.pair_id, as
+    ingest keys the same pair), source, prompt, chosen, rejected, prompt_messages (with `chat_template`, the samples' prompts
     were user turns of the chat template: the pair is that conversation, which DPO and RM training render
     alike; else null), meta (JSON: prompt_id, both sample_idx and rewards), sorted by prompt_id."""
     scored = (
@@ -80,7 +79,7 @@ def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n", chat_template
         row["prompt"], row["prompt_messages"] = _chat_form(row) if chat_template else (row["prompt"], None)
     pairs = pl.DataFrame(
         {
-            "pair_id": [content_id(r["prompt"], r["chosen"], r["rejected"]) for r in rows],
+            "pair_id": [pair_id(r["prompt"], r["chosen"], r["rejected"], r["prompt_messages"]) for r in rows],
             "source": [source] * len(rows),
             "prompt": [r["prompt"] for r in rows],
             "chosen": [r["chosen"] for r in rows],

@@ -13,6 +13,8 @@ import torch
 
 from pipeline_lib.filters import best_of_n, dynamic_sampling, informative_groups, sampled_with_chat_template, west_of_n
 from pipeline_lib.fingerprint import content_id
+from pipeline_lib.store.db import open_store
+from pipeline_lib.store.ingest import ingest_file
 
 
 def samples_frame(groups: dict[str, list[tuple[float | None, bool]]]) -> pl.DataFrame:
@@ -113,22 +115,26 @@ def test_a_runs_rows_say_whether_it_sampled_with_the_chat_template():
         assert sampled_with_chat_template(frame.with_columns(chat_template=pl.Series([None, True])), "r") is True
 
 
-def test_west_of_n_pairs_of_a_chat_template_run_are_conversations():
+def test_west_of_n_pairs_of_a_chat_template_run_are_conversations(tmp_path):
     """Pairs of a run that sampled with the chat template are stored as ingest stores that conversation (the same
     prompt text, messages and pair_id), so DPO and the reward model condition on the prompt the completions were
-    sampled from."""
-    from pipeline_lib.store.shapes import split_chat
-
+    sampled from, and ingesting the conversation finds the pair stored."""
     pairs, _ = west_of_n(samples_frame({"mixed": GROUPS["mixed"]}), chat_template=True)
     pair = pairs.row(0, named=True)
     conversation = {"prompt": [{"role": "user", "content": "prompt mixed"}],
                     "chosen": [{"role": "assistant", "content": "mixed-1"}],
                     "rejected": [{"role": "assistant", "content": "mixed-3"}]}
-    prompt_text, chosen, rejected, messages = split_chat(conversation)  # what ingesting it stores
-    assert (pair["prompt"], pair["chosen"], pair["rejected"]) == (prompt_text, chosen, rejected) == (
-        "user: prompt mixed", "mixed-1", "mixed-3")
-    assert json.loads(pair["prompt_messages"]) == json.loads(messages) == conversation
-    assert pair["pair_id"] == content_id(prompt_text, chosen, rejected)
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(conversation) + "\n")
+    with open_store(tmp_path / "s.duckdb") as store:
+        ingest_file(path, store)
+        ingested = store.read("preference_pairs").row(0, named=True)
+        assert store.insert_new("preference_pairs", pairs) == 0  # the West-of-N pair is the ingested one
+    for row in (pair, ingested):
+        assert (row["prompt"], row["chosen"], row["rejected"]) == ("user: prompt mixed", "mixed-1", "mixed-3")
+        assert json.loads(row["prompt_messages"]) == conversation
+        assert row["pair_id"] == hashlib.sha256(row["prompt_messages"].encode()).hexdigest()
+    assert pair["pair_id"] == ingested["pair_id"]
 
 
 def test_dynamic_sampling_uses_correctness_not_shaped_rewards():

@@ -12,7 +12,7 @@ import polars as pl
 
 from pipeline_lib.errors import AlignflowError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # DuckDB lets one process write a file or several read it: a store another process holds (`alignflow data stats`,
 # a notebook's read-only connection, the task of a running pipeline) is waited for this long before giving up
 LOCK_WAIT_SECONDS = 15.0
@@ -102,6 +102,10 @@ MIGRATIONS: dict[int, list[str]] = {
     # quarantine.line_no of a parquet row was its 0-based index, now its 1-based row number (a JSON array's 0-based
     # record index, now the line the record starts on, cannot be recomputed without the file: it stays)
     3: ["UPDATE quarantine SET line_no = line_no + 1 WHERE lower(file) LIKE '%.parquet'"],
+    # a conversation's pair_id hashed its rendered prompt text, which two conversations could share: it is now the
+    # sha256 of its messages JSON (store.shapes.pair_id), so re-ingesting a chat file finds the rows it stored
+    4: ["UPDATE preference_pairs SET pair_id = sha256(CAST(prompt_messages AS VARCHAR)) "
+        "WHERE prompt_messages IS NOT NULL"],
 }
 
 

@@ -26,7 +26,7 @@ from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import content_id, fingerprint_path
 from pipeline_lib.store.db import Store, position
 from pipeline_lib.store.parquet import ParquetError, read_parquet_lines
-from pipeline_lib.store.shapes import FIELDS, HH_TURN, SCHEMAS, TABLE_OF, TOO_DEEP, Rows, shape_records
+from pipeline_lib.store.shapes import FIELDS, HH_TURN, SCHEMAS, TABLE_OF, TOO_DEEP, Rows, pair_id, shape_records
 
 FORMATS = ("pairs", "hh", "chat", "ranking", "problem")
 SUFFIXES = (".jsonl.gz", ".json.gz", ".csv.gz", ".jsonl", ".json", ".parquet", ".csv")
@@ -57,7 +57,7 @@ _BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"),
 _NUL_PATTERNS = {(False, True, False, True): "UTF-16LE", (True, False, True, False): "UTF-16BE",
                  (False, True, True, True): "UTF-32LE", (True, True, True, False): "UTF-32BE"}
 _ID_FIELDS = {
-    "preference_pairs": ("pair_id", ["prompt", "chosen", "rejected"]),
+    "preference_pairs": ("pair_id", ["prompt", "chosen", "rejected", "prompt_messages"]),  # shapes.pair_id
     "rankings": ("ranking_id", ["prompt", "responses"]),
     "problems": ("problem_id", ["prompt", "answer"]),
 }
@@ -521,9 +521,11 @@ def _screen(lines: list[bytes], fmt: str, limit: int, pre_bad: dict[int, str]) -
             n_records += 1
             bad.append((i, pre_bad[i]))
             continue
-        if len(line) > limit:
+        # the record's JSON text: a JSON Lines record without the CR of a CRLF ending, a CSV or parquet row as the
+        # JSON record it becomes (its cells' line breaks and control characters escaped)
+        if len(line) > limit and (size := len(line) - line.endswith(b"\r")) > limit:
             n_records += 1
-            bad.append((i, f"record is {len(line):,} bytes > max_record_bytes {limit:,}"))
+            bad.append((i, f"record is {size:,} bytes as JSON > max_record_bytes {limit:,}"))
             continue
         try:
             record = loads(line)
@@ -680,11 +682,16 @@ def _value_problem(name: str, value: object, kind: str) -> str | None:
 
 
 def _with_ids(table: str, accepted: pl.DataFrame, source: str) -> pl.DataFrame:
-    """Add the content-hash id (content_id of the row's id fields, a list field's items in order) and source."""
+    """Add the content-hash id (content_id of the row's id fields, a list field's items in order; a pair's is
+    shapes.pair_id) and source."""
     id_column, parts = _ID_FIELDS[table]
-    rows = ([item for value in row for item in (value if isinstance(value, list) else [value])]
-            for row in accepted.select(parts).iter_rows())
-    ids = pl.Series(id_column, [content_id(*row) for row in rows], dtype=pl.String)
+    rows = accepted.select(parts).iter_rows()
+    if table == "preference_pairs":
+        ids = [pair_id(*row) for row in rows]
+    else:
+        ids = [content_id(*(item for value in row for item in (value if isinstance(value, list) else [value])))
+               for row in rows]
+    ids = pl.Series(id_column, ids, dtype=pl.String)
     return accepted.with_columns(ids, pl.lit(source, dtype=pl.String).alias("source"))
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import orjson
 import polars as pl
 
+from pipeline_lib.fingerprint import content_id
 from pipeline_lib.rewards.math import boxed_content
 
 # (names, kind, required): the first present of `names` is the field; kinds are checked per record
@@ -213,6 +214,16 @@ def split_chat(record: dict) -> str | tuple[str, str, str, str]:
     except orjson.JSONEncodeError:  # a message holds more than the role and content it needs
         return TOO_DEEP
     return _render(prompt_messages), chosen_text, rejected_text, messages
+
+
+def pair_id(prompt: str, chosen: str, rejected: str, prompt_messages: str | None) -> str:
+    """A preference pair's id: content_id(prompt, chosen, rejected), or for a conversation its messages JSON
+    (split_chat's, the prompt's messages and both replies). The rendered prompt text cannot key a conversation:
+    [user "a\\n\\nassistant: b"] and [user "a", assistant "b"] render alike, and so does the plain prompt
+    `user: q` and the conversation [user "q"]. JSON text holds no raw "\\x1f": the id is the JSON's sha256."""
+    if prompt_messages is None:
+        return content_id(prompt, chosen, rejected)
+    return content_id(prompt_messages)
 
 
 def _chat(rows: Rows) -> tuple[pl.DataFrame, list[tuple[int, str]]]:

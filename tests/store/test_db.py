@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,9 @@ import duckdb
 import polars as pl
 import pytest
 
+from pipeline_lib.fingerprint import content_id
 from pipeline_lib.store.db import SCHEMA_VERSION, TABLES, StoreError, open_store
+from pipeline_lib.store.ingest import ingest_file
 
 
 def pairs_frame(ids: list[str], source: str = "s") -> pl.DataFrame:
@@ -56,13 +59,38 @@ def test_a_v1_store_is_migrated_in_place_and_keeps_its_rows(tmp_path):
     with open_store(path, read_only=True) as store:  # a reader neither migrates nor fails
         assert store.schema_version() == 1 and "chat_template" not in store.read("samples").columns
     with open_store(path) as store:
-        assert store.schema_version() == SCHEMA_VERSION == 3
+        assert store.schema_version() == SCHEMA_VERSION == 4
         assert [row[0] for row in store._run("DESCRIBE samples")] == list(TABLES["samples"])
         assert store.read("samples").select("completion", "chat_template").rows() == [("c", None)]
         assert sorted(store.read("quarantine").select("source", "line_no").rows()) == [("d", 1), ("p", 3), ("t", 4)]
     with open_store(path) as store:  # migrated once
-        assert store._run("SELECT version FROM schema_info ORDER BY version") == [(1,), (3,)]
+        assert store._run("SELECT version FROM schema_info ORDER BY version") == [(1,), (4,)]
         assert sorted(store.read("quarantine").select("source", "line_no").rows()) == [("d", 1), ("p", 3), ("t", 4)]
+
+
+def test_a_v3_store_keys_its_conversations_on_their_messages(tmp_path):
+    """v4 keys a chat pair on its messages JSON, not its rendered prompt (shapes.pair_id): a v3 store's chat pairs
+    get the ids ingest now gives, so ingesting the same file again adds no copies; plain pairs keep theirs."""
+    conversation = {"prompt": [{"role": "user", "content": "2+2?"}], "chosen": [{"role": "assistant", "content": "4"}],
+                    "rejected": [{"role": "assistant", "content": "5"}]}
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "chat.jsonl").write_text(json.dumps(conversation) + "\n")
+    (data / "plain.jsonl").write_text(json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5"}) + "\n")
+    path = tmp_path / "store.duckdb"
+    with open_store(path) as store:
+        for name in ("chat", "plain"):
+            ingest_file(data / f"{name}.jsonl", store)
+        new_ids = dict(store.read("preference_pairs").select("source", "pair_id").rows())
+        store._run("UPDATE preference_pairs SET pair_id = ? WHERE source = 'chat'", [content_id("user: 2+2?", "4", "5")])
+        store._run("DELETE FROM schema_info")
+        store._run("INSERT INTO schema_info VALUES (3)")  # as v3 stored it
+    with open_store(path) as store:
+        assert store.schema_version() == 4
+        assert dict(store.read("preference_pairs").select("source", "pair_id").rows()) == new_ids
+        assert new_ids["plain"] == content_id("2+2?", "4", "5")
+        assert [ingest_file(data / f"{name}.jsonl", store).duplicates for name in ("chat", "plain")] == [1, 1]
+        assert store.count("preference_pairs") == 2
 
 
 def test_insert_new_skips_known_keys(tmp_path):

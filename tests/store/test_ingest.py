@@ -181,6 +181,32 @@ def test_chat_string_prompt_is_one_user_message(tmp_path, store):
     assert json.loads(row["prompt_messages"])["prompt"] == [{"role": "user", "content": "hi"}]
 
 
+def test_conversations_that_render_alike_are_different_pairs(tmp_path, store):
+    """A chat pair is keyed on its messages, not on its rendered prompt text: a user turn holding the text of two
+    turns renders as the two turns do, and the plain prompt `user: q` as the conversation [user "q"]. Each is its
+    own pair (none counted a duplicate of another), and the conversation keeps its messages."""
+    bye, hello = [{"role": "assistant", "content": "bye"}], [{"role": "assistant", "content": "hello"}]
+    one_turn = [{"role": "user", "content": "hi\n\nassistant: x"}]
+    two_turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]
+    chat = [{"prompt": one_turn, "chosen": hello, "rejected": bye},
+            {"prompt": two_turns, "chosen": hello, "rejected": bye},
+            {"prompt": [{"role": "user", "content": "q"}], "chosen": hello, "rejected": bye}]
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "user: q", "chosen": "hello", "rejected": "bye"}])
+    assert ingest_file(plain, store).accepted == 1
+    report = ingest_file(write_jsonl(tmp_path / "chat.jsonl", chat), store)
+    check_invariant(report)
+    assert (report.format, report.accepted, report.duplicates) == ("chat", 3, 0)
+    rows = store.read("preference_pairs")
+    stored = {(row["source"], row["prompt"], json.dumps(row["prompt_messages"] and json.loads(row["prompt_messages"])))
+              for row in rows.iter_rows(named=True)}
+    assert stored == {("plain", "user: q", "null")} | {
+        ("chat", prompt, json.dumps(record))
+        for prompt, record in (("user: hi\n\nassistant: x", chat[0]), ("user: hi\n\nassistant: x", chat[1]),
+                               ("user: q", chat[2]))}
+    assert rows["pair_id"].n_unique() == 4
+    assert ingest_file(tmp_path / "chat.jsonl", store).duplicates == 3  # re-ingesting stays idempotent
+
+
 def test_chat_turns_match_on_role_and_content_whatever_other_keys_they_carry(tmp_path, store):
     """A parquet column gives every message the union of its struct fields (`name: null` where a message had
     none), lists repeat a string prompt, a prompt string has a trailing space: still one shared user turn, and
@@ -310,7 +336,7 @@ def test_bad_jsonl_lines_are_quarantined_with_reasons(tmp_path, store):
     assert reasons[9] == "chosen identical to rejected"
     assert reasons[10] == "record is a list, expected a JSON object"
     # {"prompt":"p", (14) + "chosen":" (10) + 300 x + ", (2) + "rejected":"b"} (15) = 341 bytes
-    assert reasons[12] == "record is 341 bytes > max_record_bytes 200"
+    assert reasons[12] == "record is 341 bytes as JSON > max_record_bytes 200"
     assert reasons[13].startswith("malformed JSON: ")
     assert sorted(reasons) == [2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 13]
     raw = dict(store.read("quarantine").select("line_no", "raw").iter_rows())
@@ -398,7 +424,7 @@ def test_default_size_limit_is_one_megabyte_and_raw_is_truncated(tmp_path, store
     report = ingest_file(path, store)
     assert (report.quarantined, report.accepted) == (2, 0)
     rows = {r["line_no"]: r for r in store.read("quarantine").to_dicts()}
-    assert rows[1]["reason"] == "record is 1,200,041 bytes > max_record_bytes 1,000,000 (raw truncated to 10 KB)"
+    assert rows[1]["reason"] == "record is 1,200,041 bytes as JSON > max_record_bytes 1,000,000 (raw truncated to 10 KB)"
     assert rows[2]["reason"] == "chosen identical to rejected (raw truncated to 10 KB)"
     assert len(rows[1]["raw"]) == len(rows[2]["raw"]) == 10_000
 
@@ -635,7 +661,26 @@ def test_csv_cell_over_128_kb_is_read_and_the_record_limit_applies(tmp_path, sto
     check_invariant(report)
     assert report.accepted == 1 and len(store.read("preference_pairs")["chosen"][0]) == 200_000
     assert quarantine(store) == {3: "row has 4 fields, the header has 3",
-                                 4: "record is 300,042 bytes > max_record_bytes 250,000 (raw truncated to 10 KB)"}
+                                 4: "record is 300,042 bytes as JSON > max_record_bytes 250,000 (raw truncated to 10 KB)"}
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n"])
+def test_the_record_limit_measures_the_json_text(tmp_path, store, ending):
+    """A JSON Lines record is its line without the line ending (a CRLF's CR is not part of it): a record of exactly
+    max_record_bytes is kept and one byte more is not. A CSV row is measured as the JSON record it becomes, each
+    line break in a cell written `\\n`, two bytes."""
+    record = b'{"prompt":"p","chosen":"' + b"c" * 59 + b'","rejected":"r"}'  # 100 bytes
+    longer = record.replace(b'"r"', b'"rr"')
+    path = tmp_path / "limit.jsonl"
+    path.write_bytes(record + ending + longer + ending)
+    report = ingest_file(path, store, max_record_bytes=100)
+    check_invariant(report)
+    assert (report.accepted, report.quarantined) == (1, 1)
+    assert quarantine(store) == {2: "record is 101 bytes as JSON > max_record_bytes 100"}
+    csv_path = tmp_path / "limit.csv"
+    csv_path.write_bytes(b'prompt,chosen,rejected\np,"' + b"c\n" * 34 + b'",r\n')  # a 74-byte row
+    assert ingest_file(csv_path, store, max_record_bytes=100).quarantined == 1
+    assert quarantine(store)[2] == "record is 143 bytes as JSON > max_record_bytes 100"
 
 
 def test_json_array_and_parquet_keep_exact_types(tmp_path, store):
