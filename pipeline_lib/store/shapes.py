@@ -85,10 +85,16 @@ def _empty_fields(*columns: str) -> pl.Expr:
     return expr
 
 
+def _stripped(expr: pl.Expr) -> pl.Expr:
+    """Text without its surrounding whitespace: two responses that differ only there are identical (a pair of them
+    holds no preference), in every record shape (chat turns compare so too)."""
+    return expr.str.strip_chars()
+
+
 def _pairs(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
     reason = (
         _empty_fields("prompt", "chosen", "rejected")
-        .when(pl.col("chosen") == pl.col("rejected"))
+        .when(_stripped(pl.col("chosen")) == _stripped(pl.col("rejected")))
         .then(pl.lit("chosen identical to rejected"))
     )
     ok, bad = _split_off(frame, reason)
@@ -126,6 +132,9 @@ def _hh(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
         if empty:
             bad.append((idx, f"empty response after prompt extraction ({empty[0]})"))
             continue
+        if chosen[cut:].strip() == rejected[cut:].strip():  # as _stripped
+            bad.append((idx, "chosen identical to rejected"))
+            continue
         keep.append(row)
         prompts.append(chosen[:cut])
         chosens.append(chosen[cut:])
@@ -143,7 +152,7 @@ def _hh(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
 
 
 def _render(messages: list[dict]) -> str:
-    """Plain text of a conversation, for display and dedup (chat templates apply at training time)."""
+    """Plain text of a conversation: the `prompt` column, for display (chat templates apply at training time)."""
     return "\n\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
@@ -205,14 +214,11 @@ def split_chat(record: dict) -> str | tuple[str, str, str, str]:
             roles = ", ".join(m["role"] for m in messages)
             return (f"'chosen' and 'rejected' differ before their last reply ('{name}' continues with {roles}): "
                     f"a pair needs one shared prompt and one reply each")
-    chosen_text = completions["chosen"][0]["content"]
-    rejected_text = completions["rejected"][0]["content"]
-    if chosen_text == rejected_text:
-        return "chosen identical to rejected"
     try:
         messages = orjson.dumps({"prompt": prompt_messages, **completions}).decode()
     except orjson.JSONEncodeError:  # a message holds more than the role and content it needs
         return TOO_DEEP
+    chosen_text, rejected_text = (completions[name][0]["content"] for name in ("chosen", "rejected"))
     return _render(prompt_messages), chosen_text, rejected_text, messages
 
 
@@ -255,7 +261,7 @@ def _ranking(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
         .then(pl.format("{} ranks for {} responses", ranks.list.len(), k))
         .when(ranks.is_not_null() & (ranks.list.sort() != pl.int_ranges(1, k + 1)))
         .then(pl.format("ranks [{}] are not a permutation of 1..{}", ranks.cast(pl.List(pl.String)).list.join(", "), k))
-        .when(pl.col("responses").list.n_unique() < k)
+        .when(pl.col("responses").list.eval(_stripped(pl.element())).list.n_unique() < k)
         .then(pl.lit("ranking has identical responses"))
     )
     ok, bad = _split_off(frame, reason)

@@ -181,6 +181,21 @@ def test_chat_string_prompt_is_one_user_message(tmp_path, store):
     assert json.loads(row["prompt_messages"])["prompt"] == [{"role": "user", "content": "hi"}]
 
 
+@pytest.mark.parametrize("record, reason", [
+    ({"prompt": "p", "chosen": "same", "rejected": " same\n"}, "chosen identical to rejected"),
+    ({"chosen": "\n\nHuman: q\n\nAssistant: same", "rejected": "\n\nHuman: q\n\nAssistant:same "},
+     "chosen identical to rejected"),
+    ({"prompt": "p", "chosen": [{"role": "assistant", "content": "same"}],
+      "rejected": [{"role": "assistant", "content": "same\n"}]}, "chosen identical to rejected"),
+    ({"prompt": "p", "responses": ["a", "same", "same\t"]}, "ranking has identical responses"),
+])
+def test_responses_that_differ_only_in_surrounding_whitespace_are_identical(tmp_path, store, record, reason):
+    """In every shape (chat turns always compared so): such a pair holds no preference."""
+    report = ingest_file(write_jsonl(tmp_path / "w.jsonl", [record]), store)
+    assert (report.accepted, report.quarantined) == (0, 1)
+    assert quarantine(store) == {1: reason}
+
+
 def test_conversations_that_render_alike_are_different_pairs(tmp_path, store):
     """A chat pair is keyed on its messages, not on its rendered prompt text: a user turn holding the text of two
     turns renders as the two turns do, and the plain prompt `user: q` as the conversation [user "q"]. Each is its
