@@ -386,6 +386,8 @@ def _csv_lines(path: Path, data: bytes) -> tuple[list[bytes], list[int], dict[in
             reason = f"row has {len(row)} fields, the header has {len(header)}"
         elif filled := [k for k in unnamed if row[k].strip()]:
             reason = f"field {filled[0] + 1} holds text but the header names no column there"
+        elif row[0].strip() == header[0] and [cell.strip() for cell in row] == header:  # files joined with `cat`
+            reason = "row repeats the CSV header"
         else:
             try:
                 lines.append(orjson.dumps({name: cell for name, cell in zip(header, row) if name}))

@@ -668,6 +668,17 @@ def test_csv_short_row_is_reported_as_it_is(tmp_path, store, long_row):
     assert store.read("quarantine").filter(pl.col("line_no") == 3)["raw"].to_list() == ["p2,a"]
 
 
+def test_a_repeated_csv_header_is_not_a_pair(tmp_path, store):
+    """Two CSV files joined with `cat`: the second header is quarantined, not stored as the pair (prompt, chosen,
+    rejected); a row that only resembles it is a pair."""
+    path = tmp_path / "joined.csv"
+    path.write_bytes(b"prompt,chosen,rejected\np1,a,b\nprompt, chosen ,rejected\np2,a,b\nprompt,chosen,rejected?\n")
+    report = ingest_file(path, store)
+    check_invariant(report)
+    assert (report.accepted, report.quarantined) == (3, 1)
+    assert quarantine(store) == {3: "row repeats the CSV header"}
+
+
 def test_csv_cell_over_128_kb_is_read_and_the_record_limit_applies(tmp_path, store):
     """Python's csv module refuses cells over 128 KB by default; here only max_record_bytes limits a record."""
     path = tmp_path / "big.csv"
