@@ -439,7 +439,8 @@ def test_default_size_limit_is_one_megabyte_and_raw_is_truncated(tmp_path, store
     report = ingest_file(path, store)
     assert (report.quarantined, report.accepted) == (2, 0)
     rows = {r["line_no"]: r for r in store.read("quarantine").to_dicts()}
-    assert rows[1]["reason"] == "record is 1,200,041 bytes as JSON > max_record_bytes 1,000,000 (raw truncated to 10 KB)"
+    assert rows[1]["reason"] == ("record is 1,200,041 bytes as JSON > max_record_bytes 1,000,000 "
+                                 "(raw truncated to 10 KB)")
     assert rows[2]["reason"] == "chosen identical to rejected (raw truncated to 10 KB)"
     assert len(rows[1]["raw"]) == len(rows[2]["raw"]) == 10_000
 
@@ -687,7 +688,8 @@ def test_csv_cell_over_128_kb_is_read_and_the_record_limit_applies(tmp_path, sto
     check_invariant(report)
     assert report.accepted == 1 and len(store.read("preference_pairs")["chosen"][0]) == 200_000
     assert quarantine(store) == {3: "row has 4 fields, the header has 3",
-                                 4: "record is 300,042 bytes as JSON > max_record_bytes 250,000 (raw truncated to 10 KB)"}
+                                 4: "record is 300,042 bytes as JSON > max_record_bytes 250,000 "
+                                    "(raw truncated to 10 KB)"}
 
 
 @pytest.mark.parametrize("ending", [b"\n", b"\r\n"])
