@@ -53,8 +53,8 @@ def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n", chat_template
     reward and first sample_idx: a reward model may score one text slightly differently in two batches), so
     chosen and rejected always differ. Ties pick the lowest sample_idx on both ends. Prompts whose best and
     worst rewards are equal (all samples tie, a single distinct text) give no pair and are counted. Returns
-    (pairs, n_skipped); pairs have the preference_pairs columns pair_id (store.shapes.pair_id, as
-    ingest keys the same pair), source, prompt, chosen, rejected, prompt_messages (with `chat_template`, the samples' prompts
+    (pairs, n_skipped); pairs have the preference_pairs columns pair_id (store.shapes.pair_id, as ingest keys
+    the same pair), source, prompt, chosen, rejected, prompt_messages (with `chat_template`, the samples' prompts
     were user turns of the chat template: the pair is that conversation, which DPO and RM training render
     alike; else null), meta (JSON: prompt_id, both sample_idx and rewards), sorted by prompt_id."""
     scored = (
