@@ -218,8 +218,8 @@ def split_chat(record: dict) -> str | tuple[str, str, str, str]:
         messages = orjson.dumps({"prompt": prompt_messages, **completions}).decode()
     except orjson.JSONEncodeError:  # a message holds more than the role and content it needs
         return TOO_DEEP
-    chosen_text, rejected_text = (completions[name][0]["content"] for name in ("chosen", "rejected"))
-    return _render(prompt_messages), chosen_text, rejected_text, messages
+    return (_render(prompt_messages), completions["chosen"][0]["content"], completions["rejected"][0]["content"],
+            messages)
 
 
 def pair_id(prompt: str, chosen: str, rejected: str, prompt_messages: str | None) -> str:

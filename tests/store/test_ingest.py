@@ -705,10 +705,11 @@ def test_the_record_limit_measures_the_json_text(tmp_path, store, ending):
     check_invariant(report)
     assert (report.accepted, report.quarantined) == (1, 1)
     assert quarantine(store) == {2: "record is 101 bytes as JSON > max_record_bytes 100"}
-    csv_path = tmp_path / "limit.csv"
+    csv_path = tmp_path / "rows.csv"
     csv_path.write_bytes(b'prompt,chosen,rejected\np,"' + b"c\n" * 34 + b'",r\n')  # a 74-byte row
     assert ingest_file(csv_path, store, max_record_bytes=100).quarantined == 1
-    assert quarantine(store)[2] == "record is 143 bytes as JSON > max_record_bytes 100"
+    assert store.read("quarantine", source="rows")["reason"].to_list() == [
+        "record is 143 bytes as JSON > max_record_bytes 100"]
 
 
 def test_json_array_and_parquet_keep_exact_types(tmp_path, store):
