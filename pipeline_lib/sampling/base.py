@@ -20,9 +20,10 @@ class Completion:
     """One sampled continuation of a prompt.
 
     `token_ids` are the generated tokens only, including the eos token when the model emitted one
-    (RL losses need its log-prob); `text` is their decoding without special tokens, cut before a
-    stop string when one ended the sample. `logprobs[i]` is log π(token_ids[i]) under the raw
-    (temperature 1, unfiltered) distribution, present when asked for."""
+    (RL losses need its log-prob); `text` is their decoding without that eos (other special tokens
+    stay, so a verifier reads what the model wrote), cut before a stop string when one ended the
+    sample. `logprobs[i]` is log π(token_ids[i]) under the raw (temperature 1, unfiltered)
+    distribution, present when asked for."""
 
     text: str
     token_ids: list[int]

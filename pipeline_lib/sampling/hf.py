@@ -183,15 +183,19 @@ class HFSampler:
 
     def _completion(self, ids: list[int], token_logps: list[float] | None, stop: Sequence[str]) -> Completion:
         """Cut one generated row at its end: the first eos (kept) or the token completing a stop string,
-        whichever comes first (generate pads finished rows, with eos itself when pad == eos)."""
+        whichever comes first (generate pads finished rows, with eos itself when pad == eos).
+
+        The text is every token but the ending eos, special tokens included (vLLM's with skip_special_tokens
+        off): a verifier reads what the model wrote, so `4<|user|>6` is not the answer 46."""
         eos_at = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
         end, reason = (len(ids), "length") if eos_at is None else (eos_at + 1, "stop")
-        stop_at = self._stop_string_end(ids[:end], stop) if stop else None
-        if stop_at is not None and (eos_at is None or stop_at <= eos_at):
-            end, reason = stop_at, "stop"
+        body = ids[:eos_at] if eos_at is not None else ids
+        stop_at = self._stop_string_end(body, stop) if stop else None
+        if stop_at is not None:
+            end, reason, body = stop_at, "stop", ids[:stop_at]
         ids = ids[:end]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if stop_at is not None and end == stop_at:
+        text = self.tokenizer.decode(body)
+        if stop_at is not None:
             text = text[:min(i for i in (text.find(s) for s in stop) if i >= 0)]
         else:
             # the bytes of a character the row ended inside decode to U+FFFD; vLLM's incremental detokenizer
@@ -202,20 +206,20 @@ class HFSampler:
 
     def _stop_string_end(self, ids: list[int], stop: Sequence[str]) -> int | None:
         """Length of the shortest prefix whose text contains a stop string (generate stopped the row there)."""
-        if not any(s in self.tokenizer.decode(ids, skip_special_tokens=True) for s in stop):
+        if not any(s in self.tokenizer.decode(ids) for s in stop):
             return None
         for k in range(1, len(ids) + 1):
-            text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
+            text = self.tokenizer.decode(ids[:k])
             if any(s in text for s in stop):
                 return k
         return None
 
 
 class _CompletionStops(StoppingCriteria):
-    """Stops a row once the text of its completion holds a stop string: the prompt excluded and special tokens
-    skipped, the text vLLM matches `stop` against and `_completion` cuts. transformers' own `stop_strings` also
-    matched across the prompt's end and on special tokens, so it stopped rows whose completion held no stop string,
-    and they came back padded, counted as 'length'."""
+    """Stops a row once the text of its completion holds a stop string: the prompt excluded, special tokens
+    included, the text vLLM matches `stop` against and `_completion` cuts (a row already ended by eos may match
+    on its padding; it is done either way). transformers' own `stop_strings` also matched across the prompt's end,
+    so it stopped rows whose completion held no stop string, and they came back padded, counted as 'length'."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str], start: int):
         self.tokenizer, self.stop, self.start = tokenizer, tuple(stop), start
@@ -224,13 +228,12 @@ class _CompletionStops(StoppingCriteria):
         self.done: set[int] = set()
 
     def __call__(self, input_ids: Tensor, scores: Tensor | None, **kwargs) -> Tensor:
-        tails = self.tokenizer.batch_decode(input_ids[:, max(self.start, input_ids.shape[1] - self.window):].tolist(),
-                                            skip_special_tokens=True)
+        tails = self.tokenizer.batch_decode(input_ids[:, max(self.start, input_ids.shape[1] - self.window):].tolist())
         for row, tail in enumerate(tails):
             if row in self.done or not any(s in tail for s in self.stop):
                 continue
             # a window can start inside a character; the whole completion's text decides
-            text = self.tokenizer.decode(input_ids[row, self.start:], skip_special_tokens=True)
+            text = self.tokenizer.decode(input_ids[row, self.start:])
             if any(s in text for s in self.stop):
                 self.done.add(row)
         return torch.tensor([row in self.done for row in range(len(tails))], device=input_ids.device)

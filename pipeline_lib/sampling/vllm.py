@@ -150,7 +150,7 @@ class VLLMSampler:
             "stop": list(stop),
             "return_token_ids": True,
             "add_special_tokens": self.add_special_tokens,
-            "skip_special_tokens": True,
+            "skip_special_tokens": False,  # the text holds every token but the ending eos, as HFSampler's
         }
         if logprobs:
             base["logprobs"] = 0  # only the sampled token's log-prob, no top-k alternatives

@@ -11,6 +11,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from pipeline_lib.models import build_tiny_model, load_tokenizer
+from pipeline_lib.rewards.math import is_correct
 from pipeline_lib.sampling import hf as hf_module
 from pipeline_lib.sampling.base import Completion, SamplingError
 from pipeline_lib.sampling.hf import HFSampler, _ReservedLayer
@@ -33,7 +34,7 @@ def test_schema_n_per_prompt_and_finish_reasons(hf_sampler):
             assert (c.token_ids[-1] == tok.eos_token_id) == (c.finish_reason == "stop")
             assert tok.eos_token_id not in c.token_ids[:-1]
             assert c.finish_reason == "stop" or c.n_tokens == 6
-            assert tok.decode(c.token_ids, skip_special_tokens=True) == c.text
+            assert tok.decode(c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids) == c.text
 
 
 def test_same_seed_same_samples_other_seed_other_samples(hf_sampler):
@@ -298,23 +299,35 @@ def test_a_stop_string_is_matched_in_the_completion_alone(hf_sampler):
                 assert after == before
 
 
-def test_a_special_token_never_matches_a_stop_string(hf_sampler):
-    """Completion text skips special tokens (as vLLM's does), so a stop string naming one never matches: the
-    samples are those without it. transformers' stop_strings matched the token and left 7 of 8 rows padded
-    (pad ids the model never sampled, counted as tokens, finish_reason 'length')."""
+def test_a_special_token_inside_a_completion_stays_in_its_text_and_a_stop_string_can_name_it(hf_sampler):
+    """Only the ending eos leaves the text: a special token the model sampled mid-answer stays, as in vLLM's text
+    with skip_special_tokens off, so a verifier does not read `4<|user|>6` as 46, and a stop string naming the
+    token ends the sample there."""
     tok = hf_sampler.tokenizer
     special = next(t for t in tok.all_special_tokens if t not in (tok.eos_token, tok.pad_token, tok.bos_token))
+    special_id = tok.convert_tokens_to_ids(special)
+    four, six = (tok("4", add_special_tokens=False)["input_ids"], tok("6", add_special_tokens=False)["input_ids"])
+    written = hf_sampler._completion(four + [special_id] + six + [tok.eos_token_id], None, ())
+    assert (written.text, written.finish_reason) == (f"4{special}6", "stop")
+    assert not is_correct(written.text, "46") and is_correct(hf_sampler._completion(four + six, None, ()).text, "46")
+
     boost = torch.zeros(len(tok))
-    boost[tok.convert_tokens_to_ids(special)] = 3.0  # frequent, so most rows hold it
+    boost[special_id] = 3.0  # frequent, so most rows hold it
     hook = hf_sampler.model.lm_head.register_forward_hook(lambda module, args, logits: logits + boost)
     try:
         free = hf_sampler.generate(PROMPTS, n=4, max_new_tokens=6, seed=1)
         cut = hf_sampler.generate(PROMPTS, n=4, max_new_tokens=6, seed=1, stop=[special])
     finally:
         hook.remove()
-    ids = [t for group in free for c in group for t in c.token_ids]
-    assert ids.count(tok.convert_tokens_to_ids(special)) >= 4
-    assert cut == free
+    holding = [c for group in free for c in group if special_id in c.token_ids]
+    assert len(holding) >= 4 and all(special in c.text for c in holding)
+    for free_group, cut_group in zip(free, cut):
+        for before, after in zip(free_group, cut_group):
+            if special in before.text:
+                assert after.finish_reason == "stop" and after.text == before.text[: before.text.index(special)]
+                assert after.token_ids == before.token_ids[: before.token_ids.index(special_id) + 1]
+            else:
+                assert after == before
 
 
 def test_non_finite_logits_are_one_line_errors(hf_sampler):

@@ -63,8 +63,11 @@ def test_same_schema_as_hf_on_the_same_prompts(client, hf_sampler):
         for c in group:
             assert c.finish_reason in ("stop", "length") and 1 <= c.n_tokens <= 6
             assert (c.token_ids[-1] == tok.eos_token_id) == (c.finish_reason == "stop")
-            assert tok.decode(c.token_ids, skip_special_tokens=True) == c.text
+            assert tok.decode(c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids) == c.text
             assert len(c.logprobs) == c.n_tokens
+    # the untrained model samples special tokens mid-answer: both backends keep them in the text
+    special = set(tok.all_special_ids) - {tok.eos_token_id}
+    assert any(special & set(c.token_ids) for group in vllm_out for c in group)
 
 
 @pytest.mark.vllm
