@@ -133,6 +133,10 @@ def encode(
             ids = tokenizer([prompts[i] for i in rows], add_special_tokens=not from_template)["input_ids"]
             for i, row_ids in zip(rows, ids):
                 prompt_ids[i] = row_ids
+    empty = next((i for i, ids in enumerate(prompt_ids) if not ids), None)
+    if empty is not None:
+        raise TrainDataError(f"row {empty}: the prompt has no tokens (empty, and the tokenizer adds no bos), so "
+                             "nothing predicts its completion's first token; give every row a prompt")
     completion_ids = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
     if group_size < 1 or len(prompts) % group_size:
         raise TrainDataError(f"group_size {group_size}: expected a positive divisor of {len(prompts)} rows")

@@ -67,6 +67,14 @@ def test_encode_appends_eos_and_masks_only_the_completion(tokenizer):
     assert bool(same_length.attention_mask.all())  # equal lengths: no padding at all
 
 
+def test_a_prompt_without_tokens_is_refused(tokenizer):
+    """The tiny tokenizer adds no bos: an empty prompt would leave the completion's first token unpredicted (a
+    log-prob of 0 in the loss's denominator)."""
+    assert tokenizer("")["input_ids"] == []
+    with pytest.raises(TrainDataError, match="row 1: the prompt has no tokens"):
+        encode(tokenizer, ["9+9=", ""], ["18", "5"], max_length=64)
+
+
 def test_templated_rows_get_no_extra_special_tokens_and_long_rows_lose_the_prompt_head(tokenizer):
     encoded = encode(tokenizer, ["<|user|>1+1=</s><|assistant|>"], ["2"], max_length=64, templated=[True])
     assert tokenizer.convert_ids_to_tokens(encoded.prompt_ids[0])[0] == "<|user|>"
