@@ -153,7 +153,9 @@ def ingest(
     path: Path = typer.Argument(..., help="A .jsonl, .json, .csv (or gzipped: .jsonl.gz, .json.gz, .csv.gz) or "
                                           ".parquet file."),
     format: str = typer.Option("auto", "--format", "-f", help="auto|pairs|hh|chat|ranking|problem"),
-    source: Optional[str] = typer.Option(None, "--source", "-s", help="Source name (default: file name)."),
+    source: Optional[str] = typer.Option(None, "--source", "-s",
+                                         help="Source name (default: the file name without its type ending, "
+                                              "e.g. harmless-base-test for harmless-base-test.jsonl.gz)."),
     split: Optional[str] = typer.Option(None, "--split", help="Split for problems (default: train)."),
     max_record_bytes: int = typer.Option(1_000_000, "--max-record-bytes",
                                          help="Records whose JSON text is larger than this (a CSV or parquet "
@@ -224,10 +226,10 @@ def data_delete(
 
 def echo_frame(frame) -> None:
     """A polars frame with every row and whole strings shown (its default repr hides the middle rows and cuts long
-    source names behind `…`)."""
+    source names behind `…`), without polars' `shape: (rows, columns)` line above the table."""
     import polars as pl
 
-    with pl.Config(tbl_rows=-1, fmt_str_lengths=1_000, tbl_width_chars=10_000):
+    with pl.Config(tbl_rows=-1, fmt_str_lengths=1_000, tbl_width_chars=10_000, tbl_hide_dataframe_shape=True):
         typer.echo(frame if frame.height else "(empty)")
 
 

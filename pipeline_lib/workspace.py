@@ -66,10 +66,6 @@ class Workspace:
         return self.root / "models"
 
     @property
-    def runs_dir(self) -> Path:
-        return self.root / "runs"
-
-    @property
     def lock_path(self) -> Path:
         return self.root / "run.lock"
 
@@ -81,7 +77,7 @@ class Workspace:
     def create(self) -> "Workspace":
         if self.root.exists() and not self.root.is_dir():
             raise WorkspaceError(f"workspace {self.root}: a file, not a directory; pass another --workspace")
-        for path in (self.root, self.mlflow_artifacts, self.prefect_home, self.models_dir, self.runs_dir):
+        for path in (self.root, self.mlflow_artifacts, self.prefect_home, self.models_dir):
             try:
                 path.mkdir(parents=True, exist_ok=True)
             except OSError as exc:  # the path or a parent is a file, /dev/null/x, no permission, disk full
