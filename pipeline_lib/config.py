@@ -98,7 +98,7 @@ class IngestConfig(Config):
     format: Literal["auto", "pairs", "hh", "chat", "ranking", "problem"] = "auto"
     """Record shape; `auto` detects it from the first valid records' keys."""
     source: str | None = None
-    """Source name stored with each row; defaults to the file name without extensions."""
+    """Source name stored with each row; defaults to the file name without its type ending (`.jsonl.gz`, ...)."""
     split: str | None = None
     """Split for problems (`train`/`test`); a `split` field in the records wins; default `train`."""
     max_record_bytes: int = Field(1_000_000, ge=1)
@@ -489,6 +489,15 @@ def _check_reward_specs(rewards: tuple[dict, ...], reward_model_path: str | None
         raise ValueError("rewards name 'reward_model' but reward_model_path is not set")
 
 
+def _check_mini_batches(mini_batch_size: int | None, rows_per_step: int, rows_from: str) -> None:
+    """A mini-batch smaller than the step must divide its rows: a short last mini-batch would get a full optimizer
+    update of its own on a noisier gradient (TRL refuses such batch sizes too). One at least as large as the step
+    updates once on the whole step."""
+    if mini_batch_size is not None and mini_batch_size < rows_per_step and rows_per_step % mini_batch_size:
+        raise ValueError(f"mini_batch_size {mini_batch_size} does not split the {rows_per_step} completions of a "
+                         f"step ({rows_from}) into equal updates: expected a divisor of {rows_per_step}")
+
+
 class GRPOConfig(Config):
     """GRPO (DeepSeekMath, arXiv:2402.03300): G samples per prompt from θ_old, group-normalized advantages,
     clipped surrogate + β·k3 KL to the reference, μ updates per rollout. Defaults are the paper's."""
@@ -521,8 +530,9 @@ class GRPOConfig(Config):
     num_iterations: int = Field(1, ge=1)
     """μ: passes over each rollout batch with θ_old fixed (DeepSeekMath: 1, a single update per rollout)."""
     mini_batch_size: int | None = Field(None, ge=1)
-    """Completions per optimizer update; None updates once on the whole rollout batch per iteration. Each update's
-    loss is reduced over its own mini-batch (DAPO's token mean: over the mini-batch's tokens, as verl does)."""
+    """Completions per optimizer update, a divisor of prompts_per_step * group_size; None (or a value at least that
+    large) updates once on the whole rollout batch per iteration. Each update's loss is reduced over its own
+    mini-batch (DAPO's token mean: over the mini-batch's tokens, as verl does)."""
     lr: float = Field(1e-6, gt=0)
     """Peak AdamW learning rate (DeepSeekMath and DAPO: 1e-6; the tiny demo model: 2e-4; >= 3e-4 collapses it)."""
     weight_decay: float = Field(0.0, ge=0)
@@ -599,6 +609,17 @@ class GRPOConfig(Config):
                 raise ValueError(f"rewards overlong max_len {spec['max_len']} exceeds max_new_tokens {self.max_new_tokens}")
         return self
 
+    @model_validator(mode="after")
+    def _mini_batches_split_the_step(self):
+        _check_mini_batches(self.mini_batch_size, self.rows_per_step,
+                            f"prompts_per_step {self.prompts_per_step} * group_size {self.group_size}")
+        return self
+
+    @property
+    def rows_per_step(self) -> int:
+        """Completions one rollout step trains on when no group is filtered out: prompts_per_step * group_size."""
+        return self.prompts_per_step * self.group_size
+
 
 class DAPOConfig(GRPOConfig):
     """DAPO (arXiv:2503.14476) as a GRPO preset: clip-higher, token-level loss, overlong reward shaping,
@@ -663,7 +684,8 @@ class PPOConfig(Config):
     ppo_epochs: int = Field(4, ge=1)
     """Passes over each rollout batch (PPO: 4; InstructGPT: 1..4)."""
     mini_batch_size: int | None = Field(16, ge=1)
-    """Completions per optimizer update; None updates on the whole batch."""
+    """Completions per optimizer update, a divisor of prompts_per_step; None (or a value at least that large)
+    updates on the whole batch."""
     lr: float = Field(1e-5, gt=0)
     """Actor AdamW learning rate (InstructGPT 1.3B: ~1e-5)."""
     critic_lr: float = Field(5e-6, gt=0)
@@ -731,6 +753,8 @@ class PPOConfig(Config):
         if self.prompts_table == "preference_pairs" and any(spec["name"] == "verifier" for spec in self.rewards):
             raise ValueError("rewards name 'verifier' but prompts_table 'preference_pairs' has no answers; "
                              "use prompts_table 'problems'")
+        _check_mini_batches(self.mini_batch_size, self.prompts_per_step,
+                            f"prompts_per_step {self.prompts_per_step}, one completion each")
         return self
 
 

@@ -242,6 +242,39 @@ def test_seeds_and_integers_out_of_range_and_repeated_ks_are_one_line_errors(mod
     assert str(err.value).startswith(f"cfg.yaml: {message}") and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(("model", "data", "message"), [
+    (GRPOConfig, {"policy_path": "m", "prompts_per_step": 4, "group_size": 4, "mini_batch_size": 3},
+     "mini_batch_size 3 does not split the 16 completions of a step (prompts_per_step 4 * group_size 4) into equal "
+     "updates: expected a divisor of 16"),
+    (DAPOConfig, {"policy_path": "m", "mini_batch_size": 1000},
+     "mini_batch_size 1000 does not split the 8192 completions of a step (prompts_per_step 512 * group_size 16) "
+     "into equal updates: expected a divisor of 8192"),
+    (PPOConfig, {"policy_path": "m", "reward_model_path": "r", "prompts_per_step": 24},  # the default 16
+     "mini_batch_size 16 does not split the 24 completions of a step (prompts_per_step 24, one completion each) "
+     "into equal updates: expected a divisor of 24"),
+    (PipelineConfig, {"base": {}, "sft": {"model_path": "from:base"}, "grpo": {"policy_path": "from:sft",
+                      "prompts_per_step": 6, "group_size": 8, "mini_batch_size": 32}},
+     "grpo: mini_batch_size 32 does not split the 48 completions of a step (prompts_per_step 6 * group_size 8) into "
+     "equal updates: expected a divisor of 48"),
+])
+def test_a_mini_batch_that_would_leave_a_short_last_update_is_a_one_line_error(model, data, message):
+    """16 completions in mini-batches of 3 would update on 3, 3, 3, 3, 3 and then 1: a full optimizer step on a
+    far noisier gradient."""
+    with pytest.raises(ConfigError) as err:
+        validate_config(model, data, origin="cfg.yaml")
+    assert str(err.value) == f"cfg.yaml: {message}"
+
+
+@pytest.mark.parametrize("mini_batch_size", [None, 1, 8, 16, 17, 1000])
+def test_a_mini_batch_that_divides_the_step_or_covers_it_is_accepted(mini_batch_size):
+    """A mini-batch at least as large as the step updates once on the whole step (the loops clamp it)."""
+    grpo = {"policy_path": "m", "prompts_per_step": 4, "group_size": 4, "mini_batch_size": mini_batch_size}
+    assert validate_config(GRPOConfig, grpo).mini_batch_size == mini_batch_size
+    assert validate_config(DAPOConfig, grpo)
+    assert validate_config(PPOConfig, {"policy_path": "m", "reward_model_path": "r", "prompts_per_step": 16,
+                                       "mini_batch_size": mini_batch_size})
+
+
 def test_the_largest_seed_seeds_torch_through_the_stages_derived_seeds():
     from pipeline_lib.train.common import epoch_order, seed_everything
     from pipeline_lib.train.data import holdout_split

@@ -201,8 +201,7 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
     reward_fn = build_reward(cfg.rewards, reward_model_path=cfg.reward_model_path, device=device,
                              chat_prompts=any(templated))
     policy_loss = LOSSES[cfg.loss]
-    rows_per_step = cfg.prompts_per_step * cfg.group_size
-    mini_batch = min(cfg.mini_batch_size or rows_per_step, rows_per_step)
+    mini_batch = min(cfg.mini_batch_size or cfg.rows_per_step, cfg.rows_per_step)
     optimizer = make_optimizer(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     # the schedule counts training steps (rollouts), as verl does: dynamic sampling makes the number of
     # updates per step vary, and a step whose groups were all filtered out makes none
@@ -234,18 +233,20 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                 advantages = group_advantages(torch.tensor(rollout.rewards), group_size=cfg.group_size,
                                               scale=cfg.scale_rewards).to(device)  # (N,)
                 n_rows = len(batch)
+                # the config makes mini_batch divide a full step; a step short of groups (dynamic sampling gave up
+                # refilling) is split into nearly equal mini-batches of at most mini_batch rows, not a short last one
+                n_mini_batches = -(-n_rows // mini_batch)
                 ref_logps = grouped_logprobs_in_chunks(ref, batch, mini_batch, temperature=cfg.temperature) \
                     if ref is not None else None  # (N, C)
                 # one mini-batch: θ_old = θ at its first pass, so its log-probs come free from that pass
                 old_logps = grouped_logprobs_in_chunks(policy, batch, mini_batch, temperature=cfg.temperature) \
-                    if n_rows > mini_batch else None
+                    if n_mini_batches > 1 else None
 
                 # ---- update: μ passes over the rollout, one optimizer step per mini-batch
                 order_generator = torch.Generator().manual_seed(rollout_seed(cfg.seed, step, 997))
                 for _ in range(cfg.num_iterations):
                     order = torch.randperm(n_rows, generator=order_generator).to(device)
-                    for start in range(0, n_rows, mini_batch):
-                        rows = order[start:start + mini_batch]
+                    for rows in torch.tensor_split(order, n_mini_batches):
                         micro = batch.select(rows)
                         mask = micro.completion_mask
                         with autocast(device):

@@ -4,7 +4,6 @@ RM score + per-token KL penalty, GAE, several epochs of clipped policy and value
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -143,7 +142,8 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
     critic = ValueModel.from_policy(critic_path, dtype="float32", device=device,
                                     trust_remote_code=cfg.trust_remote_code).eval()
     trained = nn.ModuleDict({"policy": policy, "critic": critic})  # one checkpoint for both
-    updates_per_step = cfg.ppo_epochs * math.ceil(rows_per_step / mini_batch)
+    n_mini_batches = rows_per_step // mini_batch  # exact: the config makes mini_batch divide the step
+    updates_per_step = cfg.ppo_epochs * n_mini_batches
     optimizer = make_optimizer(
         [{"params": list(policy.parameters()), "lr": cfg.lr}, {"params": list(critic.parameters()), "lr": cfg.critic_lr}],
         lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -195,8 +195,7 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
             order_generator = torch.Generator().manual_seed(rollout_seed(cfg.seed, step, 997))
             for _ in range(cfg.ppo_epochs):
                 order = torch.randperm(rows_per_step, generator=order_generator).to(device)
-                for start in range(0, rows_per_step, mini_batch):
-                    rows = order[start:start + mini_batch]
+                for rows in torch.tensor_split(order, n_mini_batches):
                     with autocast(device):
                         logps, entropy = sequence_logprobs(policy, batch.input_ids[rows], batch.attention_mask[rows],
                                                            mask[rows], return_entropy=True,

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import polars as pl
@@ -326,6 +327,35 @@ def test_the_learning_rate_schedule_follows_training_steps_not_updates(tiny, pro
     cfg = dapo_config(tiny, max_steps=3, max_refill_rounds=0, lr=1e-3, lr_schedule="linear", warmup_steps=0)
     train_grpo(cfg, problems, tmp_path / "dapo", log=log)
     assert [metrics["train/lr"] for _, metrics in logged] == pytest.approx([1e-3, 2e-3 / 3, 1e-3 / 3])
+
+
+@pytest.mark.parametrize(("mini_batch_size", "rows_per_update"), [(4, [4, 3, 3]), (6, [5, 5]), (12, [10])])
+def test_a_step_short_of_groups_splits_its_rows_without_a_short_last_update(tiny, tmp_path, monkeypatch,
+                                                                           mini_batch_size, rows_per_update):
+    """6 prompts x G = 2, no refill: "1+1=" is all correct, so dynamic sampling keeps 5 groups, 10 rows. They make
+    ceil(10 / mini_batch_size) nearly equal updates per iteration, none over mini_batch_size rows: 4 + 3 + 3 (not
+    4 + 4 + 2) and 5 + 5 (not 6 + 4)."""
+    script = {"1+1=": ["2", "2"]} | {f"{a}+{a}=": [str(2 * a), "0"] for a in range(2, 7)}
+    problems = pl.DataFrame({"prompt": list(script), "answer": [str(2 * a) for a in range(1, 7)]})
+
+    @contextmanager
+    def scripted_sampler(*args, **kwargs):
+        yield ScriptedSampler(script), lambda: 0.0
+
+    sizes: list[int] = []
+    dapo_loss = grpo_module.LOSSES["dapo"]
+
+    def recording_loss(**kwargs):
+        sizes.append(len(kwargs["advantages"]))  # one loss per optimizer update
+        return dapo_loss(**kwargs)
+
+    monkeypatch.setattr(grpo_module, "open_policy_sampler", scripted_sampler)
+    monkeypatch.setitem(grpo_module.LOSSES, "dapo", recording_loss)
+    cfg = dapo_config(tiny, max_steps=1, prompts_per_step=6, group_size=2, mini_batch_size=mini_batch_size,
+                      num_iterations=2, max_refill_rounds=0)
+    with pytest.warns(RuntimeWarning, match="dynamic sampling found 5 of 6 groups"):
+        train_grpo(cfg, problems, tmp_path / "out")
+    assert sizes == rows_per_update * 2  # the same split in each of the 2 iterations
 
 
 def test_dapo_preset_has_the_papers_settings_and_configs_reject_mixed_ones():
