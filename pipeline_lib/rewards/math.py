@@ -65,8 +65,11 @@ _UNSIGNED_START = frozenset("0123456789.$")
 _HASHES = re.compile(r"####(?![ \t]*\d+[.)][ \t]+[^\W\d_])")
 # An item label starting a line (`1. Janet's ducks...`, `2) 9 * 2 = 18`): no answer after a marker ending its line
 _LIST_ITEM = re.compile(r"[ \t]*\d+[.)][ \t]+\S")
-# A sign the writer spaced from its number (`\boxed{- 5}`): the MATH grader compares without spaces
+# A sign the writer spaced from its number where an answer starts (`\boxed{- 5}`, `The answer is - 5`, `#### - 5`,
+# `x = - 5`): the number's sign, as the MATH grader compares without spaces. Anywhere else a spaced minus is a
+# subtraction (`10 - 5` is 10 and 5), so it joins only at the start of an answer or right after an `=`.
 _SPACED_SIGN = re.compile(r"^\s*([-+])\s+(?=[\d.$\\])")
+_EQUALS_SPACED_SIGN = re.compile(rf"(={_INLINE_SPACE}*)-{_INLINE_SPACE}+(?=[\d.$\\])")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_IS = re.compile(r"\banswer\s{0,10}(?:is\b|:|=)|答案\s{0,10}(?:是|为|為|：|:|=)", re.IGNORECASE)
 # `A:` as the answer label of the Q/A format: at the start of the text or of a line, or right after a sentence's end
@@ -79,11 +82,20 @@ _UNITS = re.compile(rf"{_UNIT}(?:(?:\s+|/){_UNIT})*")
 _SPACES = re.compile(r"\s+")
 _CLAUSE_END = re.compile(r"[.,;!?]")
 _CHOICE = re.compile(r"\(([A-Za-z])\)")  # a multiple-choice letter in parentheses
-# The arithmetic a marker may be followed by (`The answer is 5 + 7 = 12`): digits, operators, `=`, brackets, `$`,
-# spaces within the line and a `.` only before a digit (a sentence end stops it). Single characters from disjoint
-# classes: one linear pass. `/` is no operator here: `2/3 = 0.667` keeps the fraction, whose value is the answer.
-_EQUATION = re.compile(rf"(?:[\d,+\-*/×·÷x()$=]|\.(?=\d)|{_INLINE_SPACE})*")
-_OPERATOR = re.compile(r"[+\-*×·÷x]")
+# Arithmetic operators, `50% of 10` included. `/` is none: `2/3 = 0.667` keeps the fraction, whose value is the answer.
+_OPERATORS = rf"[+\-*×·÷x]|\\(?:times|cdot|div)(?![A-Za-z])|%{_INLINE_SPACE}*of(?![A-Za-z])"
+_OPERATOR = re.compile(_OPERATORS)
+# The arithmetic a marker may be followed by (`The answer is 5 + 7 = 12`, `50% of 10 = 5`): digits, operators, `=`,
+# `%`, brackets, `$`, spaces within the line and a `.` only before a digit (a sentence end stops it). Each repetition
+# is one character or an operator that starts with its own character: one linear pass.
+_EQUATION = re.compile(rf"(?:{_OPERATORS}|[\d,/()$=%]|\.(?=\d)|{_INLINE_SPACE})*")
+# What makes a marker's number the start of an expression, so no answer: an operator and an operand after it (`5 + 7`,
+# `10-3`, `3 * 4 dollars`, `6 * (2 + 3)`, `2 + \sqrt{3}`), also after a letter glued to it (`2x + 1`), or a glued
+# `\sqrt` or `\pi` (`2\sqrt{3}`). An operand is a number, a LaTeX command or a one-letter variable, not the words
+# `a` and `I` (`18 - a nice number`, `12 - I think`) nor a longer word; so units stay (`12 apples`, `3 km/h`, `5m/s`).
+_UNFINISHED = re.compile(
+    rf"\\(?:sqrt|pi)(?![A-Za-z])|[A-Za-z]?{_INLINE_SPACE}*(?:{_OPERATORS}){_INLINE_SPACE}*"
+    r"\(?\$?(?:\d|\.\d|\\[A-Za-z]|[B-HJ-Zb-z](?![\w']))")
 _DIGIT = re.compile(r"\d")
 # What may stand between a marker and its answer: `The answer is: **$\$18$**` (the `$` of LaTeX math before the
 # number's own; a sign after it stays: `$-5$`)
@@ -92,6 +104,9 @@ _LEAD = " \t:*$"
 # Unicode spellings of signs and numbers: the minus signs, superscript powers (`10³` -> `10^{3}`), vulgar fractions
 # (`2½` -> `5/2`, `¾` -> `3/4`) and the fraction slash.
 _UNICODE_SIGNS = (("\u2212", "-"), ("\uff0d", "-"), ("\u2044", "/"))
+# Hyphens and dashes written for a minus (`–5`, `﹣5`, `‐ 5`): a minus where they start a number, never between two
+# numbers (`5–7` and `5 – 7` are ranges, not 5 and -7), matched with the number before them to leave those as written
+_DASH_MINUS = re.compile(rf"(\d{_INLINE_SPACE}*)?[\u2010-\u2013\ufe63](?={_INLINE_SPACE}*[\d.$\\])")
 _SUPERSCRIPT = re.compile("[⁺⁻]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")
 _SUPERSCRIPT_DIGITS = str.maketrans("⁺⁻⁰¹²³⁴⁵⁶⁷⁸⁹", "+-0123456789")
 _VULGAR = {"½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4), "⅕": (1, 5), "⅖": (2, 5), "⅗": (3, 5),
@@ -140,14 +155,18 @@ def _vulgar_number(match: re.Match[str]) -> str:
 
 
 def _normalize(text: str) -> str:
-    """Unicode signs and numbers in ASCII, LaTeX unwrapped: the text the number scan reads."""
-    text = text.replace("{,}", ",")  # `1{,}000`: LaTeX's plain comma
+    """Unicode signs and numbers in ASCII, LaTeX unwrapped, a sign spaced after `=` joined: the text the number scan
+    reads."""
+    # `1{,}000`: LaTeX's plain comma; `~`: LaTeX's no-break space, a space (`72~\text{cm}`, `72 \mathrm{~cm}`)
+    text = text.replace("{,}", ",").replace("~", " ")
     if not text.isascii():  # str.replace and a search first: a sub that matches nothing still costs on 1 M characters
         for sign, ascii_sign in _UNICODE_SIGNS:
             text = text.replace(sign, ascii_sign)
+        text = _DASH_MINUS.sub(lambda m: m[0] if m[1] else "-", text)
         text = _SUPERSCRIPT.sub(lambda m: f"^{{{m[0].translate(_SUPERSCRIPT_DIGITS)}}}", text)
         if re.search(_VULGAR_CHAR, text):
             text = _MIXED_VULGAR.sub(_vulgar_number, text)
+    text = _EQUALS_SPACED_SIGN.sub(r"\1-", text)
     if "\\" not in text:
         return text
     if "frac" in text:
@@ -252,36 +271,45 @@ def _text_answer(text: str) -> str | None:
     return text if 0 < len(text) <= MAX_NUMBER_CHARS else None
 
 
-def _segment_answer(segment: str, numeric: bool) -> str | None:
-    """The answer right after a marker: the number it starts with (after the last `=` when it starts with arithmetic:
-    `5 + 7 = 12.` gives 12); else, unless `numeric`, the clock time it starts with as text (`3:00 PM`: never 3) or its
-    first clause as text (`yes`, `B`) if that clause has no digit; else None (`A: Janet has 16 eggs...` is
-    reasoning)."""
-    segment = segment.lstrip(_LEAD)
+def _join_sign(text: str) -> str:
+    """A sign spaced from the number it starts joined to it: `- 5` -> `-5` (see `_SPACED_SIGN`)."""
+    return _SPACED_SIGN.sub(r"\1", text, count=1)
+
+
+def _segment_answer(segment: str, numeric: bool) -> tuple[str | None, bool]:
+    """(answer, final) for the text right after a marker. The answer: the number it starts with (a spaced sign
+    joined: `- 5` is -5; after the last `=` when it starts with arithmetic: `5 + 7 = 12.` gives 12); else, unless
+    `numeric`, the clock time it starts with as text (`3:00 PM`: never 3) or its first clause as text (`yes`, `B`) if
+    that clause has no digit; else None (`A: Janet has 16 eggs...` is reasoning). `final`: the answer is decided,
+    None included, when that number starts an unfinished expression (`5 + 7.`, `2x + 1`, `3 * 4 dollars`): what the
+    writer gave is no number, and no other number is theirs."""
+    segment = _join_sign(segment.lstrip(_LEAD))
     equation = _EQUATION.match(segment)[0]
     result = equation.rfind("=")
     if result > 0 and _OPERATOR.search(equation, 0, result):  # `5 + 7 = 12`: what the working comes to
         segment = segment[result + 1:].lstrip()
     match = _NUMBER.match(segment)
     if match is not None and match["time"] is not None:
-        return None if numeric else _text_answer(match[0])
+        return (None if numeric else _text_answer(match[0])), False
+    if match is not None and _UNFINISHED.match(segment, match.end()) is not None:
+        return None, True
     if match is not None:
         parsed = _token_value(match)
-        return None if parsed is None else format_number(*parsed)
+        return (None if parsed is None else format_number(*parsed)), False
     if numeric:
-        return None
+        return None, False
     clause = _CLAUSE_END.split(segment, maxsplit=1)[0]
     if _DIGIT.search(clause):
-        return None
-    return _text_answer(clause)
+        return None, False
+    return _text_answer(clause), False
 
 
-def _after_last(pattern: re.Pattern[str], text: str) -> str | None:
-    """The text after the last match of `pattern`, or None if it does not occur."""
-    last = None
-    for last in pattern.finditer(text):
-        pass
-    return None if last is None else text[last.end():]
+def _last_end(pattern: re.Pattern[str], text: str) -> int:
+    """Where the last match of `pattern` ends, or -1 if it does not occur."""
+    end = -1
+    for match in pattern.finditer(text):
+        end = match.end()
+    return end
 
 
 def _answer_line(after_marker: str) -> str:
@@ -300,16 +328,14 @@ def _answer_line(after_marker: str) -> str:
     return following
 
 
-def _gsm8k_line(text: str) -> str | None:
-    """The line of GSM8K's final answer (`#### 72`), or None. It is the answer line of the last `####` when that
-    line holds only a number (`#### 1,080`, `#### $18.`), as every GSM8K solution's does, or when nothing but blank
-    lines follow it (`#### 18 dollars` ends the text). A `####` whose number has more after it on its line and text
-    below it is a markdown heading (`#### 3 Steps to Solve`): its number is no answer, and the other rules apply."""
-    after_marker = _after_last(_HASHES, text)
-    if after_marker is None:
-        return None
+def _gsm8k_line(after_marker: str) -> str | None:
+    """The line of GSM8K's final answer (`#### 72`) in the text after the last `####`, or None. It is that marker's
+    answer line when the line holds only a number (`#### 1,080`, `#### $18.`, `#### - 5`), as every GSM8K solution's
+    does, or when nothing but blank lines follow it (`#### 18 dollars` ends the text). A `####` whose number has more
+    after it on its line and text below it is a markdown heading (`#### 3 Steps to Solve`): its number is no answer,
+    and the other rules apply."""
     line = _answer_line(after_marker)
-    alone = _NUMBER.fullmatch(line.strip(_LEAD + ".%"))
+    alone = _NUMBER.fullmatch(_join_sign(line.strip(_LEAD + ".%")))
     if (alone is not None and alone["body"] is not None) or after_marker.strip() == line.strip():
         return line
     return None
@@ -335,7 +361,7 @@ def boxed_content(text: str) -> str | None:
 
 def _boxed_answer(content: str) -> str | None:
     """A boxed answer: a number (units stripped), the right-hand side of `x = 5`, or short text (`x+1`)."""
-    content = _SPACED_SIGN.sub(r"\1", content.rsplit("=", 1)[-1])
+    content = _join_sign(content.rsplit("=", 1)[-1])
     parsed = _parse_number(content)
     if parsed is not None:
         return format_number(*parsed)
@@ -349,11 +375,15 @@ def extract_answer(text: str | None, *, numeric: bool = False) -> str | None:
     the last `answer is x` / `answer: x`, then the last `A: x` label (at the start of a line or after a sentence's
     end, not `Part A: 12`). A marker counts only when a number follows it directly (or, for non-numeric answers, a
     clock time or a clause without digits: `The answer is 3:00 PM.`, `The answer is yes.`); otherwise the next rule
-    applies. Arithmetic right after a marker gives what it comes to (`The answer is 5 + 7 = 12.` -> 12), and a marker
+    applies. Arithmetic right after a marker gives what it comes to (`The answer is 5 + 7 = 12.` -> 12); an unfinished
+    expression there gives None (`The answer is 5 + 7.`, `2x + 1`, `10-3`: never 5, 2 or 10); a sign spaced from the
+    number it starts is its sign (`The answer is - 5`, `x = - 5` -> -5; `10 - 5` stays a subtraction), and a marker
     ending its line takes the number starting the next non-blank line (`Final answer:\n18`).
     `numeric` (the gold answer is a number) drops the text cases: `A: Let me think. 5+7 = 12` gives 12.
-    Without any usable marker: the last number in the text (or clock time, unless `numeric`). A clock time is never
-    a number (`3:00` is not 3). Numbers come back
+    When no marker gives an answer: the last number (or clock time, unless `numeric`) after the last marker with a
+    digit after it, the writer's stated answer area; a marker before that one is not read either (`He left at 3. The
+    answer is 5:30` gives no number, never 3). Without such a marker (`18. I hope this answer is clear.`): the last
+    number in the text. A clock time is never a number (`3:00` is not 3). Numbers come back
     canonical: commas, `$`, `%`, units and trailing zeros/periods stripped (`$1,234.50` -> `1234.5`,
     `1{,}000` and `1 000` with a thin or no-break space -> `1000`), powers evaluated (`1.2 \\times 10^{3}` ->
     `1200`, `2^10` -> `1024`), fractions as `p/q` (`\\frac{3}{4}` -> `3/4`). Only the last MAX_SCAN_CHARS
@@ -364,17 +394,25 @@ def extract_answer(text: str | None, *, numeric: bool = False) -> str | None:
         text = text[-MAX_SCAN_CHARS:]
         text = text[_CUT_TOKEN.match(text).end():]  # drop what the cut may have left of a number token
     text = _normalize(text)
-    line = _gsm8k_line(text)
-    if line is not None and (found := _segment_answer(line, numeric)) is not None:
-        return found
-    content = boxed_content(text)
-    if content is not None and (found := _boxed_answer(content)) is not None:
-        return found
-    for marker in (_ANSWER_IS, _A_COLON):
-        after_marker = _after_last(marker, text)
-        if after_marker is not None and (found := _segment_answer(_answer_line(after_marker), numeric)) is not None:
+    start = 0  # the fallback reads after the last marker whose answer could not be read
+    for marker in (_HASHES, _BOXED, _ANSWER_IS, _A_COLON):  # by priority
+        end = _last_end(marker, text)
+        if end < start:  # absent, or before a later marker without an answer
+            continue
+        if marker is _BOXED:  # a box holds its answer, or is no marker: never the fallback's start
+            content = boxed_content(text)
+            if content is not None and (found := _boxed_answer(content)) is not None:
+                return found
+            continue
+        line = _gsm8k_line(text[end:]) if marker is _HASHES else _answer_line(text[end:])
+        if line is None:  # a markdown heading
+            continue
+        found, final = _segment_answer(line, numeric)
+        if found is not None or final:
             return found
-    return _last_answer(text, numeric)
+        if _DIGIT.search(text, end):  # words alone after it state no answer: `I hope this answer is clear.`
+            start = end
+    return _last_answer(text[start:], numeric)
 
 
 def _parse_number(text: str, max_chars: int = MAX_NUMBER_CHARS) -> tuple[Fraction, bool] | None:
@@ -384,7 +422,7 @@ def _parse_number(text: str, max_chars: int = MAX_NUMBER_CHARS) -> tuple[Fractio
         return None
     if text.isascii() and text.isdigit() and len(text) <= max_chars:
         return Fraction(int(text)), False  # the common case, `72`, without regexes
-    text = _normalize(text).strip().rstrip(".").strip()
+    text = _join_sign(_normalize(text).strip().rstrip(".").strip())
     if text[:1] == "+" and text[1:2] in _UNSIGNED_START:  # `+5`: an explicit plus sign
         text = text[1:]
     match = _NUMBER.match(text)

@@ -719,3 +719,114 @@ def test_numeric_extraction_skips_labels_headings_and_clock_times(text, expected
 )
 def test_is_correct_reads_answer_labels_headings_and_clock_times(completion, gold, expected):
     assert is_correct(completion, gold) is expected
+
+
+# ---- signs spaced from their number, unfinished expressions, the fallback's reach, `~` and dashes as minus
+# (fourth verifier review, 2026-12-05)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # a sign spaced from the number that starts an answer is its sign (all gave 5: the sign flipped)
+        ("The answer is - 5", "-5"),
+        ("x = - 5", "-5"),
+        ("The answer is $- 5$", "-5"),
+        ("The answer is: - 5.", "-5"),
+        ("#### - 5", "-5"),
+        ("The answer is 10 - 15 = - 5", "-5"),
+        # unfinished expressions after a marker are no number (gave their first number: 5, 2, 10, 3, 3, 6)
+        ("The answer is 5 + 7.", None),
+        ("The answer is 2x + 1", None),
+        ("The answer is 10-3", None),
+        ("The answer is 3 * 4 dollars", None),
+        (r"The answer is $3 \times 4$", None),
+        ("The answer is 6 * (2 + 3)", None),
+        ("The answer is 5 + 7.\nSo 12 apples.", None),  # the stated answer is the expression: no later number
+        # ...an equation's result is the answer (gave 50 and 3)
+        ("The answer is 50% of 10 = 5", "5"),
+        (r"The answer is $3 \times 4 = 12$", "12"),
+        # the fallback reads no number before the last marker with one after it (gave 2 and 42)
+        ("He leaves at 3 and drives 2 hours. The answer is 5:30", None),
+        ("A: 42\nThe answer is 5:30", None),
+        ("Q: How many? A: 5 apples. Hmm, the answer is not obvious; recount: 6", "6"),
+        # LaTeX's `~` is a space (gave the text `72~dollars` and `72 ~cm`)
+        (r"\boxed{72~\text{dollars}}", "72"),
+        (r"\boxed{72 \mathrm{~cm}}", "72"),
+        # hyphens and dashes that start a number are its minus (gave 5, or the text `–5`)
+        ("The answer is \u20135", "-5"),
+        ("The answer is \ufe635", "-5"),
+        ("The answer is \u2010 5", "-5"),
+        ("The temperature is \u20125 degrees.", "-5"),
+        ("\\boxed{\u20115}", "-5"),
+    ],
+)
+def test_extract_answer_reads_spaced_signs_expressions_fallback_tilde_and_dashes(text, expected):
+    """Wrong answers of the fourth verifier review (2026-12-05): each gave another number (or text) before."""
+    assert extract_answer(text, numeric=True) == expected
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold", "expected"),
+    [
+        ("The answer is - 5", "5", False),  # a false positive before
+        ("The answer is - 5", "-5", True),
+        ("The answer is 5 + 7.", "5", False),
+        ("The answer is 5 + 7.", "7", False),
+        ("The answer is 50% of 10 = 5", "5", True),
+        ("He leaves at 3 and drives 2 hours. The answer is 5:30", "2", False),
+        (r"\boxed{72~\text{dollars}}", "72", True),
+        ("The answer is \u20135", "5", False),
+        ("- 5", "-5", False),  # a gold answer with a spaced sign reads as the number
+        ("-5", "- 5", True),
+        ("x = -5", "x = - 5", True),
+        ("72", "72~cm", True),
+    ],
+)
+def test_is_correct_reads_spaced_signs_expressions_fallback_tilde_and_dashes(completion, gold, expected):
+    assert is_correct(completion, gold) is expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # a spaced minus anywhere else stays a subtraction, never a sign
+        ("He had 10 - 5 apples", "5"),
+        ("x = 10 - 5", "5"),
+        ("16 - 3 - 4 = 9", "9"),
+        # units, exponents, fractions and percents after a marker's number still read as before
+        ("The answer is 12 apples.", "12"),
+        ("The answer is 5 dollars", "5"),
+        ("The answer is 3 km/h", "3"),
+        ("The answer is 5m/s", "5"),
+        ("The answer is 1e3", "1000"),
+        ("The answer is -3/4.", "-3/4"),
+        (r"The answer is \frac{3}{4}", "3/4"),
+        ("The answer is 25%.", "25"),
+        ("The answer is 25% = 0.25", "25"),  # `%` alone is no operator
+        ("The answer is 20% of the total", "20"),
+        # a dash or a word after the number is no operand
+        ("The answer is 18 - a nice number", "18"),
+        ("The answer is 12 - that's the total", "12"),
+        ("The answer is 5-year", "5"),
+        ("The answer is 12 dollars (6 * 2).", "12"),
+        # a marker followed by words alone states no answer: the fallback reads the whole text, as before
+        ("Answer: 18.\n\nI hope this answer is helpful.", "18"),
+        ("The answer is wrong. Let me redo it: 3*4 = 12", "12"),
+        # a dash between two numbers is no minus (`5–7` is a range)
+        ("She read 5\u20137 pages", "7"),
+        ("between 3 \u2013 5", "5"),
+    ],
+)
+def test_spaced_minus_units_and_ranges_read_as_before(text, expected):
+    assert extract_answer(text, numeric=True) == expected
+
+
+def test_spaced_signs_expressions_and_dashes_stay_fast_on_long_inputs():
+    for text in ("= - " * 250_000, "The answer is " + "5 + " * 250_000, "1\u2013" * 500_000,
+                 "The answer is 50%" + " " * 1_000_000 + "o", "~" * 1_000_000,
+                 "I hope this answer is clear. " * 40_000):
+        start = time.perf_counter()
+        extract_answer(text)
+        extract_answer(text, numeric=True)
+        assert time.perf_counter() - start < 0.5
