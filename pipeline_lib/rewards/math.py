@@ -105,7 +105,8 @@ _LEAD = " \t:*$"
 # (`2½` -> `5/2`, `¾` -> `3/4`) and the fraction slash.
 _UNICODE_SIGNS = (("\u2212", "-"), ("\uff0d", "-"), ("\u2044", "/"))
 # Hyphens and dashes written for a minus (`–5`, `﹣5`, `‐ 5`): a minus where they start a number, never between two
-# numbers (`5–7` and `5 – 7` are ranges, not 5 and -7), matched with the number before them to leave those as written
+# numbers (`5–7` and `5 – 7` are ranges, not 5 and -7), matched with the number before them to leave those as
+# written
 _DASH_MINUS = re.compile(rf"(\d{_INLINE_SPACE}*)?[\u2010-\u2013\ufe63](?={_INLINE_SPACE}*[\d.$\\])")
 _SUPERSCRIPT = re.compile("[⁺⁻]?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")
 _SUPERSCRIPT_DIGITS = str.maketrans("⁺⁻⁰¹²³⁴⁵⁶⁷⁸⁹", "+-0123456789")
