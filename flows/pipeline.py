@@ -24,6 +24,7 @@ from pipeline_lib import tracking
 from pipeline_lib.config import PipelineConfig
 from tasks.common import current_workspace, run_tags
 from tasks.evaluation import compare_task
+from tasks.store import corpus_sources_task
 
 TRAINING_FLOWS = {"sft": sft_flow, "rm": rm_flow, "rs_sft": sft_flow, "dpo": dpo_flow,
                   "grpo": grpo_flow, "dapo": dapo_flow, "ppo": ppo_flow}
@@ -36,7 +37,12 @@ def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str,
     with tracking.pipeline_run(current_workspace(), cfg.name, cfg, tags=run_tags()) as pipeline_run_id:
         for ingest_cfg in cfg.ingest:
             ingest_flow(ingest_cfg)
-        outputs = {"base": prepare_model_flow(cfg.base, force="base" in force) if cfg.base else cfg.base_model_path}
+        base = cfg.base
+        if base is not None and base.corpus_sources is None:
+            # every source but the pipeline's own West-of-N pairs, which each run adds to: with them the tokenizer's
+            # corpus, so the base model's dir and every stage after it, would change from one run to the next
+            base = base.model_copy(update={"corpus_sources": corpus_sources_task(exclude=cfg.west_of_n_source)})
+        outputs = {"base": prepare_model_flow(base, force="base" in force) if base else cfg.base_model_path}
         for stage in ("sft", "rm", "sample", "rs_sft", "dpo", "grpo", "dapo", "ppo"):
             if getattr(cfg, stage) is None:
                 continue

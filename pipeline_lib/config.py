@@ -765,8 +765,8 @@ class TinyModelConfig(Config):
     """A tiny Llama + character-level tokenizer built offline from the store's texts (pipeline_lib/models/tiny.py)."""
 
     corpus_sources: tuple[str, ...] | None = Field(None, min_length=1)
-    """Store sources whose texts train the tokenizer (every character the model will see); None = all; an empty
-    list is refused (it names no source)."""
+    """Store sources whose texts train the tokenizer (every character the model will see); None = all (in a
+    pipeline: all but its `west_of_n_source`, the pairs its own runs add); an empty list is refused."""
     vocab_size: int | None = Field(None, ge=8)
     """BPE vocabulary size (more than the 7 special tokens); None = alphabet + specials only, every digit its own token (the demo's arithmetic needs them)."""
     hidden_size: int = Field(128, ge=8)

@@ -86,6 +86,13 @@ def eval_results_count_task(cfg: EvalConfig) -> int:
         return store.count("eval_results", run_id=sample_run_id(cfg.sample_config, problem_ids), model=cfg.label)
 
 
+@task(name="corpus-sources")
+def corpus_sources_task(exclude: str) -> tuple[str, ...] | None:
+    """Every source of the store's texts but `exclude` (None when no other is there)."""
+    with open_store(current_workspace().store_path) as store:
+        return tuple(source for source in store.corpus_sources() if source != exclude) or None
+
+
 @task(name="corpus-fingerprint")
 def corpus_fingerprint_task(sources: tuple[str, ...] | None) -> str:
     """Fingerprint of the texts a tokenizer would be trained on."""

@@ -327,6 +327,12 @@ class Store:
             return [row[0] for row in self._run(sql)]
         return [row[0] for row in self._run(sql + " WHERE list_contains(?, source)", [sources])]
 
+    def corpus_sources(self) -> list[str]:
+        """The sources of the tables `corpus_texts` reads, sorted."""
+        tables = ("preference_pairs", "problems", "rankings")
+        sql = " UNION ".join(f"SELECT source FROM {table}" for table in tables)
+        return [row[0] for row in self._run(f"SELECT source FROM ({sql}) ORDER BY source")]
+
     def fingerprint(self, table: str, **equals: object) -> str:
         """md5 over the sorted content ids of the selected rows: changes iff the selected data changes."""
         where, params = _where(table, equals)

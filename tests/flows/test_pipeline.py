@@ -114,3 +114,26 @@ def test_a_force_naming_no_stage_is_refused_before_anything_runs(flow_workspace)
                                           r"'sft'\]"):
         pipeline_flow(cfg, force=("dapo", "sft", "eval"))
     assert tracking.find_runs(flow_workspace, "") == []
+
+
+@pytest.mark.slow
+def test_the_base_tokenizer_leaves_out_the_pipelines_own_west_of_n_pairs(flow_workspace):
+    """A base without corpus_sources trains on every source but the West-of-N pairs each run adds: with them, an
+    unchanged rerun built its base into a new dir, and every stage after it retrained."""
+    data = load_yaml(PRESET)
+    data["ingest"] = [c for c in data["ingest"] if "demo" in c["path"]]
+    data["base"] = {}
+    data["sft"] |= {"max_steps": 5, "save_every": 1000}
+    data["sample"] |= {"max_problems": 16}
+    data["eval"] |= {"max_problems": 4, "n": 2, "ks": [1, 2]}
+    for stage in ("rm", "rs_sft", "dpo", "grpo", "dapo", "ppo"):
+        data.pop(stage)
+    cfg = validate_config(PipelineConfig, data)
+    outputs = pipeline_flow(cfg)
+    with open_store(flow_workspace.store_path) as store:
+        assert store.count("preference_pairs", source=cfg.west_of_n_source) > 0  # the run added pairs
+        assert store.corpus_sources() == ["demo", cfg.west_of_n_source]
+    (base,) = stage_runs(flow_workspace, "base")
+    assert base.data.params["corpus_sources"] == '["demo"]'
+    assert pipeline_flow(cfg) == outputs
+    assert len(stage_runs(flow_workspace, "base")) == 1 and len(stage_runs(flow_workspace, "sft")) == 1
