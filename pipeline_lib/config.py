@@ -931,7 +931,9 @@ class PipelineConfig(Config):
         enabled = {"base"} | {s for s in STAGE_ORDER[1:] if getattr(self, s) is not None}
         for stage, field, target in self.stage_refs():
             if target not in enabled or STAGE_ORDER.index(target) >= STAGE_ORDER.index(stage):
-                raise ValueError(f"{stage}.{field}: 'from:{target}' must name an enabled earlier stage of {STAGE_ORDER}")
+                earlier = [s for s in STAGE_ORDER[:STAGE_ORDER.index(stage)] if s in enabled]
+                raise ValueError(f"{stage}.{field}: 'from:{target}' must name an enabled earlier stage: one of "
+                                 f"{', '.join(earlier)}")
             if target not in REF_TARGETS[field]:
                 raise ValueError(f"{stage}.{field}: 'from:{target}' is not a stage whose output fits {field}; "
                                  f"expected one of {REF_TARGETS[field]}")

@@ -131,7 +131,8 @@ def test_demo_preset_validates_and_resolves_references():
 
 def test_reference_to_a_later_or_disabled_stage_is_rejected():
     base = {"base": {}, "sft": {"model_path": "from:base"}}
-    with pytest.raises(ConfigError, match=r"dpo.policy_path: 'from:grpo' must name an enabled earlier stage"):
+    with pytest.raises(ConfigError, match=r"dpo.policy_path: 'from:grpo' must name an enabled earlier stage: one "
+                                          r"of base, sft$"):  # the stages this preset runs before dpo, no others
         validate_config(PipelineConfig, base | {"dpo": {"policy_path": "from:grpo"}})
     with pytest.raises(ConfigError, match="from:rm"):
         validate_config(PipelineConfig, base | {"dpo": {"policy_path": "from:rm"}})
