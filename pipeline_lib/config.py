@@ -753,6 +753,10 @@ class PPOConfig(Config):
         if self.prompts_table == "preference_pairs" and any(spec["name"] == "verifier" for spec in self.rewards):
             raise ValueError("rewards name 'verifier' but prompts_table 'preference_pairs' has no answers; "
                              "use prompts_table 'problems'")
+        return self
+
+    @model_validator(mode="after")
+    def _mini_batches_split_the_step(self):
         _check_mini_batches(self.mini_batch_size, self.prompts_per_step,
                             f"prompts_per_step {self.prompts_per_step}, one completion each")
         return self

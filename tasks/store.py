@@ -23,7 +23,7 @@ from pipeline_lib.errors import AlignflowError
 from pipeline_lib.filters import west_of_n_of_run
 from pipeline_lib.fingerprint import content_id, frame_fingerprint, model_fingerprint
 from pipeline_lib.sampling.stage import sample_run_id, select_problems
-from pipeline_lib.store.db import open_store
+from pipeline_lib.store.db import CORPUS_TABLES, open_store
 from pipeline_lib.train.dpo import load_dpo_data
 from pipeline_lib.train.grpo import load_grpo_data
 from pipeline_lib.train.ppo import load_ppo_data
@@ -97,7 +97,6 @@ def corpus_sources_task(exclude: str) -> tuple[str, ...] | None:
 def corpus_fingerprint_task(sources: tuple[str, ...] | None) -> str:
     """Fingerprint of the texts a tokenizer would be trained on."""
     with open_store(current_workspace().store_path) as store:
-        tables = ("preference_pairs", "problems", "rankings")
         if sources is None:
-            return ";".join(store.fingerprint(t) for t in tables)
-        return ";".join(store.fingerprint(t, source=s) for t in tables for s in sorted(sources))
+            return ";".join(store.fingerprint(t) for t in CORPUS_TABLES)
+        return ";".join(store.fingerprint(t, source=s) for t in CORPUS_TABLES for s in sorted(sources))

@@ -84,6 +84,7 @@ TABLES: dict[str, dict[str, str]] = {
 }
 # the tables an ingest writes, each row under its file's `source`
 SOURCE_TABLES = ("preference_pairs", "rankings", "problems", "quarantine")
+CORPUS_TABLES = ("preference_pairs", "problems", "rankings")  # the texts a tokenizer trains on (`corpus_texts`)
 
 TABLE_KEYS = {
     "preference_pairs": ["pair_id"],
@@ -329,8 +330,7 @@ class Store:
 
     def corpus_sources(self) -> list[str]:
         """The sources of the tables `corpus_texts` reads, sorted."""
-        tables = ("preference_pairs", "problems", "rankings")
-        sql = " UNION ".join(f"SELECT source FROM {table}" for table in tables)
+        sql = " UNION ".join(f"SELECT source FROM {table}" for table in CORPUS_TABLES)
         return [row[0] for row in self._run(f"SELECT source FROM ({sql}) ORDER BY source")]
 
     def fingerprint(self, table: str, **equals: object) -> str:
