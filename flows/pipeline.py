@@ -24,7 +24,7 @@ from pipeline_lib import tracking
 from pipeline_lib.config import PipelineConfig
 from tasks.common import current_workspace, run_tags
 from tasks.evaluation import compare_task
-from tasks.store import corpus_sources_task
+from tasks.store import check_selections_task, corpus_sources_task
 
 TRAINING_FLOWS = {"sft": sft_flow, "rm": rm_flow, "rs_sft": sft_flow, "dpo": dpo_flow,
                   "grpo": grpo_flow, "dapo": dapo_flow, "ppo": ppo_flow}
@@ -37,6 +37,7 @@ def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str,
     with tracking.pipeline_run(current_workspace(), cfg.name, cfg, tags=run_tags()) as pipeline_run_id:
         for ingest_cfg in cfg.ingest:
             ingest_flow(ingest_cfg)
+        check_selections_task(cfg.stored_selections())  # a mistyped source fails here, not after stages trained
         base = cfg.base
         if base is not None and base.corpus_sources is None:
             # every source but the pipeline's own West-of-N pairs, which each run adds to: with them the tokenizer's

@@ -889,6 +889,22 @@ def model_paths(cfg: BaseModel) -> list[str]:
     return [path for path in (getattr(cfg, field, None) for field in MODEL_FIELDS) if path]
 
 
+def _stored_selection(cfg: BaseModel) -> tuple[str, dict[str, str | None]] | None:
+    """(table, column filters) of the ingested rows a stage config reads, as its data loader selects them; None
+    when it reads a sampling run."""
+    if isinstance(cfg, SFTConfig):
+        if cfg.data == "problems":
+            return "problems", {"source": cfg.source, "split": cfg.split}
+        return ("preference_pairs", {"source": cfg.source}) if cfg.data == "pairs" else None
+    if isinstance(cfg, RMConfig):
+        return ("preference_pairs" if cfg.loss == "bradley_terry" else "rankings"), {"source": cfg.source}
+    if isinstance(cfg, DPOConfig):
+        return None if cfg.samples_run_id else ("preference_pairs", {"source": cfg.source})
+    if isinstance(cfg, PPOConfig) and cfg.prompts_table == "preference_pairs":
+        return "preference_pairs", {"source": cfg.problems_source}
+    return "problems", {"source": cfg.problems_source, "split": cfg.split}  # sample, GRPO, DAPO, PPO, eval
+
+
 class PipelineConfig(Config):
     """A whole pipeline: the stages to run, each with its own config. A path field written `from:<stage>`
     (e.g. `policy_path: from:sft`) takes that stage's output when the pipeline runs; an explicit path is
@@ -962,6 +978,20 @@ class PipelineConfig(Config):
                 if isinstance(value, str) and value.startswith(FROM):
                     refs.append((stage, field, value[len(FROM):]))
         return refs
+
+    def stored_selections(self) -> list[tuple[str, str, dict[str, str | None]]]:
+        """(stage, table, column filters) of the ingested store rows each enabled stage and the evaluation read, so
+        that a pipeline refuses a mistyped source or split before its first stage trains. Left out: what the
+        pipeline makes itself (Best-of-N samples, a sampling run's West-of-N pairs, and, when it has a sample
+        stage, preference pairs of the West-of-N source or of every source)."""
+        selections = []
+        for stage in [*STAGE_ORDER[1:], *(["eval"] if self.evaluated else [])]:
+            cfg = getattr(self, stage)
+            if cfg is not None and (selection := _stored_selection(cfg)) is not None:
+                selections.append((stage, *selection))
+        made_here = (None, self.west_of_n_source) if self.sample is not None else ()
+        return [(stage, table, where) for stage, table, where in selections
+                if not (table == "preference_pairs" and where["source"] in made_here)]
 
     def resolved(self, stage: str, outputs: dict[str, str]) -> BaseModel:
         """The stage's config with its `from:` fields replaced by the outputs of earlier stages."""

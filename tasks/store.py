@@ -56,6 +56,20 @@ def inputs_fingerprint_task(cfg: BaseModel, stage: str) -> str:
     return content_id(*(frame_fingerprint(f) for f in frames), *models)
 
 
+@task(name="check-selections")
+def check_selections_task(selections: list[tuple[str, str, dict[str, str | None]]]) -> None:
+    """Refuse, in one line naming the stage, a (stage, table, filters) selection no store row matches."""
+    if not selections:
+        return
+    with open_store(current_workspace().store_path, read_only=True) as store:
+        for stage, table, where in selections:
+            try:
+                store.check_selected(table, **where)
+            except AlignflowError as exc:
+                exc.args = (f"{stage}: {exc}",)
+                raise
+
+
 @task(name="samples-fingerprint")
 def samples_fingerprint_task(run_id: str) -> str:
     """Fingerprint of a sampling run's rows: a run resumed with new problems is a new input to its filters."""

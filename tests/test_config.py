@@ -443,3 +443,35 @@ def test_ingest_files_resolve_against_the_checkout_and_are_not_checked_when_buil
     assert cfg.resolved_path.is_file()
     # a config built in code (a test, a flow parameter) may name a file written later
     assert validate_config(IngestConfig, {"path": "later.jsonl"}).path == "later.jsonl"
+
+
+def test_stored_selections_name_what_each_stage_reads_but_not_what_the_pipeline_makes():
+    demo = validate_config(PipelineConfig, load_yaml(PRESETS / "demo.yaml"))
+    train, test = {"source": "demo", "split": "train"}, {"source": "demo", "split": "test"}
+    # rs_sft and dpo read this pipeline's sampling run; eval reads the test split
+    assert demo.stored_selections() == [
+        ("sft", "problems", train), ("rm", "preference_pairs", {"source": "demo"}), ("sample", "problems", train),
+        ("grpo", "problems", train), ("dapo", "problems", train), ("ppo", "problems", train),
+        ("eval", "problems", test)]
+
+    def selections(**stages):
+        return validate_config(PipelineConfig, {"base": {}, **stages}).stored_selections()
+
+    pairs_sft = {"model_path": "from:base", "data": "pairs", "source": "hh"}
+    rankings_rm = {"model_path": "from:base", "loss": "plackett_luce", "source": "ranked"}
+    pairs_ppo = {"policy_path": "from:base", "reward_model_path": "from:rm", "prompts_table": "preference_pairs",
+                 "rewards": [{"name": "reward_model"}]}
+    assert selections(sft=pairs_sft, rm=rankings_rm, dpo={"policy_path": "from:sft"}, ppo=pairs_ppo) == [
+        ("sft", "preference_pairs", {"source": "hh"}), ("rm", "rankings", {"source": "ranked"}),
+        ("dpo", "preference_pairs", {"source": None}), ("ppo", "preference_pairs", {"source": None})]
+    # with a sample stage, pairs of every source or of the West-of-N source may be the ones it adds
+    sample = {"model_path": "from:base", "problems_source": "math"}
+    assert selections(sample=sample, dpo={"policy_path": "from:base"}) == [
+        ("sample", "problems", {"source": "math", "split": "test"})]
+    assert selections(rm={"model_path": "from:base"}, sample=sample,
+                      dpo={"policy_path": "from:base", "source": "west_of_n"},
+                      ppo=pairs_ppo | {"problems_source": "hh"}) == [
+        ("sample", "problems", {"source": "math", "split": "test"}), ("ppo", "preference_pairs", {"source": "hh"})]
+    # an eval section without an evaluated stage reads nothing
+    assert selections(sft={"model_path": "from:base"}, eval={"model_path": "x"}, eval_models=["dpo"]) == [
+        ("sft", "problems", {"source": None, "split": "train"})]

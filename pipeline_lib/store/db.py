@@ -282,8 +282,17 @@ class Store:
         selection and what the table holds, counted by the same columns (a mistyped source or split shows at once)."""
         where = {column: value for column, value in equals.items() if value is not None}
         frame = self.read(table, **where)  # checks the table and column names
-        if frame.height:
-            return frame
+        if not frame.height:
+            self._refuse_empty_selection(table, where)
+        return frame
+
+    def check_selected(self, table: str, **equals: object) -> None:
+        """`read_selected`'s refusal of a selection no row matches, without reading the rows."""
+        where = {column: value for column, value in equals.items() if value is not None}
+        if not self.count(table, **where):
+            self._refuse_empty_selection(table, where)
+
+    def _refuse_empty_selection(self, table: str, where: dict[str, object]) -> None:
         groups = self._run(f"SELECT {', '.join(where)}, count(*) FROM {table} GROUP BY ALL ORDER BY ALL") \
             if where else []
         if not groups:

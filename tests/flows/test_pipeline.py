@@ -13,7 +13,7 @@ from flows.pipeline import pipeline_flow
 from flows.sft import sft_flow
 from pipeline_lib import tracking
 from pipeline_lib.config import ConfigError, PipelineConfig, load_config, load_yaml, validate_config
-from pipeline_lib.store.db import open_store
+from pipeline_lib.store.db import StoreError, open_store
 
 PRESET = Path(__file__).resolve().parents[2] / "flows" / "configs" / "demo.yaml"
 STAGES = ("sft", "rm", "rs_sft", "dpo", "grpo", "dapo", "ppo")
@@ -114,6 +114,21 @@ def test_a_force_naming_no_stage_is_refused_before_anything_runs(flow_workspace)
                                           r"'sft'\]"):
         pipeline_flow(cfg, force=("dapo", "sft", "eval"))
     assert tracking.find_runs(flow_workspace, "") == []
+
+
+def test_a_source_no_stored_row_matches_fails_before_the_first_stage(flow_workspace):
+    """A mistyped problems source of a late stage used to fail only when that stage started, after the base and
+    every earlier stage had trained."""
+    cfg = validate_config(PipelineConfig, {
+        "ingest": [{"path": "data/demo/problems.jsonl", "source": "demo"}],
+        "base": {}, "sft": {"model_path": "from:base", "source": "demo"},
+        "grpo": {"policy_path": "from:sft", "problems_source": "dem0"}})
+    with pytest.raises(StoreError, match=r"^grpo: no problems rows in the store with source='dem0', split='train'; "
+                                         r"it holds source='demo', split='test': 200 rows; source='demo', "
+                                         r"split='train': 9800 rows$"):
+        pipeline_flow(cfg)
+    assert sorted(run.info.run_name for run in tracking.find_runs(flow_workspace, "")) == ["ingest", "pipeline"]
+    assert not any(flow_workspace.models_dir.rglob("*"))
 
 
 @pytest.mark.slow
