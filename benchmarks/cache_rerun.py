@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=positive_int, default=30, help="SFT optimizer steps")
     parser.add_argument("--batch-size", type=positive_int, default=128)
     args = parser.parse_args()

@@ -43,7 +43,7 @@ def best_time(fn, repeats: int) -> tuple[float, object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--problems", type=positive_int, default=10_000)
     parser.add_argument("--samples", type=positive_int, default=64)
     parser.add_argument("--repeats", type=positive_int, default=3)

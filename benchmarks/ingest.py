@@ -143,7 +143,7 @@ def run_datasets(path: Path, cache_dir: Path) -> tuple[tuple[float, float], int]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=positive_int, nargs="+", default=[100_000], help="pairs per file (several allowed)")
     parser.add_argument("--skip-datasets", action="store_true", help="do not run the HF datasets baseline")
     parser.add_argument("--csv", action="store_true", help="also ingest the parseable records as a CSV file")

@@ -90,7 +90,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=positive_int, default=8)
     parser.add_argument("--seq-len", type=positive_int, default=512)
     parser.add_argument("--vocab", type=positive_int, default=32768)

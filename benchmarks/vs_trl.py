@@ -322,14 +322,14 @@ def algo_settings(args: argparse.Namespace, algo: str, overrides: dict[str, str]
             except ValueError:
                 kind = {int: "an integer", float: "a number"}[type(settings[key])]
                 raise SystemExit(f"--set {key}={value}: expected {kind}") from None
-    if not 0 <= settings["warmup"] < settings["steps"]:
+    if not 0 <= settings["warmup"] < settings["steps"] - 1:
         raise SystemExit(f"{algo}: warmup {settings['warmup']} with {settings['steps']} steps: expected 0 <= warmup "
-                         "< steps (the steps after the warm-up are timed)")
+                         "< steps - 1 (step 1 starts no interval; the steps after it and the warm-up are timed)")
     return settings
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(SIZES), default="demo")
     parser.add_argument("--algo", nargs="+", choices=sorted(IMPLS), default=["dpo", "grpo"])
     parser.add_argument("--repeats", type=positive_int, default=2, help="runs of each implementation, alternating")
@@ -377,6 +377,9 @@ def main() -> None:
                     print(f"  {impl}: {results[impl][-1]['step_s'] * 1000:.1f} ms/step", flush=True)
             lines += summarize(algo, results)
     print(f"uptime at end: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}\n")
+    if args.profile:
+        print("--profile: the step times below include the profiled step and the profiler's overhead; they are not "
+              "a measurement (run without --profile for that)\n")
     print("| algo | implementation | step ms, mean (range of runs) | step time ours/TRL | setup + step 1 s "
           "| wall s, all steps | peak RSS MiB | peak RSS ours/TRL | RSS after imports MiB |")
     print("|---|---|---|---|---|---|---|---|---|")

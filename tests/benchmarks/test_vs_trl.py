@@ -33,7 +33,10 @@ def test_vs_trl_prints_one_row_per_implementation():
 
 
 @pytest.mark.parametrize(("args", "error"), [
-    (["--steps", "2", "--warmup", "2"], "dpo: warmup 2 with 2 steps: expected 0 <= warmup < steps"),
+    (["--steps", "2", "--warmup", "2"], "dpo: warmup 2 with 2 steps: expected 0 <= warmup < steps - 1"),
+    # step 1 starts no interval: 2 steps give one, which a warm-up of 1 would leave out
+    (["--steps", "2", "--warmup", "1"], "dpo: warmup 1 with 2 steps: expected 0 <= warmup < steps - 1"),
+    (["--steps", "1", "--warmup", "0"], "dpo: warmup 0 with 1 steps: expected 0 <= warmup < steps - 1"),
     (["--set", "prompts=abc"], "--set prompts=abc: expected an integer"),
     (["--set", "lr=fast"], "--set lr=fast: expected a number"),
 ])
