@@ -706,6 +706,9 @@ def _quarantine_frame(
         if len(raw) > RAW_LIMIT:
             raw = raw[:RAW_LIMIT]
             reason += f" (raw truncated to {RAW_LIMIT // 1000} KB)"
+        # records of one line (a minified JSON array) share their line_no: the reason says which record it is
+        if any(0 <= j < len(line_nos) and line_nos[j] == line_nos[i] for j in (i - 1, i + 1)):
+            reason += f" (record {i + 1} of the file, on line {line_nos[i]})"
         raws.append(raw)
         reasons.append(reason)
     return pl.DataFrame(

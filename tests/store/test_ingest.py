@@ -417,7 +417,7 @@ def test_record_nested_too_deep_to_store_is_quarantined(tmp_path, store):
     (tmp_path / "array.json").write_bytes(b"[" + orjson.dumps(PAIRS[1]) + b"," + pair % lists(254) + b"]")
     report = ingest_file(tmp_path / "array.json", store)
     assert (report.rows_read, report.quarantined) == (2, 1)
-    assert store.read("quarantine", source="array")[["line_no", "reason"]].rows() == [(1, "nested deeper than 254 levels")]
+    assert store.read("quarantine", source="array")[["line_no", "reason"]].rows() == [(1, "nested deeper than 254 levels (record 2 of the file, on line 1)")]
 
 
 def test_integers_past_64_bits_stay_exact_in_meta(tmp_path, store):
@@ -823,21 +823,21 @@ def _open_for_writing(path: Path) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
 
 
-@pytest.mark.parametrize(("content", "line_no"), [
-    (lambda records: orjson.dumps(records) + b"\n", 1),
-    (lambda records: orjson.dumps(records, option=orjson.OPT_INDENT_2), 7),
-    (lambda records: gzip.compress(orjson.dumps(records, option=orjson.OPT_INDENT_2)), 7),
+@pytest.mark.parametrize(("content", "line_no", "which"), [
+    (lambda records: orjson.dumps(records) + b"\n", 1, " (record 2 of the file, on line 1)"),
+    (lambda records: orjson.dumps(records, option=orjson.OPT_INDENT_2), 7, ""),
+    (lambda records: gzip.compress(orjson.dumps(records, option=orjson.OPT_INDENT_2)), 7, ""),
 ], ids=["one-line", "pretty", "gzip"])
-def test_a_jsonl_file_holding_one_json_array_is_read_as_its_records(tmp_path, store, content, line_no):
+def test_a_jsonl_file_holding_one_json_array_is_read_as_its_records(tmp_path, store, content, line_no, which):
     """The mirror of a .json file holding JSON Lines: before, the array was one record, "a list" (refused), or each
-    line of a pretty-printed one was malformed JSON."""
+    line of a pretty-printed one was malformed JSON. Records sharing a line are told apart in the reason."""
     records = [PAIRS[0], {"prompt": "bad", "chosen": "same", "rejected": "same"}, PAIRS[2]]
     path = tmp_path / ("a.jsonl.gz" if content(records)[:2] == b"\x1f\x8b" else "a.jsonl")
     path.write_bytes(content(records))
     report = ingest_file(path, store)
     check_invariant(report)
     assert (report.format, report.rows_read, report.accepted, report.quarantined) == ("pairs", 3, 2, 1)
-    assert quarantine(store) == {line_no: "chosen identical to rejected"}
+    assert quarantine(store) == {line_no: "chosen identical to rejected" + which}
 
 
 @pytest.mark.parametrize("content", [
