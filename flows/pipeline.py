@@ -56,8 +56,7 @@ def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str,
             outputs[stage] = TRAINING_FLOWS[stage](stage_cfg, force=stage in force)
         rows = []
         for stage in cfg.evaluated:
-            rows += eval_flow(cfg.eval.model_copy(update={"model_path": outputs[stage], "model_name": stage}),
-                              force="eval" in force)
+            rows += eval_flow(cfg.eval_config(stage, outputs[stage]), force="eval" in force)
         if rows:  # each model's Pass@K / Maj@K on the pipeline run too, so pipeline runs compare in one table
             tracking.log_metrics({f"eval/{row['model']}/{kind}_at_{row['k']}": row[f"{kind}_at_k"]
                                   for row in rows for kind in ("pass", "maj")}, run_id=pipeline_run_id)

@@ -859,6 +859,22 @@ class EvalConfig(Config):
         )
 
 
+class PipelineEvalConfig(EvalConfig):
+    """A pipeline's `eval` section: the settings every model of its eval_models is evaluated with; each model is a
+    stage's output, named after the stage (`PipelineConfig.eval_config`)."""
+
+    model_path: str | None = None
+    """Not set in a pipeline: the stages of eval_models give the models."""
+
+    @model_validator(mode="after")
+    def _models_come_from_the_stages(self):
+        for field in ("model_path", "model_name"):
+            if getattr(self, field) is not None:
+                raise ValueError(f"{field}: a pipeline evaluates the output of each stage in eval_models, named after "
+                                 f"the stage; leave {field} out (`alignflow eval --model DIR` evaluates a given model)")
+        return self
+
+
 # ---- the pipeline: stage configs chained by `from:<stage>` references (flows/pipeline.py)
 
 FROM = "from:"
@@ -939,8 +955,8 @@ class PipelineConfig(Config):
     """DAPO online RL (a GRPO preset)."""
     ppo: PPOConfig | None = None
     """PPO with actor, critic, reference and reward model."""
-    eval: EvalConfig | None = None
-    """Evaluation template: every model in eval_models is evaluated with it (its model_path is replaced)."""
+    eval: PipelineEvalConfig | None = None
+    """Evaluation settings: every enabled stage of eval_models is evaluated with them (`eval_config`)."""
     eval_models: tuple[str, ...] = ("sft", "rs_sft", "dpo", "grpo", "dapo", "ppo")
     """Stages whose output models are evaluated (those enabled), compared in one Pass@K / Maj@K plot."""
 
@@ -966,6 +982,10 @@ class PipelineConfig(Config):
         unknown = set(self.eval_models) - set(POLICY_STAGES)
         if unknown:
             raise ValueError(f"eval_models: {sorted(unknown)} are not policy stages; expected names from {POLICY_STAGES}")
+        if self.eval is not None and not self.evaluated:  # the eval section would evaluate nothing, silently
+            runs = [s for s in POLICY_STAGES if s == "base" or getattr(self, s) is not None]
+            raise ValueError(f"eval_models: none of {list(self.eval_models)} is run by this preset; its models are "
+                             f"{runs}: name some of them, or leave the eval section out")
         return self
 
     def stage_refs(self) -> list[tuple[str, str, str]]:
@@ -1010,6 +1030,11 @@ class PipelineConfig(Config):
         absent = sorted(set(force) - set(runs))
         if absent:
             raise ConfigError(f"force: {absent} not run by this preset; it runs {runs}")
+
+    def eval_config(self, stage: str, model_path: str) -> EvalConfig:
+        """The evaluation of one stage's output model, labelled with the stage's name."""
+        settings = self.eval.model_dump(exclude={"model_path", "model_name"})
+        return EvalConfig(**settings, model_path=model_path, model_name=stage)
 
     @property
     def evaluated(self) -> tuple[str, ...]:

@@ -8,3 +8,8 @@ class AlignflowError(Exception):
 def first_line(exc: BaseException) -> str:
     """`Type: first line of the message`: how a wrapped library error appears inside a one-line error."""
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
+def text_start(text: str, width: int = 40) -> str:
+    """The start of a (data) text, quoted, to name it in a one-line error."""
+    return repr(text[:width] + ("..." if len(text) > width else ""))

@@ -206,7 +206,7 @@ def test_invalid_values_are_one_line_errors_naming_the_field(model, data, messag
     (PPOConfig, {"policy_path": "m", "deterministic": "off"}, "deterministic: expected true or false, got 'off'"),
     (EvalConfig, {"model_path": "m", "n": 4, "ks": [1.0, 2]}, "ks: expected an integer, got [1.0, 2]"),
     (SFTConfig, {"model_path": "m", "max_steps": 10.0}, "max_steps: expected an integer, got 10.0"),
-    (PipelineConfig, {"eval": {"model_path": "m", "n": 4, "ks": [1, 2.5]}},
+    (PipelineConfig, {"eval": {"n": 4, "ks": [1, 2.5]}},
      "eval: ks: expected an integer, got [1, 2.5]"),
 ])
 def test_booleans_take_only_true_or_false_and_integers_only_integers(model, data, message):
@@ -335,8 +335,7 @@ def test_a_reward_weight_written_in_exponent_form_is_a_number():
 
 
 def test_cross_field_errors_are_one_short_line():
-    data = {"base": {}, "sft": {"model_path": "from:base"}, "eval": {"model_path": "x"},
-            "eval_models": ["sft", "dpoo"]}
+    data = {"base": {}, "sft": {"model_path": "from:base"}, "eval": {}, "eval_models": ["sft", "dpoo"]}
     with pytest.raises(ConfigError) as err:
         validate_config(PipelineConfig, data, origin="p.yaml")
     assert str(err.value) == ("p.yaml: eval_models: ['dpoo'] are not policy stages; expected names from "
@@ -472,6 +471,33 @@ def test_stored_selections_name_what_each_stage_reads_but_not_what_the_pipeline_
                       dpo={"policy_path": "from:base", "source": "west_of_n"},
                       ppo=pairs_ppo | {"problems_source": "hh"}) == [
         ("sample", "problems", {"source": "math", "split": "test"}), ("ppo", "preference_pairs", {"source": "hh"})]
-    # an eval section without an evaluated stage reads nothing
-    assert selections(sft={"model_path": "from:base"}, eval={"model_path": "x"}, eval_models=["dpo"]) == [
-        ("sft", "problems", {"source": None, "split": "train"})]
+    # the eval section reads its problems when a stage it evaluates runs
+    assert selections(sft={"model_path": "from:base"}, eval={"problems_source": "demo"}, eval_models=["sft"]) == [
+        ("sft", "problems", {"source": None, "split": "train"}), ("eval", "problems", {"source": "demo", "split": "test"})]
+
+
+@pytest.mark.parametrize(("eval_section", "eval_models", "error"), [
+    # the model and its name come from each stage of eval_models: a model given here was silently not evaluated
+    ({"model_path": "/models/ppo/final"}, ["sft"],
+     "eval: model_path: a pipeline evaluates the output of each stage in eval_models, named after the stage; leave "
+     "model_path out (`alignflow eval --model DIR` evaluates a given model)"),
+    ({"model_name": "mine"}, ["sft"], "eval: model_name: a pipeline evaluates the output of each stage in eval_models"),
+    # an eval section that evaluates nothing ran silently
+    ({}, ["dpo", "grpo"], "eval_models: none of ['dpo', 'grpo'] is run by this preset; its models are ['base', 'sft']: "
+                          "name some of them, or leave the eval section out"),
+])
+def test_a_pipeline_eval_section_that_would_not_evaluate_what_it_names_is_refused(eval_section, eval_models, error):
+    data = {"base": {}, "sft": {"model_path": "from:base"}, "eval": eval_section, "eval_models": eval_models}
+    with pytest.raises(ConfigError) as err:
+        validate_config(PipelineConfig, data, origin="p.yaml")
+    assert str(err.value).startswith(f"p.yaml: {error}")
+
+
+def test_a_pipeline_evaluates_each_stage_with_its_eval_settings():
+    cfg = validate_config(PipelineConfig, {"base": {}, "sft": {"model_path": "from:base"},
+                                           "eval": {"n": 4, "ks": [1, 4], "problems_source": "demo"}})
+    assert cfg.evaluated == ("sft",)
+    sft_eval = cfg.eval_config("sft", "/ws/models/sft/abc/final")
+    assert type(sft_eval) is EvalConfig
+    assert (sft_eval.model_path, sft_eval.label, sft_eval.n, sft_eval.ks, sft_eval.problems_source) == (
+        "/ws/models/sft/abc/final", "sft", 4, (1, 4), "demo")

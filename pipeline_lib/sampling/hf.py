@@ -18,6 +18,7 @@ from transformers.generation.stopping_criteria import StoppingCriteria, Stopping
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from pipeline_lib.errors import text_start
 from pipeline_lib.models.logprobs import position_ids_from_mask
 from pipeline_lib.sampling.base import Completion, SamplingError, check_sampling_args
 
@@ -130,8 +131,9 @@ class HFSampler:
         limit = getattr(self.model.config, "max_position_embeddings", None)
         prompt_len = batch["input_ids"].shape[1]
         if limit is not None and prompt_len + max_new_tokens > limit:
-            raise SamplingError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} exceeds the "
-                                f"model's max_position_embeddings {limit}")
+            longest = int(lengths.argmax())
+            raise SamplingError(f"prompts[{longest}] ({text_start(prompts[longest])}) has {prompt_len} tokens + "
+                                f"max_new_tokens {max_new_tokens}, over the model's max_position_embeddings {limit}")
         # fork_rng: a seeded call must not reset the RNG stream of a training loop calling us.
         devices = [device.index if device.index is not None else torch.cuda.current_device()] \
             if device.type == "cuda" else []

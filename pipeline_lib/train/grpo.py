@@ -13,7 +13,7 @@ import polars as pl
 import torch
 from torch import Tensor
 
-from pipeline_lib.config import GRPOConfig
+from pipeline_lib.config import DAPOConfig, GRPOConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.filters import informative_groups
 from pipeline_lib.logfns import LogFn, no_log
@@ -172,10 +172,11 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
     stage_key = run_key(cfg, problems)  # its checkpoints and final carry it
     if (final := finished_final(out_dir, log, cfg.max_steps, stage_key)) is not None:
         return final  # finished earlier: a rerun has nothing to resume
-    check_single_process("grpo")
+    stage = "dapo" if isinstance(cfg, DAPOConfig) else "grpo"
+    check_single_process(stage)
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
-    require_columns(problems, ["prompt", "answer"], "grpo problems")
+    require_columns(problems, ["prompt", "answer"], f"{stage} problems")
     tokenizer = load_tokenizer(cfg.policy_path, trust_remote_code=cfg.trust_remote_code)
     require_chat_template(tokenizer, cfg.policy_path, cfg.chat_template)
     prompts, templated = render_prompts(tokenizer, problems)
@@ -183,10 +184,10 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
     # a chat-rendered prompt already holds its special tokens (the samplers add them to raw prompts)
     add_special_tokens = not any(templated)
     if len(prompts) < cfg.prompts_per_step:
-        raise AlignflowError(f"grpo: {len(prompts)} problems, fewer than prompts_per_step {cfg.prompts_per_step}")
+        raise AlignflowError(f"{stage}: {len(prompts)} problems, fewer than prompts_per_step {cfg.prompts_per_step}")
 
     policy = load_policy(cfg.policy_path, dtype="float32", device=device, trust_remote_code=cfg.trust_remote_code)
-    check_prompt_lengths("grpo", tokenizer, prompts, add_special_tokens=add_special_tokens,
+    check_prompt_lengths(stage, tokenizer, prompts, add_special_tokens=add_special_tokens,
                          max_new_tokens=cfg.max_new_tokens,
                          limit=context_limit(policy, cfg.backend, cfg.vllm_max_model_len))
     # dropout off while sampling and updating alike: θ_old's log-probs must be those of the sampling policy

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from pipeline_lib.errors import AlignflowError
+from pipeline_lib.errors import AlignflowError, text_start
 from pipeline_lib.models import save_model, sequence_logprobs
 from pipeline_lib.models.logprobs import shared_prompt_logprobs
 from pipeline_lib.sampling import Completion, Sampler
@@ -105,10 +105,13 @@ def check_prompt_lengths(stage: str, tokenizer: PreTrainedTokenizerBase, prompts
     ids = tokenizer(list(prompts), add_special_tokens=add_special_tokens)["input_ids"]
     over = [i for i, row in enumerate(ids) if len(row) + max_new_tokens > limit]
     if over:
-        first = over[0]
+        first, longest = over[0], max(len(ids[i]) for i in over)
+        # lowering max_new_tokens helps only where every such prompt leaves room for one new token
+        fix = f"lower max_new_tokens to {limit - longest} or leave them out of the data" if longest < limit \
+            else f"leave them out of the data (the longest has {longest} tokens)"
         raise AlignflowError(f"{stage}: {len(over)} of {len(prompts)} prompts do not fit the context: prompts[{first}] "
-                             f"has {len(ids[first])} tokens + max_new_tokens {max_new_tokens} > {limit}; drop them from "
-                             "the data or lower max_new_tokens")
+                             f"({text_start(prompts[first])}) has {len(ids[first])} tokens + max_new_tokens "
+                             f"{max_new_tokens} > {limit}; {fix}")
 
 
 def context_limit(policy: PreTrainedModel, backend: str, vllm_max_model_len: int | None) -> int | None:

@@ -353,8 +353,9 @@ def test_bad_arguments_are_one_line_errors(hf_sampler):
         hf_sampler.generate(PROMPTS, n=0, max_new_tokens=4)
     with pytest.raises(SamplingError, match=r"prompts\[1\]: empty"):
         hf_sampler.generate(["1+1=", ""], n=1, max_new_tokens=4)
-    with pytest.raises(SamplingError, match="max_position_embeddings 256"):
-        hf_sampler.generate(["1+1="], n=1, max_new_tokens=300)
+    with pytest.raises(SamplingError, match=r"^prompts\[1\] \('12\+34='\) has \d+ tokens \+ max_new_tokens 300, "
+                                            r"over the model's max_position_embeddings 256$"):
+        hf_sampler.generate(["1=", "12+34="], n=1, max_new_tokens=300)
     with pytest.raises(SamplingError, match="top_p"):
         hf_sampler.generate(["1+1="], n=1, max_new_tokens=4, top_p=0)
     # logits / 1e-40 overflow to inf: multinomial failed with a RuntimeError traceback (vLLM raises it to 0.01)

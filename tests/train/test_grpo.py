@@ -496,6 +496,15 @@ def test_a_prompt_longer_than_the_context_is_refused_before_step_1(tiny, problem
     long = pl.DataFrame({"prompt": ["1" * 251], "answer": ["1"]})
     data = pl.concat([problems.select("prompt", pl.col("answer").cast(pl.Utf8)), long])
     with pytest.raises(AlignflowError, match=rf"^grpo: 1 of {data.height} prompts do not fit the context: "
-                                             rf"prompts\[{data.height - 1}\] has 251 tokens \+ max_new_tokens 6 > 256"):
+                                             rf"prompts\[{data.height - 1}\] \('1{{40}}\.\.\.'\) has 251 tokens \+ "
+                                             r"max_new_tokens 6 > 256; lower max_new_tokens to 5 or leave them out "
+                                             r"of the data$"):
         train_grpo(small_config(tiny), data, tmp_path / "out")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    # DAPO's line names its stage; a prompt that fills the context alone leaves no max_new_tokens to lower
+    data = data.with_columns(pl.when(pl.col("prompt") == "1" * 251).then(pl.lit("1" * 256)).otherwise("prompt")
+                             .alias("prompt"))
+    with pytest.raises(AlignflowError, match=rf"^dapo: 1 of {data.height} prompts do not fit the context: "
+                                             r".* has 256 tokens \+ max_new_tokens 6 > 256; leave them out of the "
+                                             r"data \(the longest has 256 tokens\)$"):
+        train_grpo(dapo_config(tiny), data, tmp_path / "out")

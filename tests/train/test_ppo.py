@@ -193,7 +193,8 @@ def test_a_prompt_longer_than_the_context_is_refused_before_step_1(tiny, reward_
     would draw that batch again: every prompt is measured first."""
     long = pl.DataFrame({"prompt": ["1" * 300], "answer": ["1"]})
     data = pl.concat([problems.select("prompt", pl.col("answer").cast(pl.Utf8)), long])
-    with pytest.raises(AlignflowError, match=r"^ppo: 1 of 65 prompts do not fit the context: prompts\[64\] has 300 "
-                                             r"tokens \+ max_new_tokens 6 > 256; drop them"):
+    with pytest.raises(AlignflowError, match=r"^ppo: 1 of 65 prompts do not fit the context: prompts\[64\] "
+                                             r"\('1{40}\.\.\.'\) has 300 tokens \+ max_new_tokens 6 > 256; leave "
+                                             r"them out of the data \(the longest has 300 tokens\)$"):
         train_ppo(small_config(tiny, reward_model), data, tmp_path / "out")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
