@@ -174,6 +174,7 @@ def head_files(model_dir: Path, kind: str) -> tuple[Path, Path]:
     is missing (a policy dir given as a reward model, say)."""
     config_file, head_file = model_dir / f"{kind}_config.json", model_dir / f"{kind}_head.safetensors"
     if not config_file.is_file() or not head_file.is_file():
+        maker = "rm stage (`from:rm` in a pipeline)" if kind == "reward" else "PPO (its critic)"
         raise ModelLoadError(f"{model_dir}: not a {kind} model dir (needs {config_file.name} and {head_file.name}); "
-                             "use from_policy() to start from a policy checkpoint")
+                             f"alignflow's {maker} writes one")
     return config_file, head_file

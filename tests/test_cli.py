@@ -97,8 +97,8 @@ def test_a_policy_dir_given_as_the_reward_model_fails_before_the_stage_starts(tm
     result = alignflow("run", "ppo", "--config", str(config), workspace=tmp_path / "ws")
     assert result.returncode == 2
     assert result.stderr.strip() == (f"error: {config}: field 'reward_model_path': {policy}: not a reward model "
-                                     "dir (needs reward_config.json and reward_head.safetensors); use from_policy() "
-                                     "to start from a policy checkpoint"), result.stderr
+                                     "dir (needs reward_config.json and reward_head.safetensors); alignflow's rm "
+                                     "stage (`from:rm` in a pipeline) writes one"), result.stderr
     assert not (tmp_path / "ws").exists()
 
 

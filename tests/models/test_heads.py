@@ -164,7 +164,7 @@ def test_bad_inputs_are_one_line_errors(policy_dir, tmp_path):
         model(ids, mask)
     with pytest.raises(ValueError, match="attention_mask"):
         model(ids, mask[:, 1:])
-    with pytest.raises(ModelLoadError, match="reward_config.json.*from_policy"):
+    with pytest.raises(ModelLoadError, match="reward_config.json.*rm stage"):
         RewardModel.from_pretrained(policy_dir)
     with pytest.raises(ModelLoadError, match="not a value model dir"):
         ValueModel.from_pretrained(RewardModel.from_policy(policy_dir).save_pretrained(tmp_path / "rm"))
