@@ -22,6 +22,7 @@ from flows.sample import sample_flow
 from flows.sft import sft_flow
 from pipeline_lib import tracking
 from pipeline_lib.config import PipelineConfig
+from pipeline_lib.store.ingest import IngestReport
 from tasks.common import current_workspace, run_tags
 from tasks.evaluation import compare_task
 from tasks.store import check_selections_task, corpus_sources_task
@@ -35,8 +36,8 @@ def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str,
     """Run every enabled stage in order; returns each stage's output (model dir or sampling run id)."""
     cfg.check_force(force)
     with tracking.pipeline_run(current_workspace(), cfg.name, cfg, tags=run_tags()) as pipeline_run_id:
-        for ingest_cfg in cfg.ingest:
-            ingest_flow(ingest_cfg)
+        for ingest_cfg in cfg.ingest:  # each file's counts on stdout, as `alignflow ingest` prints them
+            sys.stdout.write(IngestReport(**ingest_flow(ingest_cfg)).summary() + "\n")
         check_selections_task(cfg.stored_selections())  # a mistyped source fails here, not after stages trained
         base = cfg.base
         if base is not None and base.corpus_sources is None:

@@ -116,7 +116,7 @@ def test_a_force_naming_no_stage_is_refused_before_anything_runs(flow_workspace)
     assert tracking.find_runs(flow_workspace, "") == []
 
 
-def test_a_source_no_stored_row_matches_fails_before_the_first_stage(flow_workspace):
+def test_a_source_no_stored_row_matches_fails_before_the_first_stage(flow_workspace, capsys):
     """A mistyped problems source of a late stage used to fail only when that stage started, after the base and
     every earlier stage had trained."""
     cfg = validate_config(PipelineConfig, {
@@ -129,6 +129,9 @@ def test_a_source_no_stored_row_matches_fails_before_the_first_stage(flow_worksp
         pipeline_flow(cfg)
     assert sorted(run.info.run_name for run in tracking.find_runs(flow_workspace, "")) == ["ingest", "pipeline"]
     assert not any(flow_workspace.models_dir.rglob("*"))
+    # the ingest's counts are on stdout, as `alignflow ingest` prints them
+    assert "problems.jsonl (problem -> problems): read 10000 = accepted 10000 + duplicates 0 + quarantined 0\n" \
+        in capsys.readouterr().out
 
 
 @pytest.mark.slow
