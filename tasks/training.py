@@ -51,7 +51,8 @@ def curves_figure(history: list[tuple[int, dict[str, float]]], keys: list[str]) 
     for i, key in enumerate(keys):
         points = [(step, metrics[key]) for step, metrics in history if key in metrics]
         axis = figure.add_subplot(1, len(keys), i + 1)
-        axis.plot([s for s, _ in points], [v for _, v in points])
+        axis.plot([s for s, _ in points], [v for _, v in points], marker="o" if len(points) < 30 else None,
+                  markersize=3)
         axis.set_title(key)
         axis.set_xlabel("step")
     figure.tight_layout()
@@ -70,7 +71,7 @@ def recording(log: LogFn, history: list[tuple[int, dict[str, float]]]) -> LogFn:
 
 def log_curves(history: list[tuple[int, dict[str, float]]], keys: list[str], artifact_file: str) -> None:
     """The training curves of `keys` into the active MLflow run, one panel per metric."""
-    if len(history) > 1:  # a stage that had finished before logs only its stored final metrics
+    if history:  # a run that logged one point (max_steps <= log_every) gets its dots
         tracking.log_figure(curves_figure(history, keys), artifact_file)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from mlflow import MlflowClient
 
 from flows.dpo import dpo_flow
 from flows.rm import rm_flow
@@ -74,6 +75,13 @@ def test_sft_flow_trains_on_problems_and_logs_to_mlflow(flow_workspace, tiny, th
     assert (artifacts / "sft_curves.png").is_file()  # train/loss and eval/loss over the steps
     name, task_names, artifact_keys = prefect_run(state)
     assert name == "sft" and "sft" in task_names and artifact_keys == {"sft-result"}
+
+
+def test_a_run_that_logged_one_point_still_gets_its_curves(flow_workspace, tiny, the_run):
+    sft_flow(SFTConfig(model_path=tiny, **(FAST | {"log_every": 10})))
+    run, artifacts = the_run(flow_workspace, "sft")
+    assert len(MlflowClient(flow_workspace.tracking_uri).get_metric_history(run.info.run_id, "train/loss")) == 1
+    assert (artifacts / "sft_curves.png").is_file()
 
 
 def test_rs_sft_is_named_rs_sft_in_prefect_and_mlflow(flow_workspace, tiny, the_run, prefect_run):
