@@ -473,7 +473,8 @@ def test_stored_selections_name_what_each_stage_reads_but_not_what_the_pipeline_
         ("sample", "problems", {"source": "math", "split": "test"}), ("ppo", "preference_pairs", {"source": "hh"})]
     # the eval section reads its problems when a stage it evaluates runs
     assert selections(sft={"model_path": "from:base"}, eval={"problems_source": "demo"}, eval_models=["sft"]) == [
-        ("sft", "problems", {"source": None, "split": "train"}), ("eval", "problems", {"source": "demo", "split": "test"})]
+        ("sft", "problems", {"source": None, "split": "train"}),
+        ("eval", "problems", {"source": "demo", "split": "test"})]
 
 
 @pytest.mark.parametrize(("eval_section", "eval_models", "error"), [

@@ -417,7 +417,8 @@ def test_record_nested_too_deep_to_store_is_quarantined(tmp_path, store):
     (tmp_path / "array.json").write_bytes(b"[" + orjson.dumps(PAIRS[1]) + b"," + pair % lists(254) + b"]")
     report = ingest_file(tmp_path / "array.json", store)
     assert (report.rows_read, report.quarantined) == (2, 1)
-    assert store.read("quarantine", source="array")[["line_no", "reason"]].rows() == [(1, "nested deeper than 254 levels (record 2 of the file, on line 1)")]
+    assert store.read("quarantine", source="array")[["line_no", "reason"]].rows() == [
+        (1, "nested deeper than 254 levels (record 2 of the file, on line 1)")]
 
 
 def test_integers_past_64_bits_stay_exact_in_meta(tmp_path, store):
