@@ -905,7 +905,7 @@ def model_paths(cfg: BaseModel) -> list[str]:
     return [path for path in (getattr(cfg, field, None) for field in MODEL_FIELDS) if path]
 
 
-def _stored_selection(cfg: BaseModel) -> tuple[str, dict[str, str | None]] | None:
+def stored_selection(cfg: BaseModel) -> tuple[str, dict[str, str | None]] | None:
     """(table, column filters) of the ingested rows a stage config reads, as its data loader selects them; None
     when it reads a sampling run."""
     if isinstance(cfg, SFTConfig):
@@ -1007,7 +1007,7 @@ class PipelineConfig(Config):
         selections = []
         for stage in [*STAGE_ORDER[1:], *(["eval"] if self.evaluated else [])]:
             cfg = getattr(self, stage)
-            if cfg is not None and (selection := _stored_selection(cfg)) is not None:
+            if cfg is not None and (selection := stored_selection(cfg)) is not None:
                 selections.append((stage, *selection))
         made_here = (None, self.west_of_n_source) if self.sample is not None else ()
         return [(stage, table, where) for stage, table, where in selections

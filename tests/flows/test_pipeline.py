@@ -12,8 +12,25 @@ import pytest
 from flows.pipeline import pipeline_flow
 from flows.sft import sft_flow
 from pipeline_lib import tracking
-from pipeline_lib.config import ConfigError, PipelineConfig, load_config, load_yaml, validate_config
+from pipeline_lib.config import (
+    ConfigError,
+    DAPOConfig,
+    DPOConfig,
+    EvalConfig,
+    GRPOConfig,
+    PipelineConfig,
+    PPOConfig,
+    RMConfig,
+    SampleConfig,
+    SFTConfig,
+    load_config,
+    load_yaml,
+    stored_selection,
+    validate_config,
+)
 from pipeline_lib.store.db import StoreError, open_store
+from pipeline_lib.store.ingest import ingest_file
+from tasks.store import LOADERS
 
 PRESET = Path(__file__).resolve().parents[2] / "flows" / "configs" / "demo.yaml"
 STAGES = ("sft", "rm", "rs_sft", "dpo", "grpo", "dapo", "ppo")
@@ -155,3 +172,39 @@ def test_the_base_tokenizer_leaves_out_the_pipelines_own_west_of_n_pairs(flow_wo
     assert base.data.params["corpus_sources"] == '["demo"]'
     assert pipeline_flow(cfg) == outputs
     assert len(stage_runs(flow_workspace, "base")) == 1 and len(stage_runs(flow_workspace, "sft")) == 1
+
+
+def test_the_pipelines_check_selects_the_rows_each_stage_loader_reads(tmp_path):
+    """`stored_selection` restates what each stage's loader (tasks.store.LOADERS) selects: the pipeline's early
+    check and the loader must accept and refuse the same selections, or the check would stop a good preset or let a
+    bad one train earlier stages first."""
+    data = Path(__file__).resolve().parents[2] / "data" / "demo"
+    with open_store(tmp_path / "store.duckdb") as store:
+        for name in ("problems", "pairs", "rankings"):
+            ingest_file(data / f"{name}.jsonl", store, source="demo")
+        for source, split in (("demo", "train"), ("nope", "train"), ("demo", "valid")):
+            problems = {"problems_source": source, "split": split}
+            configs = [
+                SFTConfig(model_path="m", source=source, split=split),
+                SFTConfig(model_path="m", data="pairs", source=source),
+                RMConfig(model_path="m", source=source), RMConfig(model_path="m", loss="plackett_luce", source=source),
+                DPOConfig(policy_path="m", source=source), SampleConfig(model_path="m", **problems),
+                GRPOConfig(policy_path="m", **problems), DAPOConfig(policy_path="m", **problems),
+                PPOConfig(policy_path="m", reward_model_path="rm", **problems),
+                PPOConfig(policy_path="m", reward_model_path="rm", prompts_table="preference_pairs",
+                          problems_source=source),
+                EvalConfig(model_path="m", **problems)]
+            for cfg in configs:
+                table, where = stored_selection(cfg)
+                loader = LOADERS[type(cfg)]
+                if (source, split) == ("demo", "train") or (table != "problems" and source == "demo"):
+                    store.check_selected(table, **where)
+                    loader(store, cfg)
+                    continue
+                refusals = []
+                for select in (lambda: store.check_selected(table, **where), lambda: loader(store, cfg)):
+                    with pytest.raises(StoreError, match=f"^no {table} rows in the store with ") as refused:
+                        select()
+                    selection = str(refused.value).split("; ")[0].removeprefix(f"no {table} rows in the store with ")
+                    refusals.append(sorted(selection.split(", ")))  # whatever order each names the columns in
+                assert refusals[0] == refusals[1], type(cfg).__name__
