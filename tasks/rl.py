@@ -40,7 +40,7 @@ def run_rl_stage(stage: str, cfg: BaseModel, load: Callable, train: Callable, cu
         final = train(cfg, data, out_dir, log=recording(log, history))
         tracking.log_model(final)
         log_curves(history, curves, f"{stage}_curves.png")
-    shown = [key for key in curves + ["train/seconds"] if key in final_metrics(final)]
+    shown = [key for key in curves + ["train/updates", "train/seconds"] if key in final_metrics(final)]
     create_markdown_artifact(result_table(f"{stage.upper()} -> {final}", final_metrics(final), shown),
                              key=artifact_key(stage, "result"))
     return str(final)

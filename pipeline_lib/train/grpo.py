@@ -212,6 +212,8 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
     start_step, extra = resumed if resumed else (0, {})
     # refills draw extra prompt batches, so the stream's position is its own counter
     data_step = int(extra.get("data_step", start_step))
+    # optimizer steps over the whole run, resumes included: dynamic sampling can leave every step without one
+    updates = int(extra.get("updates", 0))
     prompt_stream = batches(len(prompts), cfg.prompts_per_step, seed=cfg.seed, start_step=data_step)
     metrics: dict[str, float] = {}
 
@@ -266,6 +268,7 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                         check_finite(grad_norm, step + 1, "train/grad_norm")
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
+                        updates += 1
                         stats |= {"train/loss": loss.detach(), "train/grad_norm": grad_norm,
                                   "policy/entropy": (entropy.detach() * mask).sum() / mask.sum()}
                         for key, value in stats.items():
@@ -292,8 +295,13 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                 log(metrics, done)
             if done % cfg.save_every == 0 and done < cfg.max_steps:
                 save_checkpoint(out_dir, step=done, model=policy, optimizer=optimizer, scheduler=scheduler,
-                                extra={"data_step": rollout.data_step}, run_key=stage_key)
+                                extra={"data_step": rollout.data_step, "updates": updates}, run_key=stage_key)
 
+    if updates == 0:
+        warnings.warn(f"{stage}: no step of {cfg.max_steps} kept a group with 0 < #correct < G, so the final model "
+                      "is the start policy (it solves every problem or none; raise max_refill_rounds or pick problems "
+                      "it solves sometimes)", RuntimeWarning, stacklevel=2)
+    metrics["train/updates"] = float(updates)
     metrics["train/seconds"] = time.perf_counter() - started
     return save_final(policy, tokenizer, out_dir, metrics=metrics, run_key=stage_key)
 

@@ -25,7 +25,7 @@ from pipeline_lib.models import RewardModel, build_tiny_model, load_policy, load
 from pipeline_lib.rewards.registry import combined_reward
 from pipeline_lib.sampling import Completion, SamplingError
 from pipeline_lib.train import grpo as grpo_module
-from pipeline_lib.train.common import CHECKPOINT_DIR, NonFiniteLossError
+from pipeline_lib.train.common import CHECKPOINT_DIR, NonFiniteLossError, final_metrics
 from pipeline_lib.train.data import write_run_file
 from pipeline_lib.train.grpo import sample_groups, train_grpo
 from pipeline_lib.train.rollout import (
@@ -293,6 +293,7 @@ def test_dapo_preset_runs_the_same_loop_with_its_loss(tiny, problems, tmp_path, 
     logged, log = collect()
     final = train_grpo(dapo_config(tiny, dynamic_sampling=False), problems, tmp_path / "dapo", log=log)
     assert "policy/kl_ref" not in logged[0][1] and "policy/clipfrac_high" in logged[0][1]
+    assert final_metrics(final)["train/updates"] == 4  # 2 steps x 16 rows in mini-batches of 8
     before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
@@ -311,9 +312,13 @@ def test_dr_grpo_runs_the_grpo_loop_and_needs_unscaled_rewards(tiny, problems, t
 
 
 def test_dapo_step_without_an_informative_group_updates_nothing(tiny, problems, tmp_path, collect):
-    """The random model never answers correctly: every group is filtered, the refills run out, no update."""
+    """The random model never answers correctly: every group is filtered, the refills run out, no update; a run
+    without any update says so at its end and in its final metrics."""
     logged, log = collect()
-    final = train_grpo(dapo_config(tiny, max_steps=1, max_refill_rounds=1), problems, tmp_path / "dapo", log=log)
+    with pytest.warns(RuntimeWarning, match=r"dapo: no step of 1 kept a group with 0 < #correct < G, so the final "
+                                            r"model is the start policy \(it solves every problem or none"):
+        final = train_grpo(dapo_config(tiny, max_steps=1, max_refill_rounds=1), problems, tmp_path / "dapo", log=log)
+    assert final_metrics(final)["train/updates"] == 0
     metrics = logged[0][1]
     assert metrics["rollout/groups_filtered_frac"] == 1.0 and metrics["rollout/refill_rounds"] == 1.0
     assert "train/loss" not in metrics
@@ -398,6 +403,8 @@ def test_crash_then_resume_ends_with_the_weights_of_an_uninterrupted_run(one_thr
         assert a["train/loss"] == b["train/loss"] and a["rewards/mean"] == b["rewards/mean"]
     a, b = load_file(str(uninterrupted / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the update count survives the resume: 3 steps x num_iterations 2 x one mini-batch
+    assert final_metrics(uninterrupted)["train/updates"] == final_metrics(resumed)["train/updates"] == 6
 
 
 def test_nan_loss_stops_with_the_step_and_no_final_model(tiny, problems, tmp_path):
