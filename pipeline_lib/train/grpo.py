@@ -286,6 +286,7 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                 **rollout.metrics,
                 **{key: sum(values) / len(values) for key, values in update_stats.items()},
                 "train/lr": lr,
+                "train/updates": float(updates),  # so far, resumes included
                 "perf/rollout_seconds": rollout_seconds,
                 "perf/weight_sync_seconds": sync_seconds,
                 "perf/step_seconds": step_seconds,
@@ -301,7 +302,6 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
         warnings.warn(f"{stage}: no step of {cfg.max_steps} kept a group with 0 < #correct < G, so the final model "
                       "is the start policy (it solves every problem or none; raise max_refill_rounds or pick problems "
                       "it solves sometimes)", RuntimeWarning, stacklevel=2)
-    metrics["train/updates"] = float(updates)
     metrics["train/seconds"] = time.perf_counter() - started
     return save_final(policy, tokenizer, out_dir, metrics=metrics, run_key=stage_key)
 

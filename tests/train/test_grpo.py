@@ -294,6 +294,7 @@ def test_dapo_preset_runs_the_same_loop_with_its_loss(tiny, problems, tmp_path, 
     final = train_grpo(dapo_config(tiny, dynamic_sampling=False), problems, tmp_path / "dapo", log=log)
     assert "policy/kl_ref" not in logged[0][1] and "policy/clipfrac_high" in logged[0][1]
     assert final_metrics(final)["train/updates"] == 4  # 2 steps x 16 rows in mini-batches of 8
+    assert [metrics["train/updates"] for _, metrics in logged] == [2, 4]  # the running count reaches the tracker
     before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
@@ -320,6 +321,7 @@ def test_dapo_step_without_an_informative_group_updates_nothing(tiny, problems, 
         final = train_grpo(dapo_config(tiny, max_steps=1, max_refill_rounds=1), problems, tmp_path / "dapo", log=log)
     assert final_metrics(final)["train/updates"] == 0
     metrics = logged[0][1]
+    assert metrics["train/updates"] == 0
     assert metrics["rollout/groups_filtered_frac"] == 1.0 and metrics["rollout/refill_rounds"] == 1.0
     assert "train/loss" not in metrics
     before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
