@@ -35,10 +35,15 @@ lock: setup
 vllm-env: setup
 	$(BIN)/alignflow vllm-env --venv $(VLLM_VENV)
 
+# every benchmark on its README settings (sampling adds vLLM where `make vllm-env` has built it)
 bench: setup
 	$(BIN)/python benchmarks/ingest.py --n 1000000
 	$(BIN)/python benchmarks/evaluation.py
 	$(BIN)/python benchmarks/logprobs.py
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/sampling.py
+	$(BIN)/python benchmarks/cache_rerun.py
+	$(BIN)/python benchmarks/vs_trl.py --model demo --algo dpo grpo --threads 1
+	$(BIN)/python benchmarks/vs_trl.py --model large --algo dpo grpo --threads 1
 
 clean:
 	rm -rf .alignflow
