@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.sampling.base import MIN_TEMPERATURE
@@ -99,8 +99,9 @@ class IngestConfig(Config):
     """Record shape; `auto` detects it from the first valid records' keys."""
     source: str | None = None
     """Source name stored with each row; defaults to the file name without its type ending (`.jsonl.gz`, ...)."""
-    split: str | None = None
-    """Split for problems (`train`/`test`); a `split` field in the records wins; default `train`."""
+    split: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)] | None = None
+    """Split for problems (`train`/`test`, stripped as a record's own); a `split` field in the records wins;
+    default `train`."""
     max_record_bytes: int = Field(1_000_000, ge=1)
     """Records larger than this many bytes are quarantined (default 1 MB)."""
 

@@ -401,6 +401,13 @@ def test_merge_keys_still_let_a_mapping_override_what_it_merged(tmp_path):
     assert load_yaml(nested) == {"defaults": {"train": {"lr": 2.0, "epochs": 1}}, "sft": {"lr": 2.0, "epochs": 1}}
 
 
+def test_an_ingest_split_is_stripped_and_a_blank_one_is_refused():
+    assert validate_config(IngestConfig, {"path": "p.jsonl", "split": " test\t"}).split == "test"
+    with pytest.raises(ConfigError, match=r"^config: field 'split': String should have at least 1 character "
+                                          r"\(got ' '\)$"):
+        validate_config(IngestConfig, {"path": "p.jsonl", "split": " "})
+
+
 def test_a_missing_ingest_file_is_reported_when_the_preset_loads(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text("base: {}\ningest:\n  - {path: data/demo/problems.jsonl}\n  - {path: data/demo/nope.jsonl}\n")

@@ -125,18 +125,22 @@ def ingest_file(
     """Ingest one file into its table (by shape); bad rows go to `quarantine` with a reason.
 
     `source` defaults to the file name without its extension; `split` applies to problems whose
-    records have no `split` field (default "train"). Raises IngestError for a file it cannot read."""
+    records have no `split` field (default "train"; stripped as a record's own is, so `test ` is the test split).
+    Raises IngestError for a file it cannot read."""
     start = time.perf_counter()
     path = Path(path)
     if format not in ("auto", *FORMATS):
         raise IngestError(f"{path}: unknown format {format!r}; expected auto, {', '.join(FORMATS)}")
     if max_record_bytes <= 0:
         raise IngestError(f"{path}: max_record_bytes must be > 0, got {max_record_bytes}")
+    split = "train" if split is None else split.strip()
+    if not split:
+        raise IngestError(f"{path}: split is blank; expected a split name such as train or test")
     suffix = suffix_of(path)
     source = source or path.name[: -len(suffix)]
     lines, line_nos, pre_bad, fmt = _read_records(path, suffix, format, max_record_bytes)
     rows = _screen(lines, fmt, max_record_bytes, pre_bad)
-    accepted, bad = shape_records(fmt, rows, split=split or "train")
+    accepted, bad = shape_records(fmt, rows, split=split)
     # the file as named, not the target of a symlink: a Hugging Face snapshot's train.parquet links to a blob whose
     # name has no suffix, so neither the user nor `position` (row or line) would know it
     quarantine = _quarantine_frame(lines, line_nos, sorted(rows.bad + bad), source, os.path.abspath(path))
@@ -386,8 +390,9 @@ def _csv_lines(path: Path, data: bytes) -> tuple[list[bytes], list[int], dict[in
             reason = f"row has {len(row)} fields, the header has {len(header)}"
         elif filled := [k for k in unnamed if row[k].strip()]:
             reason = f"field {filled[0] + 1} holds text but the header names no column there"
-        elif row[0].strip() == header[0] and [cell.strip() for cell in row] == header:  # files joined with `cat`
-            reason = "row repeats the CSV header"
+        elif (first_cell := row[0].removeprefix("\ufeff").strip()) == header[0] \
+                and [first_cell, *(cell.strip() for cell in row[1:])] == header:
+            reason = "row repeats the CSV header"  # files joined with `cat`: each may start with its own mark
         else:
             try:
                 lines.append(orjson.dumps({name: cell for name, cell in zip(header, row) if name}))

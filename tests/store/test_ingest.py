@@ -280,6 +280,17 @@ def test_problems_gsm8k_plain_numeric_and_split(tmp_path, store):
     assert rows["Q1"]["problem_id"] == content_id("Q1", "4")
 
 
+def test_the_split_argument_is_stripped_as_a_records_split_is_and_a_blank_one_is_an_error(tmp_path, store):
+    """`--split "test "` (a pasted value) names the test split, as a record's `split: "test "` does."""
+    path = write_jsonl(tmp_path / "math.jsonl", [{"question": "Q1", "answer": "1"},
+                                                 {"question": "Q2", "answer": "2", "split": "test "}])
+    ingest_file(path, store, split="test ")
+    assert sorted(store.read("problems")["split"]) == ["test", "test"]
+    with pytest.raises(IngestError, match=r"math\.jsonl: split is blank; expected a split name such as train or "
+                                          r"test$"):
+        ingest_file(path, store, split=" ")
+
+
 def test_problem_keeps_the_unused_prompt_in_meta(tmp_path, store):
     """`question` wins over `prompt`; the other text is not dropped but kept in meta, like any extra field."""
     records = [{"question": "q", "prompt": "other text", "answer": "1", "id": 3},
@@ -679,6 +690,19 @@ def test_a_repeated_csv_header_is_not_a_pair(tmp_path, store):
     check_invariant(report)
     assert (report.accepted, report.quarantined) == (3, 1)
     assert quarantine(store) == {3: "row repeats the CSV header"}
+
+
+def test_a_repeated_csv_header_after_its_own_byte_order_mark_is_not_a_pair(tmp_path, store):
+    """Two CSV files saved by a spreadsheet (each with a UTF-8 byte-order mark) joined with `cat`: the mark starts
+    the second header's first cell, which is still the header, not a pair whose prompt is '\ufeffprompt'."""
+    part = "\ufeffprompt,chosen,rejected\np1,a,b\n".encode()
+    path = tmp_path / "joined.csv"
+    path.write_bytes(part + part.replace(b"p1", b"p2"))
+    report = ingest_file(path, store)
+    check_invariant(report)
+    assert (report.accepted, report.quarantined) == (2, 1)
+    assert quarantine(store) == {3: "row repeats the CSV header"}
+    assert sorted(store.read("preference_pairs")["prompt"]) == ["p1", "p2"]
 
 
 def test_csv_cell_over_128_kb_is_read_and_the_record_limit_applies(tmp_path, store):
