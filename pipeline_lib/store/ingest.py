@@ -601,10 +601,11 @@ def _check_unique_keys(line: bytes) -> None:
 
 
 def _extra_keys(record: dict, known: frozenset[str], alternatives: tuple[tuple[str, ...], ...]) -> list[str]:
-    """Keys no field uses: unknown names, and a field's other names after the first one present."""
+    """Keys no field uses: unknown names, and a field's other names that hold a value besides the one it uses (the
+    first that holds one, as `_field_problem` picks)."""
     extras = [key for key in record if key not in known]
     for names in alternatives:
-        extras += [name for name in names if name in record][1:]
+        extras += [name for name in names if record.get(name) is not None][1:]
     return extras
 
 
@@ -636,9 +637,10 @@ def _decode_reason(line: bytes, exc: orjson.JSONDecodeError) -> str:
 def _field_problem(record: dict, fields: tuple) -> str | None:
     """The first field of `record` whose JSON type is wrong for its kind, as a reason; else None."""
     for names, kind, required in fields:
-        name = names[0]
-        if len(names) > 1 and name not in record:
-            name = next((alt for alt in names[1:] if alt in record), name)
+        # of alternatives, the first that holds a value (a table's column is null in the rows that use another),
+        # else the first present, to word the reason
+        name = next((alt for alt in names if record.get(alt) is not None),
+                    next((alt for alt in names if alt in record), names[0]))
         value = record.get(name)
         if type(value) is str and kind in ("text", "answer", "chat_prompt"):
             continue

@@ -291,6 +291,23 @@ def test_the_split_argument_is_stripped_as_a_records_split_is_and_a_blank_one_is
         ingest_file(path, store, split=" ")
 
 
+def test_a_table_of_problems_reads_each_row_from_the_alternative_column_that_holds_its_value(tmp_path, store):
+    """A parquet table merging GSM8K-like and MATH-like rows has every column in every row, null where a row uses
+    another: each row's prompt is its first non-null of question/prompt/problem, its answer its `answer` or else the
+    last \\boxed{} of its `solution`; a null column is nothing to keep in meta, and no worked solution."""
+    path = tmp_path / "merged.parquet"
+    pl.DataFrame({"question": ["q1", None, None, "q4"], "problem": [None, "p2", "p3", None],
+                  "answer": ["w #### 1", None, None, "4"], "solution": [None, "so \\boxed{2}", "no box", None]}
+                 ).write_parquet(path)
+    report = ingest_file(path, store)
+    check_invariant(report)
+    assert (report.accepted, report.quarantined) == (3, 1)
+    rows = {r["prompt"]: (r["answer"], r["meta"]) for r in store.read("problems").to_dicts()}
+    assert rows == {"q1": ("1", '{"solution":"w #### 1"}'), "p2": ("2", '{"solution":"so \\\\boxed{2}"}'),
+                    "q4": ("4", None)}
+    assert quarantine(store) == {3: "no 'answer' field, and field 'solution' has no \\boxed{} answer"}
+
+
 def test_problem_keeps_the_unused_prompt_in_meta(tmp_path, store):
     """`question` wins over `prompt`; the other text is not dropped but kept in meta, like any extra field."""
     records = [{"question": "q", "prompt": "other text", "answer": "1", "id": 3},
