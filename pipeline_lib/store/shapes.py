@@ -12,7 +12,7 @@ import polars as pl
 from pipeline_lib.fingerprint import content_id
 from pipeline_lib.rewards.math import boxed_content
 
-# (names, kind, required): the first present of `names` is the field; kinds are checked per record
+# (names, kind, required): the first of `names` that holds a value is the field; kinds are checked per record
 # by ingest._field_problem (exact JSON types) before polars reads the values.
 FIELDS: dict[str, tuple[tuple[tuple[str, ...], str, bool], ...]] = {
     "pairs": ((("prompt",), "text", True), (("chosen",), "text", True), (("rejected",), "text", True)),
