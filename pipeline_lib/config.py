@@ -471,10 +471,14 @@ class SampleConfig(Config):
 
     @model_validator(mode="after")
     def _check_backend_and_rewards(self):
-        if self.vllm_url is not None and self.backend != "vllm":
-            raise ValueError("vllm_url is set but backend is not 'vllm'")
+        _check_vllm_url(self.vllm_url, self.backend)
         _check_reward_specs(self.rewards, self.reward_model_path)
         return self
+
+
+def _check_vllm_url(vllm_url: str | None, backend: str) -> None:
+    if vllm_url is not None and backend != "vllm":
+        raise ValueError("vllm_url is set but backend is not 'vllm'")
 
 
 # ---- online RL stages (pipeline_lib/train/grpo.py, ppo.py)
@@ -837,7 +841,8 @@ class EvalConfig(Config):
     """Prompts per generate call."""
 
     @model_validator(mode="after")
-    def _ks_fit_n(self):
+    def _check_backend_and_ks(self):
+        _check_vllm_url(self.vllm_url, self.backend)  # now, not when the flow builds its sampling run
         if not self.ks or max(self.ks) > self.n or min(self.ks) < 1:
             raise ValueError(f"ks {list(self.ks)}: expected values in 1..n={self.n}")
         if len(set(self.ks)) < len(self.ks):  # each K is one row of eval_results

@@ -195,6 +195,18 @@ def test_invalid_values_are_one_line_errors_naming_the_field(model, data, messag
     assert str(err.value).startswith("cfg.yaml: ")
 
 
+@pytest.mark.parametrize(("model", "data"), [
+    (SampleConfig, {"model_path": "m", "vllm_url": "http://127.0.0.1:8000"}),
+    (EvalConfig, {"model_path": "m", "vllm_url": "http://127.0.0.1:8000"}),
+    (PipelineConfig, {"eval": {"vllm_url": "http://127.0.0.1:8000"}}),
+])
+def test_a_vllm_url_without_the_vllm_backend_is_refused_when_the_config_loads(model, data):
+    """An evaluation's sampling run refused it only once the flow built it (a traceback, after a pipeline's
+    training stages); every config that samples refuses it when it loads."""
+    with pytest.raises(ConfigError, match=r"vllm_url is set but backend is not 'vllm'"):
+        validate_config(model, data, origin="cfg.yaml")
+
+
 @pytest.mark.parametrize(("model", "data", "message"), [
     (DPOConfig, {"policy_path": "m", "disable_dropout": 1}, "disable_dropout: expected true or false, got 1"),
     (DPOConfig, {"policy_path": "m", "disable_dropout": "yes"}, "disable_dropout: expected true or false, got 'yes'"),
@@ -306,6 +318,10 @@ def test_numbers_written_as_strings_are_still_read():
     ([{"name": "verifier", "weight": "abc"}], "rewards[0].weight: expected a finite number, got 'abc'"),
     ([{"name": "overlong", "max_len": 6.7, "cache_len": 2}], "rewards[0].max_len: expected an integer, got 6.7"),
     ([{"name": "overlong", "max_len": 4, "cache_len": 6}], "cache_len: expected 0 < cache_len <= max_len=4"),
+    # past 64 bits (torch's integers) or past a float's range: refused here, not an OverflowError when the stage runs
+    ([{"name": "overlong", "max_len": 10**23, "cache_len": 1}],
+     f"rewards[0].max_len: {10**23} is out of range; expected an integer of magnitude below 2**63"),
+    ([{"name": "verifier", "weight": 10**400}], "rewards[0].weight: expected a finite number, got 1000"),
     ([], "expected at least one"),
     # YAML's `true`, `.inf` and `.nan` reach the registry's checks as they are (pydantic would read `true` as 1)
     ([{"name": "verifier", "weight": True}], "rewards[0].weight: expected a finite number, got True"),

@@ -122,6 +122,8 @@ def _component(spec: Mapping[str, Any], index: int) -> tuple[str, float, dict[st
     for key, value in options.items():
         if hints.get(key) is int and (isinstance(value, bool) or not isinstance(value, int)):
             raise ValueError(f"{where}.{key}: expected an integer, got {value!r}")
+        if hints.get(key) is int and abs(value) >= 2**63:  # as torch holds it
+            raise ValueError(f"{where}.{key}: {value!r} is out of range; expected an integer of magnitude below 2**63")
         if hints.get(key) is float and _number(value) is None:
             raise ValueError(f"{where}.{key}: expected a finite number, got {value!r}")
     return name, weight, options
@@ -133,7 +135,7 @@ def _number(value: Any) -> float | None:
         return None
     try:
         number = float(value)
-    except ValueError:
+    except (ValueError, OverflowError):  # an integer past a float's range
         return None
     return number if math.isfinite(number) else None
 
