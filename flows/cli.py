@@ -393,11 +393,12 @@ def sample(
     backend: str = typer.Option("hf", "--backend", help="hf | vllm"),
     max_problems: Optional[int] = typer.Option(None, "--max-problems"),
 ) -> None:
-    """N scored samples per problem into the samples table (resumable)."""
+    """N scored samples per problem into the samples table (resumable). The model is named by its absolute
+    path, so the run and its `samples.policy` label are the same from any directory."""
     from pipeline_lib.config import SampleConfig, validate_config
 
     cfg = validate_config(SampleConfig, {
-        "model_path": str(model), "problems_source": problems, "split": split, "n": n, "backend": backend,
+        "model_path": str(model.resolve()), "problems_source": problems, "split": split, "n": n, "backend": backend,
         "max_new_tokens": max_new_tokens, "temperature": temperature, "max_problems": max_problems,
     }, origin="alignflow sample")
     require_model_dir(model)
@@ -440,7 +441,7 @@ def evaluate(
 
     ks = default_ks(n) if ks is None else ks
     cfg = validate_config(EvalConfig, {
-        "model_path": str(model), "model_name": name, "problems_source": problems, "split": split, "n": n,
+        "model_path": str(model.resolve()), "model_name": name, "problems_source": problems, "split": split, "n": n,
         "ks": [k.strip() for k in ks.split(",") if k.strip()], "max_new_tokens": max_new_tokens,  # the config parses
     }, origin="alignflow eval")
     require_model_dir(model)

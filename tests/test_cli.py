@@ -275,6 +275,29 @@ def test_a_file_ingested_again_under_another_split_says_where_its_rows_stay_and_
     assert missing.returncode == 2 and "error: source 'test-first100': no rows in the store" in missing.stderr
 
 
+@pytest.mark.slow  # several CLI processes, each starting Prefect: ~60 s on 2 cores
+def test_a_model_given_by_relative_paths_from_two_directories_is_evaluated_once_under_its_absolute_path(tmp_path):
+    """`eval --model` as typed in two working directories names one model: the second run reads the first's
+    samples instead of sampling again, and eval_results label the model by its absolute path, not by a relative
+    path that means nothing outside the directory it was typed in."""
+    from pipeline_lib.models import build_tiny_model
+    from pipeline_lib.store.db import open_store
+
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text('{"question": "1+2=", "answer": "3"}\n{"question": "2+2=", "answer": "4"}\n')
+    model = build_tiny_model(tmp_path / "models" / "m", ["1+2=3", "2+2=4"], hidden_size=32, num_layers=1)
+    ingest = alignflow("ingest", str(problems), "--split", "test", workspace=tmp_path / "ws")
+    assert ingest.returncode == 0, ingest.stderr
+    (tmp_path / "sub").mkdir()
+    for cwd, typed in ((tmp_path, "models/m"), (tmp_path / "sub", "../models/m")):
+        result = alignflow("eval", "--model", typed, "--n", "2", "--max-new-tokens", "4", workspace=tmp_path / "ws",
+                           cwd=cwd)
+        assert result.returncode == 0, result.stderr
+    with open_store(tmp_path / "ws" / "store.duckdb", read_only=True) as store:
+        assert store.read("samples")["run_id"].n_unique() == 1
+        assert sorted(set(store.read("eval_results")["model"])) == [str(model.resolve())]
+
+
 def test_forcing_a_stage_the_preset_does_not_run_is_one_line(tmp_path):
     preset = tmp_path / "p.yaml"
     preset.write_text("base: {corpus_sources: [demo]}\nsft: {model_path: 'from:base'}\n")
