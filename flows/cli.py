@@ -406,11 +406,6 @@ def sample(
         echo_result("sample", load_flow("sample")(cfg))
 
 
-def default_ks(n: int) -> str:
-    """`eval`'s K values when --ks is not given: the powers of 2 up to n, and n (16: 1,2,4,8,16; 12: 1,2,4,8,12)."""
-    return ",".join(str(k) for k in sorted({2**i for i in range(max(n, 1).bit_length())} | {n}) if k <= n)
-
-
 def require_model_dir(model: Path) -> None:
     """--model of `sample` and `eval`: a dir with a config and safetensors weights, checked before Prefect starts."""
     if model.is_file():
@@ -439,10 +434,10 @@ def evaluate(
     """Pass@K / Maj@K of a model on held-out problems."""
     from pipeline_lib.config import EvalConfig, validate_config
 
-    ks = default_ks(n) if ks is None else ks
     cfg = validate_config(EvalConfig, {
         "model_path": str(model.resolve()), "model_name": name, "problems_source": problems, "split": split, "n": n,
-        "ks": [k.strip() for k in ks.split(",") if k.strip()], "max_new_tokens": max_new_tokens,  # the config parses
+        "ks": None if ks is None else [k.strip() for k in ks.split(",") if k.strip()],  # the config parses them
+        "max_new_tokens": max_new_tokens,
     }, origin="alignflow eval")
     require_model_dir(model)
     with run_lock():

@@ -51,9 +51,10 @@ def shipped_path(path: str | Path) -> Path:
 
 
 def _value_types(annotation: object) -> set[object]:
-    """The types of a field's values: {X} for `X`, `X | None` and `tuple[X, ...]`."""
+    """The types of a field's values: {X} for `X`, `X | None`, `tuple[X, ...]` and `tuple[X, ...] | None`."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType, tuple):
-        return {arg for arg in typing.get_args(annotation) if arg not in (type(None), Ellipsis)}
+        return {kind for arg in typing.get_args(annotation) if arg not in (type(None), Ellipsis)
+                for kind in _value_types(arg)}
     return {annotation}
 
 
@@ -819,8 +820,9 @@ class EvalConfig(Config):
     n: int = Field(16, ge=1, le=1024)
     """Samples per problem (n >= the largest K; the unbiased estimators use all n; at most 1024, where Maj@K's
     subset counts still fit a float64: evaluation.MAX_SAMPLES)."""
-    ks: tuple[int, ...] = (1, 2, 4, 8, 16)
-    """K values of the Pass@K and Maj@K curves (each <= n)."""
+    ks: tuple[int, ...] | None = None
+    """K values of the Pass@K and Maj@K curves (each <= n); None: the powers of 2 up to n, and n (n = 16: 1, 2, 4,
+    8, 16; n = 12: 1, 2, 4, 8, 12)."""
     max_new_tokens: int = Field(64, ge=1)
     """Generation budget per sample."""
     temperature: SamplingTemperature = 1.0
@@ -843,11 +845,20 @@ class EvalConfig(Config):
     @model_validator(mode="after")
     def _check_backend_and_ks(self):
         _check_vllm_url(self.vllm_url, self.backend)  # now, not when the flow builds its sampling run
+        if self.ks is None:
+            return self
         if not self.ks or max(self.ks) > self.n or min(self.ks) < 1:
             raise ValueError(f"ks {list(self.ks)}: expected values in 1..n={self.n}")
         if len(set(self.ks)) < len(self.ks):  # each K is one row of eval_results
             raise ValueError(f"ks {list(self.ks)}: each K may appear once")
         return self
+
+    @property
+    def k_values(self) -> tuple[int, ...]:
+        """`ks`, or its default for n."""
+        if self.ks is not None:
+            return self.ks
+        return tuple(k for k in sorted({2**i for i in range(self.n.bit_length())} | {self.n}) if k <= self.n)
 
     @property
     def label(self) -> str:

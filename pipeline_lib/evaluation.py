@@ -330,7 +330,7 @@ def run_eval_stage(cfg: EvalConfig, store: Store, *, log: LogFn = no_log,
     problems = store.read("problems", split=cfg.split, **({"source": cfg.problems_source} if cfg.problems_source else {}))
     gold = dict(zip(problems["problem_id"].to_list(), problems["answer"].to_list()))
     dataset = f"{cfg.problems_source or 'all'}/{cfg.split}"
-    results = evaluate(samples, gold, cfg.ks, model=cfg.label, dataset=dataset)
+    results = evaluate(samples, gold, cfg.k_values, model=cfg.label, dataset=dataset)
     with store.transaction():
         store.delete_eval_results(report.run_id, cfg.label)
         store.append("eval_results", results.with_columns(pl.lit(report.run_id).alias("run_id")))

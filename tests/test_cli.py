@@ -347,15 +347,6 @@ def test_misspelled_field_in_any_run_config_is_one_line(tmp_path, stage, text, f
     assert not (tmp_path / "ws" / "run.lock").exists() and not (tmp_path / "ws" / "store.duckdb").exists()
 
 
-@pytest.mark.parametrize(("n", "ks"), [(16, "1,2,4,8,16"), (12, "1,2,4,8,12"), (4, "1,2,4"), (1, "1"), (0, "0")])
-def test_eval_default_ks_follow_n(n, ks):
-    """`alignflow eval --n 4` without --ks evaluates K = 1, 2, 4 (the old fixed 1..16 failed: K > n); n = 0 is left
-    for the config to refuse."""
-    from flows.cli import default_ks
-
-    assert default_ks(n) == ks
-
-
 def test_frames_print_every_row_and_whole_source_names(capsys):
     """`alignflow data stats` names a sampling run's source by its model path: cut behind `…`, runs of two models
     under one dir looked alike."""

@@ -15,6 +15,7 @@ from pipeline_lib.config import (
     GRPOConfig,
     IngestConfig,
     PipelineConfig,
+    PipelineEvalConfig,
     PPOConfig,
     RMConfig,
     SampleConfig,
@@ -415,6 +416,15 @@ def test_merge_keys_still_let_a_mapping_override_what_it_merged(tmp_path):
     nested = tmp_path / "nested.yaml"  # an anchor that itself overrides a merged key, merged before it is built
     nested.write_text("defaults:\n  train: &train\n    <<: {lr: 1.0, epochs: 1}\n    lr: 2.0\nsft:\n  <<: *train\n")
     assert load_yaml(nested) == {"defaults": {"train": {"lr": 2.0, "epochs": 1}}, "sft": {"lr": 2.0, "epochs": 1}}
+
+
+@pytest.mark.parametrize(("n", "ks"), [(16, (1, 2, 4, 8, 16)), (12, (1, 2, 4, 8, 12)), (4, (1, 2, 4)), (1, (1,))])
+def test_eval_ks_default_to_the_powers_of_two_up_to_n_and_n(n, ks):
+    """`alignflow eval --n 4` without --ks, and a preset's eval section with `n: 4` and no ks, evaluate K = 1, 2, 4
+    (a fixed 1..16 default was refused for naming K > n, values the user never wrote)."""
+    assert validate_config(EvalConfig, {"model_path": "m", "n": n}).k_values == ks
+    assert validate_config(PipelineEvalConfig, {"n": n}).k_values == ks  # a preset's eval section
+    assert validate_config(EvalConfig, {"model_path": "m", "n": 16, "ks": [2, 8]}).k_values == (2, 8)
 
 
 def test_an_ingest_split_is_stripped_and_a_blank_one_is_refused():
