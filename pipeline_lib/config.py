@@ -69,7 +69,7 @@ class Config(BaseModel):
     def _exact_value_types(cls, data: object) -> object:
         # pydantic reads `max_steps: true` as 1, `ks: [1.0, 2]` as (1, 2) and `disable_dropout: 1` or 'off' as
         # booleans: each is a mistake in a preset, where YAML writes booleans true/false. A number written as a
-        # string is still read (PyYAML reads `lr: 1e-4` as the string '1e-4').
+        # string is still read (a quoted `lr: '1e-4'`, a Prefect UI parameter).
         for name, value in data.items() if isinstance(data, dict) else ():
             field = cls.model_fields.get(name)
             kinds = _value_types(field.annotation) if field is not None else set()
@@ -186,16 +186,32 @@ def _refuse_repeated_keys(root: yaml.Node | None) -> None:
 
 
 class _PresetLoader(yaml.SafeLoader):
-    """yaml.SafeLoader whose booleans are YAML 1.2's, true/false (any case): YAML 1.1's yes/no/on/off stay text, so
-    `source: no` names the source 'no' and `chat_template: yes` is an error rather than true."""
+    """yaml.SafeLoader whose plain scalars read as YAML 1.2's: booleans are true/false (any case), so YAML 1.1's
+    yes/no/on/off stay text (`source: no` names the source 'no', `chat_template: yes` is an error rather than true);
+    integers are decimal (`010` is 10, not octal 8) or 0x hexadecimal, never base 60 (`1:30` stays text, not 90);
+    floats need no sign in their exponent (`lr: 1e-4` and `1e5` are numbers); dates stay text (`source: 2024-01-01`)."""
+
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node).replace("_", "")
+        return int(text, 16) if text.lstrip("+-").startswith("0x") else int(text, 10)
 
 
+_YAML_1_1_ONLY = {"tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float",
+                  "tag:yaml.org,2002:timestamp"}
 _PresetLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _YAML_1_1_ONLY]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _PresetLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
                                     list("tTfF"))
+_PresetLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:[0-9][0-9_]*|0x[0-9a-fA-F_]+)$"),
+                                    list("-+0123456789"))
+_PresetLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+.0123456789"))
+_PresetLoader.add_constructor("tag:yaml.org,2002:int", _PresetLoader.construct_yaml_int)
 
 
 def _safe_load_unique(text: str) -> object:

@@ -70,6 +70,21 @@ def test_yaml_booleans_are_true_and_false_only(tmp_path):
     assert (cfg.disable_dropout, cfg.trust_remote_code) == (False, True)
 
 
+def test_yaml_numbers_are_yaml_1_2s(tmp_path):
+    """PyYAML's YAML 1.1 read `max_steps: 010` as octal 8, `save_every: 1:30` as 90 (base 60), `lr: 1e-4` as text
+    and `source: 2024-01-01` as a date; YAML 1.2 reads 10, text, 0.0001 and text."""
+    path = tmp_path / "sft.yaml"
+    path.write_text("model_path: m\nmax_steps: 010\nlr: 1e-4\nsource: 2024-01-01\nsplit: 1:30\nseed: 0x1F\n"
+                    "batch_size: 1_024\nweight_decay: .5\n")
+    cfg = load_config(SFTConfig, path)
+    assert (cfg.max_steps, cfg.lr, cfg.source, cfg.split, cfg.seed, cfg.batch_size, cfg.weight_decay) == (
+        10, 1e-4, "2024-01-01", "1:30", 31, 1024, 0.5)
+    path.write_text("model_path: m\nsave_every: 1:30\n")
+    with pytest.raises(ConfigError, match=r"field 'save_every': Input should be a valid integer, unable to parse "
+                                          r"string as an integer \(got '1:30'\)$"):
+        load_config(SFTConfig, path)
+
+
 @pytest.mark.parametrize(("model", "data", "message"), [
     (SampleConfig, {"model_path": "m", "temperature": 1e-40}, "temperature: expected 0 (greedy) or >= 0.01, got 1e-40"),
     (EvalConfig, {"model_path": "m", "temperature": 0.005}, "temperature: expected 0 (greedy) or >= 0.01, got 0.005"),
@@ -343,7 +358,7 @@ def test_reward_specs_are_checked_when_the_config_loads(model, rewards, message)
 
 
 def test_a_reward_weight_written_in_exponent_form_is_a_number():
-    """YAML reads `1e-1` (no dot) as text; the weight still counts as 0.1."""
+    """A weight given as text (`'1e-1'` quoted, or from a form) still counts as 0.1."""
     from pipeline_lib.rewards.registry import build_reward
 
     cfg = validate_config(GRPOConfig, {"policy_path": "m", "rewards": [{"name": "verifier", "weight": "1e-1"}]})

@@ -130,7 +130,7 @@ def _component(spec: Mapping[str, Any], index: int) -> tuple[str, float, dict[st
 
 
 def _number(value: Any) -> float | None:
-    """A finite float from a number or a numeric string (YAML reads `1e-1` as text), else None; never a bool."""
+    """A finite float from a number or a numeric string (a quoted `weight: '1e-1'`), else None; never a bool."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         return None
     try:
