@@ -358,6 +358,9 @@ class SFTConfig(TrainLoopConfig):
     def _best_of_n_needs_run(self):
         if self.data == "best_of_n" and not self.samples_run_id:
             raise ValueError("data=best_of_n needs samples_run_id (the sampling run to select from)")
+        if self.data != "best_of_n" and (self.samples_run_id is not None or self.min_reward is not None):
+            raise ValueError(f"samples_run_id and min_reward select a Best-of-N sampling run: they go with "
+                             f"data=best_of_n, not data={self.data}")
         return self
 
 
@@ -488,14 +491,16 @@ class SampleConfig(Config):
 
     @model_validator(mode="after")
     def _check_backend_and_rewards(self):
-        _check_vllm_url(self.vllm_url, self.backend)
+        _check_vllm_settings(self.backend, vllm_url=self.vllm_url, vllm_max_model_len=self.vllm_max_model_len)
         _check_reward_specs(self.rewards, self.reward_model_path)
         return self
 
 
-def _check_vllm_url(vllm_url: str | None, backend: str) -> None:
-    if vllm_url is not None and backend != "vllm":
-        raise ValueError("vllm_url is set but backend is not 'vllm'")
+def _check_vllm_settings(backend: str, **settings: object) -> None:
+    """Settings of the vLLM backend are set only with it: with `hf` they would be ignored."""
+    named = next((name for name, value in settings.items() if value is not None), None)
+    if named is not None and backend != "vllm":
+        raise ValueError(f"{named} is set but backend is not 'vllm'")
 
 
 # ---- online RL stages (pipeline_lib/train/grpo.py, ppo.py)
@@ -609,6 +614,7 @@ class GRPOConfig(Config):
 
     @model_validator(mode="after")
     def _check_loss_options(self):
+        _check_vllm_settings(self.backend, vllm_max_model_len=self.vllm_max_model_len)
         _check_reward_specs(self.rewards, self.reward_model_path)
         if self.loss in ("grpo", "dr_grpo") and self.clip_eps_high != self.clip_eps_low:
             raise ValueError(f"loss '{self.loss}' clips symmetrically: clip_eps_high must equal clip_eps_low "
@@ -769,6 +775,7 @@ class PPOConfig(Config):
 
     @model_validator(mode="after")
     def _check_rewards_and_critic(self):
+        _check_vllm_settings(self.backend, vllm_max_model_len=self.vllm_max_model_len)
         _check_reward_specs(self.rewards, self.reward_model_path)
         if self.critic_init == "reward_model" and not self.reward_model_path:
             raise ValueError("critic_init 'reward_model' needs reward_model_path; set it or use critic_init 'policy'")
@@ -860,7 +867,7 @@ class EvalConfig(Config):
 
     @model_validator(mode="after")
     def _check_backend_and_ks(self):
-        _check_vllm_url(self.vllm_url, self.backend)  # now, not when the flow builds its sampling run
+        _check_vllm_settings(self.backend, vllm_url=self.vllm_url)  # now, not when the flow builds its sampling run
         if self.ks is None:
             return self
         if not self.ks or max(self.ks) > self.n or min(self.ks) < 1:

@@ -211,16 +211,30 @@ def test_invalid_values_are_one_line_errors_naming_the_field(model, data, messag
     assert str(err.value).startswith("cfg.yaml: ")
 
 
-@pytest.mark.parametrize(("model", "data"), [
-    (SampleConfig, {"model_path": "m", "vllm_url": "http://127.0.0.1:8000"}),
-    (EvalConfig, {"model_path": "m", "vllm_url": "http://127.0.0.1:8000"}),
-    (PipelineConfig, {"eval": {"vllm_url": "http://127.0.0.1:8000"}}),
+@pytest.mark.parametrize(("model", "data", "named"), [
+    (SampleConfig, {"model_path": "m", "vllm_url": "http://127.0.0.1:8000"}, "vllm_url"),
+    (EvalConfig, {"model_path": "m", "vllm_url": "http://127.0.0.1:8000"}, "vllm_url"),
+    (PipelineConfig, {"eval": {"vllm_url": "http://127.0.0.1:8000"}}, "vllm_url"),
+    (SampleConfig, {"model_path": "m", "vllm_max_model_len": 512}, "vllm_max_model_len"),
+    (GRPOConfig, {"policy_path": "m", "vllm_max_model_len": 512}, "vllm_max_model_len"),
+    (PPOConfig, {"policy_path": "m", "reward_model_path": "r", "vllm_max_model_len": 512}, "vllm_max_model_len"),
 ])
-def test_a_vllm_url_without_the_vllm_backend_is_refused_when_the_config_loads(model, data):
-    """An evaluation's sampling run refused it only once the flow built it (a traceback, after a pipeline's
-    training stages); every config that samples refuses it when it loads."""
-    with pytest.raises(ConfigError, match=r"vllm_url is set but backend is not 'vllm'"):
+def test_a_vllm_setting_without_the_vllm_backend_is_refused_when_the_config_loads(model, data, named):
+    """With backend hf the setting would be ignored; an evaluation's sampling run refused vllm_url only once the
+    flow built it (a traceback, after a pipeline's training stages). Every config refuses it when it loads."""
+    with pytest.raises(ConfigError, match=rf"{named} is set but backend is not 'vllm'"):
         validate_config(model, data, origin="cfg.yaml")
+    if model is not PipelineConfig:  # (a pipeline needs stages besides its eval section)
+        validate_config(model, data | {"backend": "vllm"})
+
+
+@pytest.mark.parametrize("data", [{"samples_run_id": "sample-1"}, {"min_reward": 1.0},
+                                  {"data": "pairs", "samples_run_id": "sample-1"}])
+def test_best_of_n_settings_without_data_best_of_n_are_refused(data):
+    """They would be ignored, and still change the stage's cache key (a retraining for nothing)."""
+    with pytest.raises(ConfigError, match=r"samples_run_id and min_reward select a Best-of-N sampling run: they go "
+                                          r"with data=best_of_n, not data=(problems|pairs)$"):
+        validate_config(SFTConfig, {"model_path": "m", **data})
 
 
 @pytest.mark.parametrize(("model", "data", "message"), [
