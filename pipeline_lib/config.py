@@ -1022,6 +1022,9 @@ class PipelineConfig(Config):
         unknown = set(self.eval_models) - set(POLICY_STAGES)
         if unknown:
             raise ValueError(f"eval_models: {sorted(unknown)} are not policy stages; expected names from {POLICY_STAGES}")
+        if self.eval is None and self.eval_models and "eval_models" in self.model_fields_set:  # an empty `eval:`
+            raise ValueError("eval_models: set, but the preset has no eval section (an empty `eval:` is none): give it "
+                             "the sampling settings (`eval: {n: 16}`), or leave eval_models out")
         if self.eval is not None and not self.evaluated:  # the eval section would evaluate nothing, silently
             runs = [s for s in POLICY_STAGES if s == "base" or getattr(self, s) is not None]
             raise ValueError(f"eval_models: none of {list(self.eval_models)} is run by this preset; its models are "

@@ -380,6 +380,15 @@ def test_a_reward_weight_written_in_exponent_form_is_a_number():
     assert total == [pytest.approx(0.1)]
 
 
+@pytest.mark.parametrize("text", ["eval:\n", ""])
+def test_eval_models_without_an_eval_section_is_an_error_not_evaluation_turned_off(tmp_path, text):
+    path = tmp_path / "p.yaml"
+    path.write_text("base: {corpus_sources: [demo]}\nsft: {model_path: 'from:base'}\neval_models: [sft]\n" + text)
+    with pytest.raises(ConfigError, match=r"^.*p\.yaml: eval_models: set, but the preset has no eval section \(an "
+                                          r"empty `eval:` is none\): give it the sampling settings"):
+        load_config(PipelineConfig, path)
+
+
 def test_cross_field_errors_are_one_short_line():
     data = {"base": {}, "sft": {"model_path": "from:base"}, "eval": {}, "eval_models": ["sft", "dpoo"]}
     with pytest.raises(ConfigError) as err:
