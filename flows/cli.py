@@ -396,14 +396,28 @@ def sample(
     """N scored samples per problem into the samples table (resumable). The model is named by its absolute
     path, so the run and its `samples.policy` label are the same from any directory."""
     from pipeline_lib.config import SampleConfig, validate_config
+    from pipeline_lib.store.db import require_store
 
     cfg = validate_config(SampleConfig, {
         "model_path": str(model.resolve()), "problems_source": problems, "split": split, "n": n, "backend": backend,
         "max_new_tokens": max_new_tokens, "temperature": temperature, "max_problems": max_problems,
     }, origin="alignflow sample")
     require_model_dir(model)
+    require_store(resolve_workspace().store_path)  # a workspace never ingested into holds no problems
     with run_lock():
+        require_problems(cfg)
         echo_result("sample", load_flow("sample")(cfg))
+
+
+def require_problems(cfg) -> None:
+    """--problems and --split of `sample` and `eval`: problems the store holds, checked under the run lock before
+    Prefect starts (a mistyped source failed only after Prefect's server had booted, leaving a failed run)."""
+    from pipeline_lib.config import stored_selection
+    from pipeline_lib.store.db import open_store
+
+    table, where = stored_selection(cfg)
+    with open_store(resolve_workspace().store_path, read_only=True) as store:
+        store.check_selected(table, **where)
 
 
 def require_model_dir(model: Path) -> None:
@@ -433,6 +447,7 @@ def evaluate(
 ) -> None:
     """Pass@K / Maj@K of a model on held-out problems."""
     from pipeline_lib.config import EvalConfig, validate_config
+    from pipeline_lib.store.db import require_store
 
     cfg = validate_config(EvalConfig, {
         "model_path": str(model.resolve()), "model_name": name, "problems_source": problems, "split": split, "n": n,
@@ -440,7 +455,9 @@ def evaluate(
         "max_new_tokens": max_new_tokens,
     }, origin="alignflow eval")
     require_model_dir(model)
+    require_store(resolve_workspace().store_path)  # a workspace never ingested into holds no problems
     with run_lock():
+        require_problems(cfg)
         echo_result("eval", load_flow("eval")(cfg))
 
 

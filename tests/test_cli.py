@@ -298,6 +298,36 @@ def test_a_model_given_by_relative_paths_from_two_directories_is_evaluated_once_
         assert sorted(set(store.read("eval_results")["model"])) == [str(model.resolve())]
 
 
+def test_sample_and_eval_refuse_problems_the_store_does_not_hold_before_prefect_starts(tmp_path):
+    """A workspace never ingested into, a mistyped --problems, a split the source lacks: one line and exit 2, with
+    no Prefect server booted and no run recorded (the flow found them only after Prefect had started)."""
+    from pipeline_lib.models import build_tiny_model
+    from pipeline_lib.store.db import open_store
+    from pipeline_lib.store.ingest import ingest_file
+
+    model = build_tiny_model(tmp_path / "m", ["1+2=3"], hidden_size=32, num_layers=1)
+    workspace = tmp_path / "ws"
+    for command in ("sample", "eval"):
+        result = alignflow(command, "--model", str(model), workspace=workspace)
+        assert (result.returncode, result.stderr.strip()) == (
+            2, f"error: no store at {workspace / 'store.duckdb'}; run `alignflow ingest` first")
+    assert not workspace.exists()
+    problems = tmp_path / "p.jsonl"
+    problems.write_text('{"question": "1+2=", "answer": "3"}\n')
+    workspace.mkdir()
+    with open_store(workspace / "store.duckdb") as store:
+        ingest_file(problems, store, split="test")
+    for command, args, expected in [
+        ("eval", ["--problems", "gsm8k"], "source='gsm8k', split='test'; it holds source='p', split='test': 1 rows"),
+        ("sample", ["--split", "train"], "split='train'; it holds split='test': 1 rows"),
+    ]:
+        result = alignflow(command, "--model", str(model), *args, workspace=workspace)
+        assert (result.returncode, result.stderr.strip()) == (2, f"error: no problems rows in the store with {expected}")
+    # the workspace's dirs, made with its run lock, and no Prefect or MLflow database: nothing ran
+    assert sorted(str(path.relative_to(workspace)) for path in workspace.rglob("*")) == [
+        "mlartifacts", "models", "prefect", "run.lock", "store.duckdb"]
+
+
 def test_forcing_a_stage_the_preset_does_not_run_is_one_line(tmp_path):
     preset = tmp_path / "p.yaml"
     preset.write_text("base: {corpus_sources: [demo]}\nsft: {model_path: 'from:base'}\n")
