@@ -322,7 +322,8 @@ def test_sample_and_eval_refuse_problems_the_store_does_not_hold_before_prefect_
         ("sample", ["--split", "train"], "split='train'; it holds split='test': 1 rows"),
     ]:
         result = alignflow(command, "--model", str(model), *args, workspace=workspace)
-        assert (result.returncode, result.stderr.strip()) == (2, f"error: no problems rows in the store with {expected}")
+        assert (result.returncode, result.stderr.strip()) == (
+            2, f"error: no problems rows in the store with {expected}")
     # the workspace's dirs, made with its run lock, and no Prefect or MLflow database: nothing ran
     assert sorted(str(path.relative_to(workspace)) for path in workspace.rglob("*")) == [
         "mlartifacts", "models", "prefect", "run.lock", "store.duckdb"]
