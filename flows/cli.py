@@ -263,7 +263,7 @@ def load_stage(stage: str, config: Path):
         fail(f"{config}: a pipeline preset (it has a {section!r} section), not one stage's config; "
              f"`alignflow run pipeline -c {config}` runs it, reusing the stages already cached{force}")
     cfg = config_module.validate_config(model, data, origin=str(config))
-    config_module.check_ingest_files(cfg, origin=str(config))
+    config_module.check_preset(cfg, data, origin=str(config))
     for field in config_module.REF_FIELDS if stage != "pipeline" else ():
         value = getattr(cfg, field, None)
         if isinstance(value, str) and value.startswith(config_module.FROM):

@@ -250,16 +250,27 @@ def load_yaml(path: str | Path) -> dict:
 
 
 def load_config(model: type[M], path: str | Path) -> M:
-    """Load a YAML (or JSON) preset file into a stage config; the data files it ingests must exist."""
-    cfg = validate_config(model, load_yaml(path), origin=str(path))
-    check_ingest_files(cfg, origin=str(path))
+    """Load a YAML (or JSON) preset file into a stage config (`check_preset`)."""
+    data = load_yaml(path)
+    cfg = validate_config(model, data, origin=str(path))
+    check_preset(cfg, data, origin=str(path))
     return cfg
+
+
+def check_preset(cfg: BaseModel, data: dict, origin: str) -> None:
+    """What a preset file must hold beyond its config's validation, checked on the file, not on every validation
+    (a config built in code may name a file written later; a config's dump, a deployment's parameters, lists every
+    field): the files it ingests are there and readable, and a pipeline naming eval_models has an eval section."""
+    if isinstance(cfg, PipelineConfig) and cfg.eval is None and data.get("eval_models"):  # `eval:` left empty
+        raise ConfigError(f"{origin}: eval_models: set, but the preset has no eval section (an empty `eval:` is "
+                          "none): give it the sampling settings (`eval: {n: 16}`), or leave eval_models out")
+    check_ingest_files(cfg, origin)
 
 
 def check_ingest_files(cfg: BaseModel, origin: str = "config") -> None:
     """The files an ingest config (or a pipeline's `ingest` list) names exist and ingest can read them as a whole
-    (type, records, format), else one ConfigError line naming the field. Checked when a preset is loaded, not on every validation: a config built in code may name a file
-    written later, and a missing file would otherwise surface only when the pipeline reaches its ingest step."""
+    (type, records, format), else one ConfigError line naming the field (`load_config`); a missing file would
+    otherwise surface only when the pipeline reaches its ingest step."""
     if isinstance(cfg, IngestConfig):
         files = {"path": cfg}
     else:
@@ -1022,9 +1033,6 @@ class PipelineConfig(Config):
         unknown = set(self.eval_models) - set(POLICY_STAGES)
         if unknown:
             raise ValueError(f"eval_models: {sorted(unknown)} are not policy stages; expected names from {POLICY_STAGES}")
-        if self.eval is None and self.eval_models and "eval_models" in self.model_fields_set:  # an empty `eval:`
-            raise ValueError("eval_models: set, but the preset has no eval section (an empty `eval:` is none): give it "
-                             "the sampling settings (`eval: {n: 16}`), or leave eval_models out")
         if self.eval is not None and not self.evaluated:  # the eval section would evaluate nothing, silently
             runs = [s for s in POLICY_STAGES if s == "base" or getattr(self, s) is not None]
             raise ValueError(f"eval_models: none of {list(self.eval_models)} is run by this preset; its models are "

@@ -387,6 +387,10 @@ def test_eval_models_without_an_eval_section_is_an_error_not_evaluation_turned_o
     with pytest.raises(ConfigError, match=r"^.*p\.yaml: eval_models: set, but the preset has no eval section \(an "
                                           r"empty `eval:` is none\): give it the sampling settings"):
         load_config(PipelineConfig, path)
+    # a preset without evaluation still round-trips through its dump (a deployment's parameters list every field)
+    path.write_text("base: {corpus_sources: [demo]}\nsft: {model_path: 'from:base'}\n")
+    cfg = load_config(PipelineConfig, path)
+    assert validate_config(PipelineConfig, cfg.model_dump(mode="json")) == cfg
 
 
 def test_cross_field_errors_are_one_short_line():
