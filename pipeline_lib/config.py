@@ -191,7 +191,7 @@ class _PresetLoader(yaml.SafeLoader):
     integers are decimal (`010` is 10, not octal 8) or 0x hexadecimal, never base 60 (`1:30` stays text, not 90);
     floats need no sign in their exponent (`lr: 1e-4` and `1e5` are numbers); dates stay text (`source: 2024-01-01`)."""
 
-    def construct_yaml_int(self, node):
+    def construct_decimal_int(self, node):
         text = self.construct_scalar(node).replace("_", "")
         return int(text, 16) if text.lstrip("+-").startswith("0x") else int(text, 10)
 
@@ -211,7 +211,7 @@ _PresetLoader.add_implicit_resolver(
     re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
                r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
     list("-+.0123456789"))
-_PresetLoader.add_constructor("tag:yaml.org,2002:int", _PresetLoader.construct_yaml_int)
+_PresetLoader.add_constructor("tag:yaml.org,2002:int", _PresetLoader.construct_decimal_int)
 
 
 def _safe_load_unique(text: str) -> object:
