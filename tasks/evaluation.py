@@ -31,7 +31,8 @@ def model_label(cfg: EvalConfig) -> str:
 def eval_task(cfg: EvalConfig, inputs_fingerprint: str) -> list[dict]:
     workspace = current_workspace()
     name = model_label(cfg)
-    with tracking.stage_run(workspace, f"eval-{name}", cfg, tags=run_tags(inputs_fingerprint), echo=False) as log:
+    logged = cfg.model_copy(update={"ks": cfg.k_values})  # the K values evaluated, where `ks` was left to its default
+    with tracking.stage_run(workspace, f"eval-{name}", logged, tags=run_tags(inputs_fingerprint), echo=False) as log:
         with open_store(workspace.store_path) as store:
             results, samples = run_eval_stage(cfg, store, log=log)
         fig_pass, fig_maj = plot_curves(results)

@@ -44,7 +44,7 @@ def add_problems(workspace) -> None:
 def test_eval_flow_writes_results_metrics_and_plots(flow_workspace, tmp_path, prefect_run):
     add_problems(flow_workspace)
     model = build_tiny_model(tmp_path / "tiny", ["0123456789+="])
-    cfg = EvalConfig(model_path=str(model), model_name="tiny", n=4, ks=(1, 2, 4), max_new_tokens=3, device="cpu")
+    cfg = EvalConfig(model_path=str(model), model_name="tiny", n=4, max_new_tokens=3, device="cpu")  # ks: default
 
     state = eval_flow(cfg, return_state=True)
     rows = state.result()
@@ -57,6 +57,7 @@ def test_eval_flow_writes_results_metrics_and_plots(flow_workspace, tmp_path, pr
     run = tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'eval-tiny'")[0]
     assert run.data.metrics["eval/pass_at_4"] == rows[2]["pass_at_k"]
     assert "eval/maj_at_1" in run.data.metrics
+    assert run.data.params["ks"] == "[1, 2, 4]"  # the K values evaluated, not the config's unset `ks`
     assert run.data.tags["data.fingerprint"] == inputs_fingerprint_task.fn(cfg, "eval-tiny")
     plots = {a.path for a in MlflowClient(flow_workspace.tracking_uri).list_artifacts(run.info.run_id, "plots")}
     assert plots == {"plots/pass_at_k.png", "plots/maj_at_k.png", "plots/reward_length_hist.png"}
