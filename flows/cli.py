@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shlex
 import signal
 import sys
@@ -118,7 +119,10 @@ class ShowUserErrorOnce(logging.Filter):
     """On the console, an AlignflowError that fails a run shows once in Prefect's lines: on the first record that
     carries it (the task run that raised it, named there); its echoes (the flow's exception, each run's `Finished
     in state Failed(...)`, a pipeline's parent flows) are dropped from the console only, Prefect's API log (the
-    UI) keeps them. run_cli prints the error itself last."""
+    UI) keeps them. run_cli prints the error itself last.
+
+    A task with retries whose retry condition refuses the error logs no exception record: its first line is its
+    `Finished in state Failed("Task run encountered an exception <Error>: <message>")`, which then counts as shown."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -128,12 +132,28 @@ class ShowUserErrorOnce(logging.Filter):
         if not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
             return True
         error = getattr(record, "alignflow_error", None)
+        message = record.getMessage().replace("\\'", "'")  # a state's repr escapes the quotes of its message
+        failed = _TASK_FAILED.search(message) if error is None else None
+        if failed is not None and failed["error"] in _alignflow_error_names():
+            error = failed["message"]
         if error is not None:
             first = error not in self.shown
             self.shown.add(error)
             return first
-        message = record.getMessage().replace("\\'", "'")  # a state's repr escapes the quotes of its message
         return not any(error in message for error in self.shown)
+
+
+_TASK_FAILED = re.compile(r"Task run encountered an exception (?P<error>\w+): (?P<message>.*)[\"']\)$", re.DOTALL)
+
+
+def _alignflow_error_names() -> set[str]:
+    """Class names of AlignflowError and its subclasses (those imported so far)."""
+    names, pending = set(), [AlignflowError]
+    while pending:
+        cls = pending.pop()
+        names.add(cls.__name__)
+        pending += cls.__subclasses__()
+    return names
 
 
 def run_cli() -> None:

@@ -347,16 +347,34 @@ def test_demo_with_a_bad_preset_fails_before_generating_its_data(tmp_path):
 
 
 @pytest.mark.slow  # several CLI processes, each starting Prefect: 30-70 s on 2 cores
-def test_an_error_inside_a_stage_shows_once_in_prefects_lines_then_as_the_error_line(tmp_path):
-    config = tmp_path / "prepare.yaml"
-    config.write_text("corpus_sources: [demo]\n")
-    result = alignflow("run", "prepare", "--config", str(config), workspace=tmp_path / "ws")
+@pytest.mark.parametrize("task", ["prepare", "sample"])
+def test_an_error_inside_a_stage_shows_once_in_prefects_lines_then_as_the_error_line(tmp_path, task):
+    """`prepare` has no retries: Prefect logs the task's exception. `sample` has retries its retry condition
+    refuses for this error: Prefect logs no exception record, only the task's `Finished in state Failed(...)`."""
+    from pipeline_lib.models import build_tiny_model
+    from pipeline_lib.store.db import open_store
+    from pipeline_lib.store.ingest import ingest_file
+
+    if task == "prepare":
+        config = tmp_path / "prepare.yaml"
+        config.write_text("corpus_sources: [demo]\n")
+        args = ["run", "prepare", "--config", str(config)]
+        message = ("prepare: no texts in sources ['demo'] to build the tokenizer from; ingest some first "
+                   "(alignflow ingest data/demo/problems.jsonl --source demo)")
+    else:
+        model = build_tiny_model(tmp_path / "m", ["1+2=3"], hidden_size=32, num_layers=1, max_position_embeddings=64)
+        problems = tmp_path / "p.jsonl"
+        problems.write_text('{"question": "1+2=", "answer": "3"}\n')
+        (tmp_path / "ws").mkdir()
+        with open_store(tmp_path / "ws" / "store.duckdb") as store:
+            ingest_file(problems, store, split="test")
+        args = ["sample", "--model", str(model), "--max-new-tokens", "100"]
+        message = "prompts[0] ('1+2=') has 4 tokens + max_new_tokens 100, over the model's max_position_embeddings 64"
+    result = alignflow(*args, workspace=tmp_path / "ws")
     assert result.returncode == 2
-    message = ("prepare: no texts in sources ['demo'] to build the tokenizer from; ingest some first "
-               "(alignflow ingest data/demo/problems.jsonl --source demo)")
     # Prefect's task run line names the task; its echoes (flow exception, both `Finished in state Failed`) are
     # dropped from the console
-    shown = [line for line in result.stderr.splitlines() if "no texts in sources" in line]
+    shown = [line for line in result.stderr.splitlines() if message in line]
     assert len(shown) == 2, result.stderr
     assert "ERROR" in shown[0] and "Task run" in shown[0] and shown[1] == f"error: {message}"
     assert "Traceback" not in result.stderr
