@@ -148,12 +148,18 @@ def encode(
               f"tokens and were cut from the right, eos included; raise max_length to keep them whole",
               file=sys.stderr, flush=True)
     out_prompts, out_completions = [], []
+    prompts_cut = 0
     for start in range(0, len(ends), group_size):
         group = [end[: max_length - 1] for end in ends[start:start + group_size]]
         room = max_length - max(len(completion) for completion in group)  # >= 1: never the whole row
         prompt = prompt_ids[start]
+        prompts_cut += len(prompt) > room
         out_prompts += [prompt[-room:] if len(prompt) > room else list(prompt) for _ in group]
         out_completions += group
+    if prompts_cut:
+        print(f"warning: {prompts_cut} of {len(ends) // group_size} prompts do not fit max_length = {max_length} "
+              "tokens beside their completion and lost their first tokens; raise max_length to keep them whole",
+              file=sys.stderr, flush=True)
     return Encoded(out_prompts, out_completions)
 
 
@@ -163,10 +169,16 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, ma
     prompts with empty completions (a reward model has no completion mask)."""
     if not texts:
         raise TrainDataError("no training rows: the selected table/source is empty")
-    ids = [row[-max_length:] for row in text_ids(tokenizer, texts)]
+    whole = text_ids(tokenizer, texts)
+    ids = [row[-max_length:] for row in whole]
     empty = next((i for i, row in enumerate(ids) if not row), None)
     if empty is not None:
         raise TrainDataError(f"texts[{empty}]: tokenizes to no tokens")
+    cut = sum(len(row) > max_length for row in whole)
+    if cut:
+        print(f"warning: {cut} of {len(texts)} texts (prompt + response) are longer than max_length = {max_length} "
+              "tokens and lost their first tokens, as the reward model's scorer cuts them; raise max_length to "
+              "keep them whole", file=sys.stderr, flush=True)
     return Encoded(ids, [[] for _ in ids])
 
 

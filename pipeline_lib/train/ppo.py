@@ -210,11 +210,13 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
                     loss.backward()
                     grad_norm = clip_gradients(trained, cfg.max_grad_norm)
                     check_finite(grad_norm, step + 1, "train/grad_norm")
+                    lr = scheduler.get_last_lr()[0]  # this update's; train/lr is the mean over the step's updates
                     optimizer.step()
                     scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
                     stats = policy_stats | value_stats | {
                         "train/loss": loss.detach(), "policy/loss": policy_loss.detach(), "train/grad_norm": grad_norm,
+                        "train/lr": lr,
                         "policy/entropy": (entropy.detach() * mask[rows]).sum() / mask[rows].sum(),
                     }
                     for key, value in stats.items():
@@ -236,7 +238,6 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
                 "completions/mean_length": sum(lengths) / len(lengths),
                 "completions/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
                 **{key: sum(values) / len(values) for key, values in update_stats.items()},
-                "train/lr": scheduler.get_last_lr()[0],
                 "perf/rollout_seconds": rollout_seconds,
                 "perf/weight_sync_seconds": sync_seconds,
                 "perf/step_seconds": step_seconds,

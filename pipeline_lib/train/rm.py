@@ -3,6 +3,7 @@ causal-LM backbone (pooling from the config), pairwise accuracy on a seeded held
 
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -92,6 +93,13 @@ def build_groups(tokenizer, frame: pl.DataFrame, loss: str, *, max_length: int) 
     starts = [0]
     for size in sizes[:-1]:
         starts.append(starts[-1] + size)
+    alike = sum(len({tuple(encoded.prompt_ids[i]) for i in range(start, start + size)}) < size
+                for start, size in zip(starts, sizes))
+    if alike:
+        print(f"warning: {alike} of {len(sizes)} {'pairs' if loss == 'bradley_terry' else 'rankings'} hold two "
+              f"responses whose scored texts are the same tokens (cut to max_length = {max_length}): the model "
+              "cannot tell them apart (no gradient between them; counted as wrong in eval/rm_accuracy)",
+              file=sys.stderr, flush=True)
     return Groups(encoded, starts, sizes, any(templated))
 
 

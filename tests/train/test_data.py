@@ -75,11 +75,14 @@ def test_a_prompt_without_tokens_is_refused(tokenizer):
         encode(tokenizer, ["9+9=", ""], ["18", "5"], max_length=64)
 
 
-def test_templated_rows_get_no_extra_special_tokens_and_long_rows_lose_the_prompt_head(tokenizer):
+def test_templated_rows_get_no_extra_special_tokens_and_long_rows_lose_the_prompt_head(tokenizer, capsys):
     encoded = encode(tokenizer, ["<|user|>1+1=</s><|assistant|>"], ["2"], max_length=64, templated=[True])
     assert tokenizer.convert_ids_to_tokens(encoded.prompt_ids[0])[0] == "<|user|>"
-    cut = encode(tokenizer, ["123456789="], ["12"], max_length=6)
+    assert capsys.readouterr().err == ""
+    cut = encode(tokenizer, ["123456789=", "1="], ["12", "3"], max_length=6)
     assert tokenizer.decode(cut.prompt_ids[0]) == "89=" and len(cut.completion_ids[0]) == 3  # 6 - 3
+    assert "warning: 1 of 2 prompts do not fit max_length = 6 tokens beside their completion and lost their " \
+           "first tokens" in capsys.readouterr().err
     with pytest.raises(TrainDataError, match="no training rows"):
         encode(tokenizer, [], [], max_length=8)
 
@@ -108,10 +111,12 @@ def test_fingerprint_tracks_every_id(tokenizer):
     assert a.fingerprint() != Encoded([[1], [2]], [[3], [4]]).fingerprint()
 
 
-def test_encode_texts_matches_the_reward_scorer_tokenization(tokenizer):
+def test_encode_texts_matches_the_reward_scorer_tokenization(tokenizer, capsys):
     encoded = encode_texts(tokenizer, ["12+34=46", "hi"], max_length=5)
     assert encoded.prompt_ids[0] == tokenizer("12+34=46")["input_ids"][-5:]
     assert encoded.completion_ids == [[], []]
+    assert "warning: 1 of 2 texts (prompt + response) are longer than max_length = 5 tokens and lost their first " \
+           "tokens" in capsys.readouterr().err
 
 
 def test_encode_frame_needs_its_columns(tokenizer):

@@ -198,3 +198,15 @@ def test_a_prompt_longer_than_the_context_is_refused_before_step_1(tiny, reward_
                                              r"them out of the data \(the longest has 300 tokens\)$"):
         train_ppo(small_config(tiny, reward_model), data, tmp_path / "out")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_the_logged_learning_rate_is_the_mean_of_the_rates_the_steps_updates_used(tiny, reward_model, problems,
+                                                                                   tmp_path, collect):
+    """4 updates a step (2 mini-batches x 2 epochs), 8 in all, linear decay from 1e-3: step 1 used
+    1e-3 * (1 - u/8) for u = 0..3, step 2 for u = 4..7. The rate read after the step's last update was the
+    next step's (0 after the last step)."""
+    logged, log = collect()
+    train_ppo(small_config(tiny, reward_model, lr_schedule="linear", warmup_steps=0), problems, tmp_path / "out",
+              log=log)
+    assert [metrics["train/lr"] for _, metrics in logged] == pytest.approx([1e-3 * (1 - 1.5 / 8),
+                                                                            1e-3 * (1 - 5.5 / 8)])

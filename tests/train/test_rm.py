@@ -52,7 +52,7 @@ class LengthScorer(torch.nn.Module):
         return attention_mask.sum(-1).float()
 
 
-def test_groups_hold_whole_texts_best_first(tiny):
+def test_groups_hold_whole_texts_best_first(tiny, capsys):
     tokenizer = load_tokenizer(tiny)
     groups = build_groups(tokenizer, toy_rankings(3), "plackett_luce", max_length=64)
     assert groups.sizes == [2, 3, 2] and groups.starts == [0, 2, 5]
@@ -60,6 +60,13 @@ def test_groups_hold_whole_texts_best_first(tiny):
     assert tokenizer.decode(groups.encoded.prompt_ids[3]) == "01+01=3"  # ranking 1, response 1 (second best)
     pairs = build_groups(tokenizer, toy_pairs(2), "bradley_terry", max_length=64)
     assert pairs.sizes == [2, 2] and pairs.encoded.completion_ids == [[], [], [], []]  # no eos: scorer's view
+    assert capsys.readouterr().err == ""
+    # cut to their last 4 tokens, the two responses of the second pair read alike: the model cannot rank them
+    cut = build_groups(tokenizer, pl.DataFrame({"prompt": ["1+1=", "2+2="], "chosen": ["2", "1234"],
+                                                "rejected": ["3", "01234"]}), "bradley_terry", max_length=4)
+    assert cut.encoded.prompt_ids[2] == cut.encoded.prompt_ids[3]
+    assert "warning: 1 of 2 pairs hold two responses whose scored texts are the same tokens (cut to max_length = " \
+           "4)" in capsys.readouterr().err
     with pytest.raises(TrainDataError, match=r"rankings\[0\]: expected >= 2 responses, got 1"):
         build_groups(tokenizer, pl.DataFrame({"prompt": ["x"], "responses": [["1"]]}), "plackett_luce", max_length=8)
     with pytest.raises(TrainDataError, match=r"missing column\(s\) \['chosen', 'rejected'\]"):
