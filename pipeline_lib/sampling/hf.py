@@ -198,7 +198,9 @@ class HFSampler:
         ids = ids[:end]
         text = self.tokenizer.decode(body)
         if stop_at is not None:
-            text = text[:min(i for i in (text.find(s) for s in stop) if i >= 0)]
+            # the stop string the last token completed first (ties: stop-list order), as vLLM cuts
+            _, _, first = min((text.find(s) + len(s), order, s) for order, s in enumerate(stop) if s in text)
+            text = text[:text.find(first)]
         else:
             # the bytes of a character the row ended inside decode to U+FFFD; vLLM's incremental detokenizer
             # holds them back until the character completes, so its text ends before them
@@ -207,14 +209,19 @@ class HFSampler:
         return Completion(text=text, token_ids=ids, finish_reason=reason, logprobs=logps)
 
     def _stop_string_end(self, ids: list[int], stop: Sequence[str]) -> int | None:
-        """Length of the shortest prefix whose text contains a stop string (generate stopped the row there)."""
-        if not any(s in self.tokenizer.decode(ids) for s in stop):
-            return None
-        for k in range(1, len(ids) + 1):
+        """Length of the shortest prefix whose text contains a stop string (generate stopped the row there): a
+        binary search, since a prefix holding one passes it on to every longer prefix (log2 T decodes, not T)."""
+        def holds(k: int) -> bool:
             text = self.tokenizer.decode(ids[:k])
-            if any(s in text for s in stop):
-                return k
-        return None
+            return any(s in text for s in stop)
+
+        if not holds(len(ids)):
+            return None
+        short, long = 0, len(ids)  # the empty prefix holds no (non-empty) stop string; `long` holds one
+        while long - short > 1:
+            middle = (short + long) // 2
+            short, long = (short, middle) if holds(middle) else (middle, long)
+        return long
 
 
 class _CompletionStops(StoppingCriteria):

@@ -377,3 +377,29 @@ def test_stop_string_is_cut_when_rows_are_padded_with_eos(hf_sampler, tiny_model
     got = eos_padded.generate(PROMPTS, n=4, max_new_tokens=6, seed=2, stop=stop)
     assert got == expected
     assert all("+" not in c.text for group in got for c in group)
+
+
+def test_a_token_completing_two_stop_strings_cuts_at_the_one_it_completes_first(hf_sampler):
+    """vLLM's rule (the same as reading the text a character at a time): the stop string that ends first in the
+    text, ties broken by the stop list's order. `<|user|>` as one token completes `|` (ending after `4<|`) before
+    `<|user|>` itself; it used to cut at whichever stop string started first."""
+    tok = hf_sampler.tokenizer
+    special = next(t for t in tok.all_special_tokens if t.startswith("<|") and t != tok.eos_token)
+    four, nine, one, two = (tok(c, add_special_tokens=False)["input_ids"] for c in "4912")
+    ids = four + [tok.convert_tokens_to_ids(special)] + four
+    assert hf_sampler._completion(ids, None, [special, "|"]).text == "4<"
+    assert hf_sampler._completion(nine + one + two, None, ["2", "12"]).text == "91"  # both end at 2: list order
+    assert hf_sampler._completion(nine + one + two, None, ["12", "2"]).text == "9"
+
+
+def test_the_token_ending_a_stop_string_is_found_in_log_many_decodes(hf_sampler, monkeypatch):
+    """A stop string at the end of a 1,000-token row: the shortest prefix holding it, found without decoding
+    every prefix (a linear scan decoded 1,000 prefixes per row, quadratic in the row's length)."""
+    tok = hf_sampler.tokenizer
+    ids = tok("12+34=" * 166 + "46", add_special_tokens=False)["input_ids"]
+    calls = []
+    decode = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda token_ids, **kw: calls.append(len(token_ids)) or decode(token_ids, **kw))
+    assert hf_sampler._stop_string_end(ids, ["=46"]) == len(ids)
+    assert hf_sampler._stop_string_end(ids, ["4="]) == 5 + 1  # "12+34=": the first 4= ends at token 6
+    assert len(calls) <= 2 * (1 + len(ids).bit_length())
