@@ -49,9 +49,10 @@ def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n", chat_template
               ) -> tuple[pl.DataFrame, int]:
     """Per prompt, the best and the worst completion as a synthetic preference pair (West-of-N).
 
-    Candidates are the distinct completion texts (a text sampled several times counts once, with its mean
-    reward and first sample_idx: a reward model may score one text slightly differently in two batches), so
-    chosen and rejected always differ. Ties pick the lowest sample_idx on both ends. Prompts whose best and
+    Candidates are the distinct completion texts, compared without their surrounding whitespace as ingest
+    compares a pair's sides (a text sampled several times counts once, with its mean reward and its first sample's
+    idx and text: a reward model may score one text slightly differently in two batches), so chosen and rejected
+    always differ. Ties pick the lowest sample_idx on both ends. Prompts whose best and
     worst rewards are equal (all samples tie, a single distinct text) give no pair and are counted. Returns
     (pairs, n_skipped); pairs have the preference_pairs columns pair_id (store.shapes.pair_id, as ingest keys
     the same pair), source, prompt, chosen, rejected, prompt_messages (with `chat_template`, the samples' prompts
@@ -59,8 +60,9 @@ def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n", chat_template
     alike; else null), meta (JSON: prompt_id, both sample_idx and rewards), sorted by prompt_id."""
     scored = (
         _scored(samples)
-        .group_by("prompt_id", "prompt", "completion")
-        .agg(pl.col("reward").mean(), pl.col("sample_idx").min())
+        .sort("sample_idx")
+        .group_by("prompt_id", "prompt", pl.col("completion").str.strip_chars().alias("text"))
+        .agg(pl.col("completion").first(), pl.col("reward").mean(), pl.col("sample_idx").first())
     )
     best = (
         scored.sort(["prompt_id", "reward", "sample_idx"], descending=[False, True, False])

@@ -87,8 +87,10 @@ def test_west_of_n_single_sample_and_all_tied_prompts_give_no_pairs():
 def test_west_of_n_pairs_distinct_texts_and_never_an_empty_completion():
     frame = samples_frame({"same": [(0.5, True), (0.1, False)], "empty": [(0.0, False), (-0.5, False), (-1.0, False)],
                            "dup": [(0.9, True), (0.2, False), (0.3, False)]})
-    texts = {("same", 1): "42", ("same", 0): "42",  # one text scored twice (a reward model's batch jitter)
-             ("empty", 0): "  ", ("dup", 2): "dup-0"}  # "dup-0" sampled twice, mean reward 0.6 > 0.2
+    # one text scored twice (a reward model's batch jitter), and differing only in the whitespace around it, which
+    # ingest refuses as "chosen identical to rejected"; "dup-0" sampled twice (mean reward 0.6 > 0.2), the first
+    # sample's text stored
+    texts = {("same", 1): "42\n", ("same", 0): "42", ("empty", 0): "  ", ("dup", 2): " dup-0"}
     frame = frame.with_columns(pl.Series("completion", [texts.get((p, i), c) for p, i, c in
                                                         frame.select("prompt_id", "sample_idx", "completion").rows()]))
     pairs, skipped = west_of_n(frame)
