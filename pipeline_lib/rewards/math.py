@@ -361,9 +361,19 @@ def boxed_content(text: str) -> str | None:
 
 
 def _boxed_answer(content: str) -> str | None:
-    """A boxed answer: a number (units stripped), the right-hand side of `x = 5`, or short text (`x+1`)."""
+    """A boxed answer: a number (units stripped; braces or parentheses around it alone dropped: `{12}`, `(-12)`,
+    `\left(\frac{1}{2}\right)`), the right-hand side of `x = 5`, or short text (`x+1`, `(1, 2)`)."""
     content = _join_sign(content.rsplit("=", 1)[-1])
-    parsed = _parse_number(content)
+    start, end = 0, len(content)  # indices, not slices: a hostile box nests 100,000 braces
+    while True:
+        while start < end and content[start].isspace():
+            start += 1
+        while end > start and content[end - 1].isspace():
+            end -= 1
+        if end - start <= 2 or content[start] + content[end - 1] not in ("{}", "()"):
+            break
+        start, end = start + 1, end - 1
+    parsed = _parse_number(_join_sign(content[start:end]))
     if parsed is not None:
         return format_number(*parsed)
     return _text_answer(content)

@@ -552,6 +552,14 @@ def test_extract_answer_reads_signs_in_dollars_worked_equations_and_the_line_aft
         (r"\boxed{5 \text{ m/s}^{2}}", "5"),
         (r"\boxed{\mathbf{12}}", "12"),
         (r"\boxed{+5}", "5"),
+        # a boxed number inside extra braces or parentheses is the number; a tuple or an expression stays text
+        (r"\boxed{{12}}", "12"),
+        (r"\boxed{(-12)}", "-12"),
+        (r"\boxed{\left(\frac{1}{2}\right)}", "1/2"),
+        (r"\boxed{ {( 7 )} }", "7"),
+        (r"\boxed{(1, 2)}", "(1, 2)"),
+        (r"\boxed{(x+1)}", "(x+1)"),
+        (r"\boxed{(1)+(2)}", "(1)+(2)"),
         # LaTeX math's `$` before a marker's number
         (r"The answer is $\$18$.", "18"),
         ("The answer is: **$25**", "25"),
