@@ -24,6 +24,7 @@ from mlflow.tracking import MlflowClient
 from pydantic import BaseModel
 
 from pipeline_lib import alignflow_version
+from pipeline_lib.config import KEEPING_FIELDS
 from pipeline_lib.errors import AlignflowError, first_line
 from pipeline_lib.logfns import LogFn, print_log
 from pipeline_lib.workspace import Workspace, host_id, process_alive
@@ -186,20 +187,31 @@ def _end_stale_runs(experiment_id: str) -> None:
 
 
 def _killed_run_to_resume(experiment_id: str, stage: str, params: Mapping[str, str]) -> str | None:
-    """The latest KILLED run of this stage with these params that no run resumed yet: the run a rerun continues."""
+    """The latest KILLED (or interrupted) run of this stage with these params, how it kept checkpoints aside
+    (`KEEPING_FIELDS`: a new `save_every` resumes the same run), that no run resumed yet: the run a rerun
+    continues."""
     client = MlflowClient()
     killed = client.search_runs([experiment_id], filter_string="attributes.status = 'KILLED'",
                                 order_by=["attributes.start_time DESC"])
     for run in killed:
-        if run.info.run_name == stage and run.data.params == params:
+        if run.info.run_name == stage and _run_params(run.data.params) == _run_params(params):
             resumed = client.search_runs([experiment_id], max_results=1,
                                          filter_string=f"tags.`alignflow.resumes` = '{run.info.run_id}'")
             return None if resumed else run.info.run_id
     return None
 
 
+def _run_params(params: Mapping[str, str]) -> dict[str, str]:
+    return {key: value for key, value in params.items() if key not in KEEPING_FIELDS}
+
+
 def _end_failed(exc: BaseException) -> None:
-    """End the active run FAILED with the reason as a tag (MLflow has no field for it)."""
+    """End the active run with the reason as a tag (MLflow has no field for it): KILLED when the user interrupted
+    it (Ctrl-C; a rerun resumes it, as it does a killed process's run), else FAILED."""
+    if isinstance(exc, KeyboardInterrupt):
+        mlflow.set_tag("alignflow.error", "interrupted (Ctrl-C)")
+        mlflow.end_run(status="KILLED")
+        return
     mlflow.set_tag("alignflow.error", first_line(exc)[:5000])
     mlflow.end_run(status="FAILED")
 

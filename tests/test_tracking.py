@@ -177,3 +177,17 @@ def test_a_killed_stage_run_is_marked_killed_and_its_rerun_says_it_resumes_it(wo
     assert killed.info.status == "KILLED" and "ended without closing the run" in killed.data.tags["alignflow.error"]
     assert rerun.data.tags["alignflow.resumes"] == killed.info.run_id and rerun.info.status == "FINISHED"
     assert not any("alignflow.resumes" in run.data.tags for run in (again, other, first))
+
+
+def test_an_interrupted_stage_run_is_killed_and_a_rerun_with_another_save_every_resumes_it(workspace):
+    """Ctrl-C (KeyboardInterrupt) is no failure of the stage: its run ends KILLED, as a killed process's does, and
+    the rerun that resumes its checkpoint links to it, also under a new checkpoint interval (`save_every` is not
+    part of what the run trains: the stage resumes its checkpoint, so the run must say so)."""
+    with pytest.raises(KeyboardInterrupt):
+        with tracking.stage_run(workspace, "sft", {"lr": 0.1, "save_every": 50}, echo=False):
+            raise KeyboardInterrupt
+    with tracking.stage_run(workspace, "sft", {"lr": 0.1, "save_every": 40}, echo=False):
+        pass
+    rerun, interrupted = tracking.find_runs(workspace)
+    assert interrupted.info.status == "KILLED" and interrupted.data.tags["alignflow.error"] == "interrupted (Ctrl-C)"
+    assert rerun.data.tags["alignflow.resumes"] == interrupted.info.run_id
