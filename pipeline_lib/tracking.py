@@ -23,7 +23,7 @@ from mlflow.entities import Metric, RunTag
 from mlflow.tracking import MlflowClient
 from pydantic import BaseModel
 
-from pipeline_lib import alignflow_version
+from pipeline_lib import alignflow_version, code_version
 from pipeline_lib.config import KEEPING_FIELDS
 from pipeline_lib.errors import AlignflowError, first_line
 from pipeline_lib.logfns import LogFn, print_log
@@ -162,8 +162,9 @@ def _process_tags() -> dict[str, str]:
 
 @functools.cache
 def _code_version_tags() -> dict[str, str]:
-    """alignflow's version and, from a git checkout, its commit (MLflow shows `mlflow.source.git.commit`)."""
-    tags = {"alignflow.version": alignflow_version()}
+    """alignflow's version, its code (`code_version`, what cache keys hold) and, from a git checkout, its commit
+    (MLflow shows `mlflow.source.git.commit`)."""
+    tags = {"alignflow.version": alignflow_version(), "alignflow.code": code_version()}
     checkout = Path(__file__).resolve().parents[1]
     try:
         top, head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--show-toplevel", "HEAD"],

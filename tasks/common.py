@@ -8,7 +8,7 @@ import re
 from prefect.cache_policies import INPUTS, TASK_SOURCE, CacheKeyFnPolicy
 from prefect.runtime import flow_run
 
-from pipeline_lib import alignflow_version
+from pipeline_lib import code_version
 from pipeline_lib.config import config_key
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.sampling.vllm import VLLMServerError
@@ -16,7 +16,7 @@ from pipeline_lib.workspace import Workspace, resolve_workspace
 
 
 def _workspace_key(context, parameters) -> str:
-    return f"{resolve_workspace().root}|alignflow {alignflow_version()}"
+    return f"{resolve_workspace().root}|alignflow {code_version()}"
 
 
 def _config_key(context, parameters) -> str:
@@ -25,9 +25,9 @@ def _config_key(context, parameters) -> str:
 
 # A stage task's inputs are its config (`config_key`: a new checkpoint interval is the same stage) and the
 # fingerprints of what it reads, so an unchanged stage is a cache hit across processes; the workspace is part of
-# the key (its paths are in the results), and so is alignflow's version (another release may train differently);
-# `force` is not (a forced run refreshes the entry the next unforced run hits); results persist under PREFECT_HOME
-# (inside the workspace).
+# the key (its paths are in the results), and so are alignflow's version and code (`code_version`: another release,
+# or an edit of the library, may train differently); `force` is not (a forced run refreshes the entry the next
+# unforced run hits); results persist under PREFECT_HOME (inside the workspace).
 CACHED = {
     "cache_policy": (INPUTS - "cfg" - "force") + TASK_SOURCE + CacheKeyFnPolicy(cache_key_fn=_workspace_key)
     + CacheKeyFnPolicy(cache_key_fn=_config_key),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from prefect import task
 from safetensors.torch import load_file
 
-from pipeline_lib import tracking
+from pipeline_lib import code_version, tracking
 from pipeline_lib.config import TinyModelConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import keyed_dir
@@ -18,14 +18,14 @@ from tasks.common import CACHED, current_workspace, run_tags
 @task(name="build-tiny-model", **CACHED)
 def build_tiny_model_task(cfg: TinyModelConfig, data_fingerprint: str) -> str:
     workspace = current_workspace()
-    with open_store(workspace.store_path) as store:
-        corpus = store.corpus_texts(list(cfg.corpus_sources) if cfg.corpus_sources else None)
-    if not corpus:
-        where = f"sources {list(cfg.corpus_sources)}" if cfg.corpus_sources else "the store"
-        raise AlignflowError(f"prepare: no texts in {where} to build the tokenizer from; ingest some first "
-                             "(alignflow ingest data/demo/problems.jsonl --source demo)")
-    out_dir = keyed_dir(workspace.models_dir, "tiny_model", cfg.model_dump_json(), data_fingerprint)
+    out_dir = keyed_dir(workspace.models_dir, "tiny_model", cfg.model_dump_json(), data_fingerprint, code_version())
     with tracking.stage_run(workspace, "base", cfg, tags=run_tags(data_fingerprint)) as log:
+        with open_store(workspace.store_path) as store:
+            corpus = store.corpus_texts(list(cfg.corpus_sources) if cfg.corpus_sources else None)
+        if not corpus:
+            where = f"sources {list(cfg.corpus_sources)}" if cfg.corpus_sources else "the store"
+            raise AlignflowError(f"prepare: no texts in {where} to build the tokenizer from; ingest some first "
+                                 "(alignflow ingest data/demo/problems.jsonl --source demo)")
         path = build_tiny_model(out_dir, corpus, **cfg.model_dump(exclude={"corpus_sources"}))
         parameters = sum(tensor.numel() for file in path.glob("*.safetensors") for tensor in load_file(file).values())
         log({"model/parameters": float(parameters), "data/corpus_texts": float(len(corpus))}, 0)

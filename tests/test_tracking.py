@@ -13,7 +13,7 @@ import pytest
 from matplotlib.figure import Figure
 from mlflow.tracking import MlflowClient
 
-from pipeline_lib import alignflow_version, tracking
+from pipeline_lib import alignflow_version, code_version, tracking
 from pipeline_lib.config import EvalConfig, IngestConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.workspace import Workspace
@@ -118,6 +118,7 @@ def test_stage_runs_nest_under_the_pipeline_run_and_failures_are_marked(workspac
     assert "alignflow.error" not in runs["sft"].data.tags
     for run in runs.values():
         assert run.data.tags["alignflow.version"] == alignflow_version() != "unknown"
+        assert run.data.tags["alignflow.code"] == code_version()
         commit = subprocess.run(["git", "-C", str(Path(tracking.__file__).parents[1]), "rev-parse", "HEAD"],
                                 capture_output=True, text=True).stdout.strip()
         assert run.data.tags.get("mlflow.source.git.commit") == (commit or None)  # None outside a checkout
@@ -191,3 +192,20 @@ def test_an_interrupted_stage_run_is_killed_and_a_rerun_with_another_save_every_
     rerun, interrupted = tracking.find_runs(workspace)
     assert interrupted.info.status == "KILLED" and interrupted.data.tags["alignflow.error"] == "interrupted (Ctrl-C)"
     assert rerun.data.tags["alignflow.resumes"] == interrupted.info.run_id
+
+
+def test_the_code_version_follows_the_librarys_files_not_where_they_are(tmp_path):
+    """What cache keys and sampling run ids hold: the same files give the same value wherever they lie, and an edit
+    that keeps the version (a checkout's) gives another."""
+    copy = tmp_path / "pipeline_lib"
+    shutil.copytree(Path(tracking.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+
+    def copy_version() -> str:
+        return subprocess.run([sys.executable, "-c", "import pipeline_lib; print(pipeline_lib.code_version())"],
+                              cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+
+    assert copy_version() == code_version()
+    losses = copy / "losses" / "dpo.py"
+    losses.write_text(losses.read_text() + "\n# an edit\n")
+    edited = copy_version()
+    assert edited != code_version() and edited.split(" code ")[0] == code_version().split(" code ")[0]

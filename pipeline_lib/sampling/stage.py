@@ -15,7 +15,7 @@ from pathlib import Path
 import polars as pl
 from tqdm.auto import tqdm
 
-from pipeline_lib import alignflow_version
+from pipeline_lib import code_version
 from pipeline_lib.config import SampleConfig
 from pipeline_lib.fingerprint import content_id, model_fingerprint
 from pipeline_lib.model_dirs import resolve_model_dir
@@ -198,7 +198,7 @@ def _report(store: Store, run_id: str, policy: str, n_problems: int, skipped: in
 
 def sample_run_id(cfg: SampleConfig, problem_ids: Sequence[str]) -> str:
     """cfg.run_id, else `sample-<hash>` of the sampling-relevant config fields, the fingerprints of the
-    policy and (when set) the reward model that scores the samples, and alignflow's version.
+    policy and (when set) the reward model that scores the samples, and alignflow's version and code.
 
     With max_problems, also the ids of the problems it selected (`problem_ids`): problems ingested since can
     make the first K others, and the run of the earlier K must not resume on them and keep the ones that left
@@ -206,7 +206,7 @@ def sample_run_id(cfg: SampleConfig, problem_ids: Sequence[str]) -> str:
     if cfg.run_id:
         return cfg.run_id
     fields = cfg.model_dump(mode="json", exclude=_RUN_ID_EXCLUDE)
-    key = {"config": fields, "model": model_fingerprint(cfg.model_path), "alignflow": alignflow_version()}
+    key = {"config": fields, "model": model_fingerprint(cfg.model_path), "alignflow": code_version()}
     if cfg.reward_model_path:
         key["reward_model"] = model_fingerprint(cfg.reward_model_path)
     if cfg.max_problems is not None:

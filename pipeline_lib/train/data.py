@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from pipeline_lib import code_version
 from pipeline_lib.config import config_key, model_paths, validate_config
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import content_id, frame_fingerprint, keyed_dir, model_fingerprint
@@ -270,9 +271,10 @@ def holdout_split(prompts: Sequence[str], fraction: float, *, seed: int) -> tupl
 
 
 def _run_parts(cfg: BaseModel, frames: Sequence[pl.DataFrame]) -> list[str]:
-    """`config_key` + the files of every model dir it names (starting policy, reward model) + data."""
+    """`config_key` + the files of every model dir it names (starting policy, reward model) + data + the code that
+    trains (`code_version`)."""
     models = [model_fingerprint(resolve_model_dir(path)) for path in model_paths(cfg)]
-    return [config_key(cfg), *models, *(frame_fingerprint(frame) for frame in frames)]
+    return [config_key(cfg), *models, *(frame_fingerprint(frame) for frame in frames), code_version()]
 
 
 def stage_dir(models_dir: Path, stage: str, cfg: BaseModel, *frames: pl.DataFrame) -> Path:
@@ -282,8 +284,8 @@ def stage_dir(models_dir: Path, stage: str, cfg: BaseModel, *frames: pl.DataFram
 
 
 def run_key(cfg: BaseModel, *frames: pl.DataFrame) -> str:
-    """What a training run's checkpoints and final model record, so that only the same run (config, models, data)
-    resumes or reuses them."""
+    """What a training run's checkpoints and final model record, so that only the same run (config, models, data,
+    code) resumes or reuses them."""
     return content_id(*_run_parts(cfg, frames))
 
 

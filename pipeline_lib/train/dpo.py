@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from pipeline_lib import code_version
 from pipeline_lib.config import DPOConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.filters import west_of_n_of_run
@@ -116,12 +117,12 @@ def reference_logps(model: nn.Module, encoded: Encoded, *, policy_path: str, cac
                     device: torch.device, batch_size: int, ctx: Dist) -> Tensor:
     """log π_ref(y|x) of every row, computed once and cached at cache_dir/ref_logps/<key>.safetensors.
 
-    The key hashes the reference weights, the tokenized data and the numeric setting (device type, dtype),
+    The key hashes the reference weights, the tokenized data, the numeric setting (device type, dtype) and the code,
     so a rerun, a resumed run or another stage on the same data reuses the file. Rank 0 computes and writes
     (atomically); every rank then reads the same file. A peft model is evaluated with its adapters
     disabled: that is the reference, without a second copy of the weights."""
     dtype = "bf16" if device.type == "cuda" else "fp32"
-    key = content_id(weights_fingerprint(policy_path), encoded.fingerprint(), device.type, dtype)
+    key = content_id(weights_fingerprint(policy_path), encoded.fingerprint(), device.type, dtype, code_version())
     path = Path(cache_dir) / "ref_logps" / f"{key[:32]}.safetensors"
     if ctx.is_main and not path.is_file():
         adapters_off = model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext()

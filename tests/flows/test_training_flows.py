@@ -118,6 +118,21 @@ def test_a_new_checkpoint_interval_is_a_cache_hit_and_a_new_log_interval_is_not(
     assert len(tracking.find_runs(flow_workspace, "attributes.run_name = 'sft'")) == runs + 1
 
 
+def test_an_edit_of_the_library_code_trains_the_stage_again_into_a_new_dir(flow_workspace, tiny, monkeypatch):
+    """A result is reused only by the code that made it: an edit in a checkout (the version unchanged) is a cache
+    miss, and the stage trains into a new dir instead of returning the old code's final. `code_version` is
+    replaced where it is read, as an edit of pipeline_lib would change it (tests/test_tracking.py edits a copy)."""
+    cfg = SFTConfig(model_path=tiny, **FAST)
+    first = sft_flow(cfg)
+    assert sft_flow(cfg) == first
+    edited = "0.0.0 code edited"
+    monkeypatch.setattr("tasks.common.code_version", lambda: edited)
+    monkeypatch.setattr("pipeline_lib.train.data.code_version", lambda: edited)
+    again = sft_flow(cfg)
+    assert again != first and Path(again).is_dir()
+    assert len(tracking.find_runs(flow_workspace, "attributes.run_name = 'sft'")) == 2
+
+
 def test_a_new_held_out_problem_gives_sft_a_new_final_with_its_eval_loss(flow_workspace, tiny):
     """The held-out rows are an input of the stage (its eval/loss): a test problem ingested since is not
     answered with the earlier final and its earlier loss."""
