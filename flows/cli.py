@@ -198,7 +198,7 @@ def ingest(
 
 @data_app.command("stats")
 def data_stats() -> None:
-    """Row counts per table and source."""
+    """Row counts per table and source (ingested tables) or model (samples, eval_results)."""
     from pipeline_lib.store.db import open_store
 
     workspace = resolve_workspace()

@@ -363,13 +363,16 @@ class Store:
         return frame.drop("first_line").with_columns(pl.Series("first", first, dtype=pl.String))
 
     def stats(self) -> pl.DataFrame:
-        """Row counts per table and source (`alignflow data stats`)."""
+        """Row counts per table and source of the ingested tables (what `data delete --source` deletes), and per
+        model of samples (their policy) and eval_results (`alignflow data stats`)."""
         parts = []
         for table in SOURCE_TABLES:
-            parts.append(f"SELECT '{table}' AS table_name, source, count(*) AS n_rows FROM {table} GROUP BY source")
+            parts.append(f"SELECT '{table}' AS table_name, source, NULL AS model, count(*) AS n_rows FROM {table} "
+                         "GROUP BY source")
         for table, label in (("samples", "policy"), ("eval_results", "model")):
-            parts.append(f"SELECT '{table}' AS table_name, {label} AS source, count(*) AS n_rows FROM {table} GROUP BY {label}")
-        return self.con.sql(" UNION ALL ".join(parts) + " ORDER BY table_name, source").pl()
+            parts.append(f"SELECT '{table}' AS table_name, NULL AS source, {label} AS model, count(*) AS n_rows "
+                         f"FROM {table} GROUP BY {label}")
+        return self.con.sql(" UNION ALL ".join(parts) + " ORDER BY table_name, source, model").pl()
 
 
 def require_store(path: str | Path) -> None:

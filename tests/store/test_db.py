@@ -178,7 +178,9 @@ def test_stats_count_per_table_and_source(tmp_path):
                                               "sample_idx": [0, 1, 0], "completion": ["x"] * 3, "policy": ["sft"] * 3}))
         stats = store.stats().rows()
         assert store.sampled_prompt_ids("r") == {"p", "q"}
-    assert stats == [("preference_pairs", "hh", 2), ("preference_pairs", "mine", 1), ("samples", "sft", 3)]
+    # samples are listed by model, not as a source `data delete --source` would find
+    assert stats == [("preference_pairs", "hh", None, 2), ("preference_pairs", "mine", None, 1),
+                     ("samples", None, "sft", 3)]
 
 
 def test_delete_eval_results_of_one_model_and_run(tmp_path):
