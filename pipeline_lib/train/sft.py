@@ -93,8 +93,9 @@ def load_sft_data(store: Store, cfg: SFTConfig) -> tuple[pl.DataFrame, pl.DataFr
     if cfg.min_reward is not None:
         selected = selected.filter(pl.col("reward") >= cfg.min_reward)
     if selected.height == 0:
+        threshold = "" if cfg.min_reward is None else f", or none with reward >= {cfg.min_reward}"
         raise TrainDataError(f"samples run {cfg.samples_run_id!r}: no Best-of-N rows to train on "
-                             f"(no scored samples, or none with reward >= {cfg.min_reward})")
+                             f"(no such run, no scored samples{threshold})")
     return sft_rows(selected, "best_of_n", chat_template=cfg.chat_template), None
 
 

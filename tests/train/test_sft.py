@@ -255,3 +255,16 @@ def test_rejection_sampling_sft_raises_pass_at_1(tmp_path):
     print(f"RS-SFT: {selected.height} of {train.height} prompts kept, {seconds:.1f} s (sampling + SFT); "
           f"held-out Pass@1 {before:.3f} -> {after:.3f}")
     assert after > before + 0.05
+
+
+@pytest.mark.parametrize(("min_reward", "reason"), [(None, "(no such run, no scored samples)"),
+                                                    (0.5, "(no such run, no scored samples, or none with reward >= 0.5)")])
+def test_best_of_n_data_of_an_unknown_run_is_one_line_naming_what_was_asked(tmp_path, min_reward, reason):
+    from pipeline_lib.store.db import open_store
+    from pipeline_lib.train.sft import load_sft_data
+
+    cfg = SFTConfig(model_path="/m", data="best_of_n", samples_run_id="sample-nosuch", min_reward=min_reward)
+    with open_store(tmp_path / "store.duckdb") as store:
+        with pytest.raises(TrainDataError) as raised:
+            load_sft_data(store, cfg)
+    assert str(raised.value) == f"samples run 'sample-nosuch': no Best-of-N rows to train on {reason}"
