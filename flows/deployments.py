@@ -19,9 +19,11 @@ from pipeline_lib.errors import AlignflowError
 from pipeline_lib.workspace import Workspace
 
 # stage (as `alignflow run` names it) -> the preset field whose config is the default parameter of its deployment;
-# ingest has none: a preset lists several files and the flow takes one, so the UI asks for it
+# ingest has none: a preset lists several files and the flow takes one, so the UI asks for it; nor has eval: the
+# preset's eval section names no model (each stage of eval_models gives one), which the eval flow's config requires
+# (Prefect refuses such defaults when the deployment is applied)
 STAGE_FLOWS = {"ingest": None, "prepare": "base", "sft": "sft", "rm": "rm", "sample": "sample", "dpo": "dpo",
-               "grpo": "grpo", "dapo": "dapo", "ppo": "ppo", "eval": "eval"}
+               "grpo": "grpo", "dapo": "dapo", "ppo": "ppo", "eval": None}
 FILTER_KINDS = ("best_of_n", "west_of_n")
 
 

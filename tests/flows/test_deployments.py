@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.deployments import build_deployments
 from pipeline_lib.config import ConfigError, PipelineConfig, load_config
@@ -58,6 +59,7 @@ def test_every_stage_flow_is_deployed_with_the_presets_parameters():
     assert deployments["demo-prepare"].parameters == {"cfg": cfg.base.model_dump(mode="json")}
     assert deployments["demo-best_of_n"].parameters == {"kind": "best_of_n"}  # the UI asks for the sampling run
     assert deployments["demo-ingest"].parameters == {} and deployments["demo-sft"].parameters == {}  # from:base
+    assert deployments["demo-eval"].parameters == {}  # the eval section names no model: the UI asks for the config
 
 
 @pytest.mark.parametrize("cron", ["every day", "61 * * * *", ""])
@@ -129,6 +131,12 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_e
         assert state == "COMPLETED", (tmp_path / "serve.log").read_text()[-3000:]
         with open_store(workspace / "store.duckdb", read_only=True) as store:
             assert store.count("rankings") == 600
+        # the server takes every deployment of the demo preset, its stages' default parameters included (the eval
+        # section's, which names no model, were refused: serve crashed half-way, the pipeline's cron registered)
+        demo = load_config(PipelineConfig, DATA.parent / "flows" / "configs" / "demo.yaml")
+        with temporary_settings({PREFECT_API_URL: api}):
+            applied = [deployment.apply() for deployment in build_deployments(demo)]
+        assert len(applied) == 13
     finally:
         if served is not None:
             stop(served)  # serve processes first: stopped after their server, they hang retrying it
