@@ -123,13 +123,17 @@ def on_record(workspace: Workspace, flow_run_id: str) -> Iterator[None]:
 
 def end_orphaned_flow_runs(workspace: Workspace) -> None:
     """Mark Crashed the flow runs (and their unfinished task runs) of this workspace whose process on this host is
-    gone (SIGKILL, OOM), after stopping the temporary Prefect server such a process left running. Called with the
-    run lock held, so no other flow of the workspace is starting meanwhile. Best effort: a run it cannot end now
-    is warned about and tried again by the next flow; it never stops the flow that calls it."""
+    gone (SIGKILL, OOM, a Ctrl-C'd `serve`), after stopping the temporary Prefect server such a process left
+    running. A run recorded through another Prefect API is ended here when this API's database holds it (`alignflow
+    ui`'s server and the CLI's temporary server share the workspace's); otherwise its record waits for a flow of
+    that API. Called with the run lock held, so no other flow of the workspace is starting meanwhile. Best effort:
+    a run it cannot end now is warned about and tried again by the next flow; it never stops the flow that calls
+    it."""
     for path in sorted(_records(workspace).glob("*.json")):
         try:
             record = json.loads(path.read_text())
-            ours = record["host"] == host_id() and record["api"] == _api()
+            ours = record["host"] == host_id()
+            same_api = record["api"] == _api()
             pid, started = record["process"]
             servers = list(record["servers"])
         except (OSError, ValueError, KeyError, TypeError) as exc:  # not a record this code wrote: it names nothing
@@ -137,11 +141,12 @@ def end_orphaned_flow_runs(workspace: Workspace) -> None:
             path.unlink(missing_ok=True)
             continue
         if not ours or process_alive(pid, started):
-            continue  # another host's, another Prefect API's (ended from there), or still running
+            continue  # another host's, or still running
         try:
             _stop_servers(servers)
-            _crash(path.stem, f"alignflow process {pid} ended without finishing this flow run (killed)")
-            path.unlink()
+            held = _crash(path.stem, f"alignflow process {pid} ended without finishing this flow run (killed)")
+            if held or same_api:  # ended; or gone from its own API's database (a reset Prefect home)
+                path.unlink()
         except Exception as exc:  # noqa: BLE001 - cleanup of an earlier run must not fail this one
             warnings.warn(f"{path}: could not end the flow run of a killed process ({exc!r}); the next flow "
                           "will try again", RuntimeWarning, stacklevel=2)
@@ -158,12 +163,13 @@ def _stop_servers(servers: list) -> None:
                 server.kill()
 
 
-def _crash(flow_run_id: str, message: str) -> None:
+def _crash(flow_run_id: str, message: str) -> bool:
+    """End a flow run and its unfinished task runs Crashed; False when this API's database does not hold it."""
     with get_client(sync_client=True) as client:
         try:
             flow_run_state = client.read_flow_run(flow_run_id).state_type
-        except ObjectNotFound:  # a run the database no longer holds (a reset Prefect home): nothing to end
-            return
+        except ObjectNotFound:
+            return False
         if flow_run_state in UNFINISHED:
             client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
         task_runs = client.read_task_runs(
@@ -171,3 +177,4 @@ def _crash(flow_run_id: str, message: str) -> None:
             task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=UNFINISHED))))
         for task_run in task_runs:
             client.set_task_run_state(task_run.id, Crashed(message=message), force=True)
+    return True

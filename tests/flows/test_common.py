@@ -78,6 +78,25 @@ def test_the_next_flow_crashes_a_dead_processs_runs_and_survives_bad_records(flo
     assert not list(records.iterdir())
 
 
+def test_a_dead_processs_run_recorded_through_another_api_is_ended_where_this_database_holds_it(flow_workspace):
+    """`alignflow serve` records its runs through `alignflow ui`'s server, which shares the workspace's database with
+    the CLI's temporary server: a CLI flow ends such a run of a Ctrl-C'd serve. A run this database does not hold
+    (another server's) keeps its record for a flow of that server."""
+    pairs = IngestConfig(path=str(ROOT / "data" / "demo" / "pairs.jsonl"), source="demo")
+    with get_client(sync_client=True) as client:
+        served = client.create_flow_run(ingest_flow, parameters={"cfg": pairs.model_dump()}, state=Running())
+    records = flow_workspace.prefect_home / "flow-runs"
+    records.mkdir(parents=True)
+    elsewhere = "00000000-0000-0000-0000-000000000000"
+    for run_id in (served.id, elsewhere):
+        (records / f"{run_id}.json").write_text(json.dumps({"host": host_id(), "api": "http://127.0.0.1:4311/api",
+                                                            "process": dead_process(), "servers": []}))
+    assert ingest_flow(pairs)["accepted"] == 3000
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(served.id).state_type == StateType.CRASHED
+    assert [path.name for path in records.iterdir()] == [f"{elsewhere}.json"]
+
+
 def test_a_record_goes_with_the_flow_but_stays_when_a_signal_ends_it(workspace):
     """A flow that returns or fails removes its record; one ended by SIGTERM (Prefect's TerminationSignal) or
     Ctrl-C keeps it, so the next flow stops the temporary Prefect server the dying process may leave."""
