@@ -103,23 +103,12 @@ def exit_soon_after_ctrl_c(grace_s: float = 10.0) -> None:
     signal.signal(signal.SIGINT, on_ctrl_c)
 
 
-class DropUserErrorTracebacks(logging.Filter):
-    """Prefect logs a failed run's exception with its traceback; an AlignflowError already says in one line
-    what is wrong and run_cli prints it, so its traceback is dropped (any other exception keeps its own) and its
-    text is kept on the record for the console (`ShowUserErrorOnce`)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], AlignflowError):
-            record.alignflow_error = str(record.exc_info[1])
-            record.exc_info, record.exc_text = None, None
-        return True
-
-
 class ShowUserErrorOnce(logging.Filter):
     """On the console, an AlignflowError that fails a run shows once in Prefect's lines: on the first record that
     carries it (the task run that raised it, named there); its echoes (the flow's exception, each run's `Finished
     in state Failed(...)`, a pipeline's parent flows) are dropped from the console only, Prefect's API log (the
-    UI) keeps them. run_cli prints the error itself last.
+    UI) keeps them (`flows.common.DropUserErrorTracebacks` drops their tracebacks). run_cli prints the error itself
+    last.
 
     A task with retries whose retry condition refuses the error logs no exception record: its first line is its
     `Finished in state Failed("Task run encountered an exception <Error>: <message>")`, which then counts as shown."""
@@ -158,8 +147,6 @@ def _alignflow_error_names() -> set[str]:
 
 def run_cli() -> None:
     """Entry point: one-line errors instead of tracebacks for user mistakes."""
-    for name in ("prefect.flow_runs", "prefect.task_runs"):
-        logging.getLogger(name).addFilter(DropUserErrorTracebacks())
     try:
         # standalone: usage errors (unknown option, missing argument) print usage + one line and exit 2
         app(standalone_mode=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import logging
 import os
 import typing
 import warnings
@@ -25,11 +26,30 @@ from prefect.runtime import flow_run
 from prefect.settings import get_current_settings
 from prefect.states import Crashed
 
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.model_dirs import model_dir_complete
 from pipeline_lib.workspace import Workspace, host_id, process_alive, workspace_lock
 from tasks.common import current_workspace
 
 R = typing.TypeVar("R")
+
+
+class DropUserErrorTracebacks(logging.Filter):
+    """Prefect logs a failed run's exception with its traceback; an AlignflowError already says in one line what
+    is wrong (and the CLI prints it), so its traceback is dropped (any other exception keeps its own) and its text
+    is kept on the record for the CLI's console (`flows.cli.ShowUserErrorOnce`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], AlignflowError):
+            record.alignflow_error = str(record.exc_info[1])
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+# on Prefect's run and engine loggers of every process that imports a flow: the CLI's, and a deployment run's
+# (`python -m prefect.engine`, started by `alignflow serve`), whose records reach the UI and serve's console
+for _name in ("prefect.flow_runs", "prefect.task_runs", "prefect.engine"):
+    logging.getLogger(_name).addFilter(DropUserErrorTracebacks())
 
 
 def stage_flow(name: str, **flow_options) -> Callable[[Callable[..., R]], Flow]:

@@ -119,18 +119,25 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_e
         # the serving process opens no socket beyond loopback (checked on the sockets themselves)
         assert {address for address, _ in listening_sockets(served.pid)} <= {"127.0.0.1"}
 
-        def create_run() -> dict | None:
-            created = httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", json={}, timeout=10)
+        def create_run(deployment: dict, body: dict) -> dict | None:
+            created = httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", json=body, timeout=10)
             if created.status_code == 503:  # the server's SQLite is busy with the runner; Prefect's client retries too
                 return None
             assert created.status_code == 201, created.text
             return created.json()
 
-        run = wait_for(create_run, 60, "the flow run to be created")
+        run = wait_for(lambda: create_run(deployment, {}), 60, "the flow run to be created")
         state = wait_for(lambda: _final_state(api, run["id"]), 240, "the triggered flow run to finish")
         assert state == "COMPLETED", (tmp_path / "serve.log").read_text()[-3000:]
         with open_store(workspace / "store.duckdb", read_only=True) as store:
             assert store.count("rankings") == 600
+        # a user error in a deployment run (a file path mistyped in the UI) is one line in its logs, no traceback
+        ingest = _deployment(api, "smoke-ingest")
+        body = {"parameters": {"cfg": {"path": str(tmp_path / "no-such.jsonl"), "source": "x"}}}
+        run = wait_for(lambda: create_run(ingest, body), 60, "the ingest run to be created")
+        assert wait_for(lambda: _final_state(api, run["id"]), 240, "the ingest run to finish") == "FAILED"
+        served_log = (tmp_path / "serve.log").read_text()
+        assert f"{tmp_path / 'no-such.jsonl'}: no such file" in served_log and "Traceback" not in served_log
         # the server takes every deployment of the demo preset, its stages' default parameters included (the eval
         # section's, which names no model, were refused: serve crashed half-way, the pipeline's cron registered)
         demo = load_config(PipelineConfig, DATA.parent / "flows" / "configs" / "demo.yaml")
