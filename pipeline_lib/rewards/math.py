@@ -362,7 +362,7 @@ def boxed_content(text: str) -> str | None:
 
 def _boxed_answer(content: str) -> str | None:
     """A boxed answer: a number (units stripped; braces or parentheses around it alone dropped: `{12}`, `(-12)`,
-    `\left(\frac{1}{2}\right)`), the right-hand side of `x = 5`, or short text (`x+1`, `(1, 2)`)."""
+    `\\left(\\frac{1}{2}\\right)`), the right-hand side of `x = 5`, or short text (`x+1`, `(1, 2)`)."""
     content = _join_sign(content.rsplit("=", 1)[-1])
     start, end = 0, len(content)  # indices, not slices: a hostile box nests 100,000 braces
     while True:
