@@ -188,9 +188,8 @@ def _end_stale_runs(experiment_id: str) -> None:
 
 
 def _killed_run_to_resume(experiment_id: str, stage: str, params: Mapping[str, str]) -> str | None:
-    """The latest KILLED (or interrupted) run of this stage with these params, how it kept checkpoints aside
-    (`KEEPING_FIELDS`: a new `save_every` resumes the same run), that no run resumed yet: the run a rerun
-    continues."""
+    """The latest KILLED (or interrupted) run of this stage with these params that no run resumed yet: the run a
+    rerun continues. `KEEPING_FIELDS` are left out of the comparison: a new `save_every` resumes the same run."""
     client = MlflowClient()
     killed = client.search_runs([experiment_id], filter_string="attributes.status = 'KILLED'",
                                 order_by=["attributes.start_time DESC"])

@@ -142,7 +142,7 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_e
         # section's, which names no model, were refused: serve crashed half-way, the pipeline's cron registered)
         demo = load_config(PipelineConfig, DATA.parent / "flows" / "configs" / "demo.yaml")
         with temporary_settings({PREFECT_API_URL: api}):
-            applied = [deployment.apply() for deployment in build_deployments(demo)]
+            applied = [stage_deployment.apply() for stage_deployment in build_deployments(demo)]
         assert len(applied) == 13
     finally:
         if served is not None:
