@@ -155,9 +155,10 @@ def ingest_file(
     with store.transaction():
         inserted = store.insert_new(table, unique)
         store.insert_new("quarantine", quarantine)
-        # rows already stored under another source (or split) keep it: a new --source/--split does not move them
+        # rows already stored under another source (or split) keep it: a new --source/--split does not move them.
+        # Every candidate, not only the unique ones: a record repeated in the file is one duplicate held there per copy
         columns = ["source", "split"] if table == "problems" else ["source"]
-        elsewhere = store.stored_elsewhere(table, unique, columns) if inserted < unique.height else []
+        elsewhere = store.stored_elsewhere(table, candidates, columns) if inserted < candidates.height else []
     report = IngestReport(
         file=str(path),
         format=fmt,

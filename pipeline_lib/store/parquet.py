@@ -49,7 +49,8 @@ def _signal_name(number: int) -> str:
 
 
 def parquet_json_lines(data: bytes) -> tuple[list[bytes], dict[int, str]]:
-    """The rows of a parquet file as JSON lines, and the rows refused while reading (row index -> reason).
+    """The rows of a parquet file as JSON lines, and the rows refused while reading (row index -> reason): a float
+    that is inf or NaN (not a JSON number), at the top level, or bytes that are not UTF-8.
 
     Binary values, at any depth (lists, structs, maps), become UTF-8 text (writers often store strings as binary,
     and polars cannot write binary as JSON); a row whose bytes are not UTF-8 is refused, its `raw` readable with
@@ -64,6 +65,9 @@ def parquet_json_lines(data: bytes) -> tuple[list[bytes], dict[int, str]]:
     frame = frame.with_columns(_uuid_text(name) for name in uuid_columns)
     pre_bad: dict[int, str] = {}
     for name, dtype in frame.schema.items():
+        if dtype.is_float():  # polars writes inf and NaN as JSON null: the reason would name a null, not the value
+            for i in frame.select(pl.arg_where(~pl.col(name).is_finite())).to_series():
+                pre_bad.setdefault(i, f"field '{name}' is {_non_finite(frame[name][i])}, not a finite number")
         try:
             text_dtype = _text_dtype(dtype)
         except ValueError as exc:
@@ -87,6 +91,11 @@ def parquet_json_lines(data: bytes) -> tuple[list[bytes], dict[int, str]]:
     except (pl.exceptions.PolarsError, pl.exceptions.PanicException) as exc:  # a type polars cannot write as JSON
         raise ParquetError(f"cannot write the parquet rows as JSON ({str(exc).splitlines()[0]})") from None
     return text.encode().splitlines(), pre_bad
+
+
+def _non_finite(value: float) -> str:
+    """inf, -inf or NaN, as a reason names a float that JSON cannot write."""
+    return "NaN" if value != value else str(value)
 
 
 def _uuid_columns(data: bytes) -> list[str]:

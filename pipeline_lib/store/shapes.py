@@ -34,6 +34,7 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
 TABLE_OF = {"pairs": "preference_pairs", "hh": "preference_pairs", "chat": "preference_pairs",
             "ranking": "rankings", "problem": "problems"}
 HH_TURN = "\n\nAssistant:"
+HH_HUMAN_TURN = "\n\nHuman:"
 MAX_DEPTH = 254  # levels of nesting orjson writes (it reads 1024): a deeper record cannot be stored
 TOO_DEEP = f"nested deeper than {MAX_DEPTH} levels"
 
@@ -131,6 +132,13 @@ def _hh(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
         empty = [name for name, text in (("chosen", chosen), ("rejected", rejected)) if not text[cut:].strip()]
         if empty:
             bad.append((idx, f"empty response after prompt extraction ({empty[0]})"))
+            continue
+        # a Human turn after the last reply: the transcript of a chat record whose messages end with a user turn
+        human_last = [name for name, text in (("chosen", chosen), ("rejected", rejected))
+                      if text.rfind(HH_HUMAN_TURN, cut) > text.rfind(HH_TURN, cut)]
+        if human_last:
+            bad.append((idx, f"'{human_last[0]}' does not end with an assistant message (a '\\n\\nHuman:' turn "
+                             f"follows its last reply)"))
             continue
         if chosen[cut:].strip() == rejected[cut:].strip():  # as _stripped
             bad.append((idx, "chosen identical to rejected"))

@@ -493,6 +493,24 @@ def test_hh_bad_rows(tmp_path, store):
     }
 
 
+def test_hh_transcript_ending_with_a_human_turn_is_quarantined_as_chat_is(tmp_path, store):
+    """A transcript going on with a Human turn after its last reply is the chat record whose messages end with a
+    user turn: quarantined, not stored with the Human turn as part of the response."""
+    p = "\n\nHuman: q\n\nAssistant:"
+    lines = [
+        {"chosen": p + " a", "rejected": p + " b"},
+        {"chosen": p + " a\n\nHuman: more", "rejected": p + " b"},
+        {"chosen": p + " a", "rejected": p + " b\n\nHuman: more"},
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "hh.jsonl", lines), store)
+    check_invariant(report)
+    assert (report.format, report.accepted, report.quarantined) == ("hh", 1, 2)
+    assert quarantine(store) == {
+        2: "'chosen' does not end with an assistant message (a '\\n\\nHuman:' turn follows its last reply)",
+        3: "'rejected' does not end with an assistant message (a '\\n\\nHuman:' turn follows its last reply)",
+    }
+
+
 def test_ranking_bad_rows(tmp_path, store):
     lines = [
         {"prompt": "p", "responses": ["a", "b", "c"], "ranks": [3, 1, 2]},
@@ -767,6 +785,19 @@ def test_json_array_and_parquet_keep_exact_types(tmp_path, store):
     report = ingest_file(tmp_path / "n.parquet", store)
     assert (report.accepted, report.quarantined) == (0, 1)
     assert store.read("quarantine", source="n")["reason"].to_list() == ["field 'chosen' is a number, expected a string"]
+
+
+def test_parquet_float_that_is_not_finite_is_named_in_the_reason(tmp_path, store):
+    """JSON has no inf or NaN (polars writes them as null): the reason names the value, not a null field."""
+    path = tmp_path / "inf.parquet"
+    pl.DataFrame({"question": ["q1", "q2", "q3", "q4"], "answer": [1.5, float("inf"), float("nan"), -float("inf")]}
+                 ).write_parquet(path)
+    report = ingest_file(path, store)
+    check_invariant(report)
+    assert (report.format, report.accepted, report.quarantined) == ("problem", 1, 3)
+    assert quarantine(store) == {2: "field 'answer' is inf, not a finite number",
+                                 3: "field 'answer' is NaN, not a finite number",
+                                 4: "field 'answer' is -inf, not a finite number"}
 
 
 # ---- file-level errors: one line naming the file
@@ -1059,3 +1090,12 @@ def test_pairs_stored_under_another_source_are_named_in_the_summary(tmp_path, st
     assert ingest_file(path, store, source="first").elsewhere == ""
     assert store.delete_source("first") == {"preference_pairs": 3, "rankings": 0, "problems": 0, "quarantine": 0}
     assert ingest_file(path, store, source="second").accepted == 3
+
+
+def test_duplicates_in_the_file_stored_under_another_source_are_counted_there(tmp_path, store):
+    """A record repeated in the file and stored under another source: both copies are duplicates held there, so
+    the duplicates split into those held under another source and those held under this one."""
+    ingest_file(write_jsonl(tmp_path / "first.jsonl", PAIRS[:1]), store)
+    report = ingest_file(write_jsonl(tmp_path / "second.jsonl", [PAIRS[0], PAIRS[0], PAIRS[1], PAIRS[1]]), store)
+    check_invariant(report)
+    assert (report.accepted, report.duplicates, report.elsewhere) == (1, 3, "2 under source 'first'")
