@@ -183,6 +183,22 @@ def test_stats_count_per_table_and_source(tmp_path):
                      ("samples", None, "sft", 3)]
 
 
+def test_quarantine_reasons_group_oversized_records_of_any_size(tmp_path):
+    """An oversized record's reason holds its size: the listing groups such rows under one reason, and each row
+    keeps its own size in the quarantine table; other reasons group as they are."""
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(f'{{"prompt": "{"a" * size}", "chosen": "b", "rejected": "c"}}\n' for size in (40, 50, 60))
+                    + '{"prompt": "a", "chosen": 1, "rejected": "c"}\n')
+    with open_store(tmp_path / "store.duckdb") as store:
+        assert ingest_file(data, store, max_record_bytes=80).quarantined == 4
+        reasons = store.quarantine_reasons()
+        stored = sorted(store.read("quarantine")["reason"])
+    assert reasons.select("reason", "n_rows", "first").rows() == [
+        ("record as JSON is over max_record_bytes 80", 3, "line 1"),
+        ("field 'chosen' is a number, expected a string", 1, "line 4")], reasons
+    assert stored[1:] == [f"record is {size} bytes as JSON > max_record_bytes 80" for size in (106, 86, 96)]
+
+
 def test_delete_eval_results_of_one_model_and_run(tmp_path):
     results = pl.DataFrame({"run_id": ["a", "a", "b", "a"], "model": ["m", "m", "m", "n"], "dataset": ["d"] * 4,
                             "k": [1, 2, 1, 1]})
