@@ -44,17 +44,24 @@ def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str,
             # every source but the pipeline's own West-of-N pairs, which each run adds to: with them the tokenizer's
             # corpus, so the base model's dir and every stage after it, would change from one run to the next
             base = base.model_copy(update={"corpus_sources": corpus_sources_task(exclude=cfg.west_of_n_source)})
-        outputs = {"base": prepare_model_flow(base, force="base" in force) if base else cfg.base_model_path}
+        outputs: dict[str, str] = {}
+
+        def finished(stage: str, output: str) -> None:
+            """A stage's output, tagged `outputs.<stage>` on the pipeline run at once: a run failing later shows it."""
+            outputs[stage] = output
+            tracking.set_tags({f"outputs.{stage}": str(output)}, run_id=pipeline_run_id)
+
+        finished("base", prepare_model_flow(base, force="base" in force) if base else cfg.base_model_path)
         for stage in ("sft", "rm", "sample", "rs_sft", "dpo", "grpo", "dapo", "ppo"):
             if getattr(cfg, stage) is None:
                 continue
             stage_cfg = cfg.resolved(stage, outputs)
             if stage == "sample":
-                outputs["sample"] = sample_flow(stage_cfg, force="sample" in force)["run_id"]
+                finished("sample", sample_flow(stage_cfg, force="sample" in force)["run_id"])
                 filter_flow("best_of_n", outputs["sample"])
                 filter_flow("west_of_n", outputs["sample"], source=cfg.west_of_n_source)
                 continue
-            outputs[stage] = TRAINING_FLOWS[stage](stage_cfg, force=stage in force)
+            finished(stage, TRAINING_FLOWS[stage](stage_cfg, force=stage in force))
         rows = []
         for stage in cfg.evaluated:
             rows += eval_flow(cfg.eval_config(stage, outputs[stage]), force="eval" in force)
@@ -68,6 +75,5 @@ def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str,
         filters = ("best_of_n", "west_of_n") if "sample" in outputs else ()
         reused = [stage for stage in [*outputs, *filters, *(f"eval-{stage}" for stage in cfg.evaluated)]
                   if stage not in ran and (stage != "base" or cfg.base)]  # a base_model_path is not a stage
-        tracking.set_tags({**{f"outputs.{stage}": str(value) for stage, value in outputs.items()},
-                           "alignflow.reused": ",".join(reused)}, run_id=pipeline_run_id)
+        tracking.set_tags({"alignflow.reused": ",".join(reused)}, run_id=pipeline_run_id)
     return outputs

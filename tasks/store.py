@@ -22,6 +22,7 @@ from pipeline_lib.config import (
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.filters import west_of_n_of_run
 from pipeline_lib.fingerprint import content_id, frame_fingerprint, model_fingerprint
+from pipeline_lib.model_dirs import resolve_model_dir
 from pipeline_lib.sampling.stage import sample_run_id, select_problems
 from pipeline_lib.store.db import CORPUS_TABLES, open_store
 from pipeline_lib.train.dpo import load_dpo_data
@@ -41,12 +42,15 @@ def inputs_fingerprint_task(cfg: BaseModel, stage: str) -> str:
     """Fingerprint of the store rows a stage reads (its own loader, so exactly what it trains on or samples)
     and of the model dirs its config names: the cache key changes iff its inputs do.
 
-    Inputs the stage cannot read fail it here, before it starts: the error names `stage` (a pipeline has several
-    `source:` fields) and the stage's MLflow run is recorded FAILED with it."""
+    Inputs the stage cannot read (store rows, a model dir that is not there) fail it here, before it starts: the
+    error names `stage` (a pipeline has several `source:` fields) and the stage's MLflow run is recorded FAILED with
+    it. The CLI checks model dirs before the flow starts; a deployment run or a direct call meets them here."""
     workspace = current_workspace()
     try:
         with open_store(workspace.store_path) as store:
             data = LOADERS[type(cfg)](store, cfg)
+        for path in model_paths(cfg):
+            resolve_model_dir(path)  # else the stage's task fails on it before its run starts (`stage_dir`)
         models = [model_fingerprint(path) for path in model_paths(cfg)]
     except AlignflowError as exc:
         exc.args = (f"{stage}: {exc}",)

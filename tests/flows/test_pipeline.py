@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.pipeline import pipeline_flow
+from flows.pipeline import TRAINING_FLOWS, pipeline_flow
 from flows.sft import sft_flow
 from pipeline_lib import tracking
 from pipeline_lib.config import (
@@ -28,6 +28,7 @@ from pipeline_lib.config import (
     stored_selection,
     validate_config,
 )
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.store.db import StoreError, open_store
 from pipeline_lib.store.ingest import ingest_file
 from tasks.store import LOADERS
@@ -208,3 +209,21 @@ def test_the_pipelines_check_selects_the_rows_each_stage_loader_reads(tmp_path):
                     selection = str(refused.value).split("; ")[0].removeprefix(f"no {table} rows in the store with ")
                     refusals.append(sorted(selection.split(", ")))  # whatever order each names the columns in
                 assert refusals[0] == refusals[1], type(cfg).__name__
+
+
+def test_a_pipeline_failing_at_a_later_stage_keeps_the_outputs_of_the_stages_before(flow_workspace, monkeypatch):
+    """Each stage's `outputs.<stage>` tag is on the pipeline run as soon as it finishes: a pipeline that fails later
+    still shows what it made."""
+    def failing_sft(cfg, force=False):
+        raise AlignflowError("sft: failed on purpose")
+
+    monkeypatch.setitem(TRAINING_FLOWS, "sft", failing_sft)
+    cfg = validate_config(PipelineConfig, {
+        "ingest": [{"path": "data/demo/problems.jsonl", "source": "demo"}],
+        "base": {}, "sft": {"model_path": "from:base", "source": "demo"}})
+    with pytest.raises(AlignflowError, match="failed on purpose"):
+        pipeline_flow(cfg)
+    (base,) = stage_runs(flow_workspace, "base")
+    (parent,) = stage_runs(flow_workspace, "pipeline")
+    assert parent.info.status == "FAILED" and "outputs.sft" not in parent.data.tags
+    assert parent.data.tags["outputs.base"] == base.data.tags["alignflow.model_path"]

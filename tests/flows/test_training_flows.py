@@ -10,6 +10,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 from mlflow import MlflowClient
+from prefect.exceptions import ParameterTypeError
 
 from flows.dpo import dpo_flow
 from flows.rm import rm_flow
@@ -212,6 +213,24 @@ def test_a_stage_whose_data_cannot_be_read_fails_its_own_run_naming_the_stage(fl
     (run,) = tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'dpo'")
     assert run.info.status == "FAILED" and run.data.tags["alignflow.error"].endswith(str(err.value))
     assert run.data.params["source"] == "nosuch"
+
+
+def test_a_stage_whose_model_dir_is_missing_fails_its_own_run(flow_workspace, tiny, tmp_path, caplog):
+    """A deployment run (or a direct call) skips the CLI's model check: a model dir that is not there fails the
+    stage in one line, and its MLflow run is FAILED with it, as for unreadable data. A config Prefect refuses
+    never starts the stage: no run."""
+    missing = tmp_path / "gone"
+    with pytest.raises(AlignflowError) as err:
+        sft_flow(SFTConfig(model_path=str(missing), **FAST))
+    assert str(err.value).endswith(f"model {str(missing)!r}: no such directory {missing}")
+    (run,) = tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'sft'")
+    assert run.info.status == "FAILED" and run.data.tags["alignflow.error"].endswith(str(err.value))
+    assert str(err.value).startswith("sft: ")
+    assert all(record.exc_info is None for record in caplog.records)  # Prefect logs the one line, no traceback
+    assert run.data.params["model_path"] == str(missing)
+    with pytest.raises(ParameterTypeError, match="max_steps"):
+        sft_flow({"model_path": tiny, "max_steps": 0})
+    assert len(tracking.find_runs(flow_workspace, "")) == 1
 
 
 def test_rm_flow_reports_held_out_accuracy(flow_workspace, tiny, the_run):
