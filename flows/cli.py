@@ -53,9 +53,9 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def echo_result(stage: str, result) -> None:
+def echo_result(stage: str, result, cached: bool = False) -> None:
     """What a stage produced, on stdout (Prefect's log lines go to stderr): ingest counts, the sampling
-    summary, the Pass@K / Maj@K table, or the output path."""
+    summary (`cached`: of samples already in the store), the Pass@K / Maj@K table, or the output path."""
     if stage == "ingest":
         from pipeline_lib.store.ingest import IngestReport
 
@@ -67,7 +67,13 @@ def echo_result(stage: str, result) -> None:
     elif stage == "sample":
         from pipeline_lib.sampling.stage import SampleReport
 
-        typer.echo(SampleReport(**{k: v for k, v in result.items() if k != "tokens_per_s"}).summary())
+        report = SampleReport(**{k: v for k, v in result.items() if k != "tokens_per_s"})
+        if cached:
+            typer.echo(f"sample {report.run_id}: cached, nothing sampled: its {report.n_rows} rows "
+                       f"({report.n_problems} prompts) were already in the store | mean reward "
+                       f"{report.mean_reward:.3f} | accuracy {report.accuracy:.3f}")
+        else:
+            typer.echo(report.summary())
     elif stage == "eval":
         import polars as pl
 
@@ -147,9 +153,25 @@ def _alignflow_error_names() -> set[str]:
 
 def run_cli() -> None:
     """Entry point: one-line errors instead of tracebacks for user mistakes."""
+    # typer raises its own vendored click's exceptions
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+
     try:
-        # standalone: usage errors (unknown option, missing argument) print usage + one line and exit 2
-        app(standalone_mode=True)
+        # not standalone: click's usage errors come here (standalone, they print usage and a boxed error); an exit
+        # (`fail`, --help, --version, Ctrl-C) returns its code
+        sys.exit(app(prog_name="alignflow", standalone_mode=False))
+    except NoArgsIsHelpError as exc:  # `alignflow`, `alignflow data`: the help, as standalone typer shows it
+        if exc.format_message():  # typer's rich help printed itself (on stdout) while the error was made
+            exc.show()
+        sys.exit(exc.exit_code)
+    except UsageError as exc:  # an unknown option, a missing argument, a bad value
+        command = exc.ctx.command_path if exc.ctx is not None else "alignflow"
+        typer.secho(f"error: {exc.format_message().removesuffix('.')} (see {command} --help)", fg=typer.colors.RED,
+                    err=True)
+        sys.exit(2)
+    except ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
     except AlignflowError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         sys.exit(2)
@@ -413,7 +435,18 @@ def sample(
     require_store(resolve_workspace().store_path)  # a workspace never ingested into holds no problems
     with run_lock():
         require_problems(cfg)
-        echo_result("sample", load_flow("sample")(cfg))
+        held = samples_held()
+        result = load_flow("sample")(cfg)
+        echo_result("sample", result, cached=samples_held() == held)
+
+
+def samples_held() -> int:
+    """Rows of the samples table. A sample run that leaves it as it was sampled nothing: its rows were there (a
+    Prefect cache hit returns the report of the run that wrote them, as if it had just sampled)."""
+    from pipeline_lib.store.db import open_store
+
+    with open_store(resolve_workspace().store_path, read_only=True) as store:
+        return store.count("samples")
 
 
 def require_problems(cfg) -> None:

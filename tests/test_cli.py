@@ -197,16 +197,29 @@ def test_a_model_path_that_is_not_there_fails_before_the_stage_starts(tmp_path, 
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["run", "pipeline", "--config", "x.yaml", "--workspace", "/tmp/w"], "No such option: --workspace"),
-    (["run"], "Missing argument 'stage'"),
-    (["eval", "--modle", "/m"], "No such option: --modle"),
+    (["run", "pipeline", "--config", "x.yaml", "--workspace", "/tmp/w"],
+     "error: No such option: --workspace (Possible options: --force) (see alignflow run --help)"),
+    (["run"], "error: Missing argument 'stage' (see alignflow run --help)"),
+    (["eval", "--modle", "/m"], "error: No such option: --modle (Possible options: --model, --name) "
+                                "(see alignflow eval --help)"),
+    (["eval", "--model", "/m", "--n", "many"], "error: Invalid value for '--n': Input should be a valid integer, "
+                                               "unable to parse string as an integer (see alignflow eval --help)"),
+    (["data", "quarantine", "--sorce", "x"], "error: No such option: --sorce (Possible options: --source) "
+                                             "(see alignflow data quarantine --help)"),
+    (["nosuch"], "error: No such command 'nosuch' (see alignflow --help)"),
 ])
-def test_usage_errors_print_usage_not_a_traceback(tmp_path, args, expected):
-    """click's usage errors (typer vendors its own click) end in usage + the error, exit 2, no traceback."""
-    result = alignflow(*args, workspace=tmp_path)
-    assert result.returncode == 2
-    assert expected in result.stderr and result.stderr.startswith("Usage: ")
-    assert "Traceback" not in result.stderr
+def test_usage_errors_are_one_line(tmp_path, args, expected):
+    """click's usage errors (typer vendors its own click) are one line naming the command's --help, exit 2; no
+    usage lines, no boxed panel, no traceback."""
+    result = alignflow(*args, workspace=tmp_path / "ws")
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", expected + "\n")
+    assert not (tmp_path / "ws").exists()
+
+
+def test_no_command_still_prints_the_help(tmp_path):
+    for args in ([], ["data"]):
+        result = alignflow(*args, workspace=tmp_path / "ws")
+        assert result.returncode == 2 and "Usage: alignflow" in result.stdout and result.stderr == "", result.stderr
 
 
 def test_a_single_stage_config_with_a_pipeline_reference_is_one_line(tmp_path):
@@ -296,6 +309,33 @@ def test_a_model_given_by_relative_paths_from_two_directories_is_evaluated_once_
     with open_store(tmp_path / "ws" / "store.duckdb", read_only=True) as store:
         assert store.read("samples")["run_id"].n_unique() == 1
         assert sorted(set(store.read("eval_results")["model"])) == [str(model.resolve())]
+
+
+@pytest.mark.slow  # two CLI processes, each starting Prefect: ~60 s on 2 cores
+def test_the_same_sample_command_again_says_its_samples_were_cached(tmp_path):
+    """The second run is a Prefect cache hit that samples nothing: it says so, with the run id and the run's counts,
+    instead of the first run's `rows written`."""
+    from pipeline_lib.models import build_tiny_model
+    from pipeline_lib.store.db import open_store
+    from pipeline_lib.store.ingest import ingest_file
+
+    model = build_tiny_model(tmp_path / "m", ["1+2=3", "2+2=4"], hidden_size=32, num_layers=1)
+    problems = tmp_path / "p.jsonl"
+    problems.write_text('{"question": "1+2=", "answer": "3"}\n{"question": "2+2=", "answer": "4"}\n')
+    (tmp_path / "ws").mkdir()
+    with open_store(tmp_path / "ws" / "store.duckdb") as store:
+        ingest_file(problems, store, split="test")
+    args = ["sample", "--model", str(model), "--n", "2", "--max-new-tokens", "4"]
+    first = alignflow(*args, workspace=tmp_path / "ws")
+    assert first.returncode == 0, first.stderr
+    summary = first.stdout.strip().splitlines()[-1]
+    assert summary.startswith("sample sample-") and "2 prompts (0 already done), 4 rows written" in summary
+    run_id = summary.split()[1].rstrip(":")
+    again = alignflow(*args, workspace=tmp_path / "ws")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip().splitlines()[-1].startswith(
+        f"sample {run_id}: cached, nothing sampled: its 4 rows (2 prompts) were already in the store | mean reward ")
+    assert "rows written" not in again.stdout
 
 
 def test_sample_and_eval_refuse_problems_the_store_does_not_hold_before_prefect_starts(tmp_path):
