@@ -154,7 +154,7 @@ def _alignflow_error_names() -> set[str]:
 def run_cli() -> None:
     """Entry point: one-line errors instead of tracebacks for user mistakes."""
     # typer raises its own vendored click's exceptions
-    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, NoSuchOption, UsageError
 
     try:
         # not standalone: click's usage errors come here (standalone, they print usage and a boxed error); an exit
@@ -166,8 +166,12 @@ def run_cli() -> None:
         sys.exit(exc.exit_code)
     except UsageError as exc:  # an unknown option, a missing argument, a bad value
         command = exc.ctx.command_path if exc.ctx is not None else "alignflow"
-        typer.secho(f"error: {exc.format_message().removesuffix('.')} (see {command} --help)", fg=typer.colors.RED,
-                    err=True)
+        message = f"{exc.format_message().removesuffix('.')} (see {command} --help)"
+        if isinstance(exc, NoSuchOption) and exc.ctx is not None and exc.ctx.parent is not None and any(
+                exc.option_name in param.opts for param in exc.ctx.find_root().command.params):
+            message = (f"{exc.option_name} is an option of alignflow itself: put it before the command "
+                       f"(alignflow {exc.option_name} ... {command.removeprefix('alignflow ')} ...)")
+        typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
         sys.exit(2)
     except ClickException as exc:
         exc.show()

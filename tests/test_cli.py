@@ -198,7 +198,10 @@ def test_a_model_path_that_is_not_there_fails_before_the_stage_starts(tmp_path, 
 
 @pytest.mark.parametrize("args, expected", [
     (["run", "pipeline", "--config", "x.yaml", "--workspace", "/tmp/w"],
-     "error: No such option: --workspace (Possible options: --force) (see alignflow run --help)"),
+     "error: --workspace is an option of alignflow itself: put it before the command (alignflow --workspace ... "
+     "run ...)"),
+    (["data", "stats", "-w", "/tmp/w"], "error: -w is an option of alignflow itself: put it before the command "
+                                        "(alignflow -w ... data stats ...)"),
     (["run"], "error: Missing argument 'stage' (see alignflow run --help)"),
     (["eval", "--modle", "/m"], "error: No such option: --modle (Possible options: --model, --name) "
                                 "(see alignflow eval --help)"),
