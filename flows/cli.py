@@ -67,13 +67,7 @@ def echo_result(stage: str, result, cached: bool = False) -> None:
     elif stage == "sample":
         from pipeline_lib.sampling.stage import SampleReport
 
-        report = SampleReport(**{k: v for k, v in result.items() if k != "tokens_per_s"})
-        if cached:
-            typer.echo(f"sample {report.run_id}: cached, nothing sampled: its {report.n_rows} rows "
-                       f"({report.n_problems} prompts) were already in the store | mean reward "
-                       f"{report.mean_reward:.3f} | accuracy {report.accuracy:.3f}")
-        else:
-            typer.echo(report.summary())
+        typer.echo(SampleReport(**{k: v for k, v in result.items() if k != "tokens_per_s"}).summary(cached=cached))
     elif stage == "eval":
         import polars as pl
 

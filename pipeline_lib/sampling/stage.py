@@ -72,10 +72,15 @@ class SampleReport:
             "sample/tokens_per_s": self.tokens_per_s,
         }
 
-    def summary(self) -> str:
+    def summary(self, *, cached: bool = False) -> str:
+        """One line; `cached`: of a run whose rows were all in the store already (a cache hit sampled nothing)."""
+        scores = f"mean reward {self.mean_reward:.3f} | accuracy {self.accuracy:.3f}"
+        if cached:
+            return (f"sample {self.run_id}: cached, nothing sampled: its {self.n_rows} rows ({self.n_problems} "
+                    f"prompts) were already in the store | {scores}")
         return (f"sample {self.run_id}: {self.n_problems} prompts ({self.prompts_skipped} already done), "
-                f"{self.rows_written_now} rows written, {self.n_rows} in the run | mean reward "
-                f"{self.mean_reward:.3f} | accuracy {self.accuracy:.3f} | {self.tokens_per_s:,.0f} tok/s")
+                f"{self.rows_written_now} rows written, {self.n_rows} in the run | {scores} | "
+                f"{self.tokens_per_s:,.0f} tok/s")
 
     def markdown(self) -> str:
         lines = ["| metric | value |", "|---|---|", f"| run_id | `{self.run_id}` |", f"| policy | `{self.policy}` |"]
