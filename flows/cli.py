@@ -405,6 +405,8 @@ def run(
             typer.echo("outputs: " + ", ".join(f"{k}={v}" for k, v in outputs.items()))
         elif stage == "ingest":
             echo_result(stage, stage_flow(cfg))
+        elif stage == "sample":
+            sample_and_echo(stage_flow, cfg, force=bool(force))
         else:
             echo_result(stage, stage_flow(cfg, force=bool(force)))
 
@@ -433,17 +435,26 @@ def sample(
     require_store(resolve_workspace().store_path)  # a workspace never ingested into holds no problems
     with run_lock():
         require_problems(cfg)
-        held = samples_held()
-        result = load_flow("sample")(cfg)
-        echo_result("sample", result, cached=samples_held() == held)
+        sample_and_echo(load_flow("sample"), cfg)
+
+
+def sample_and_echo(sample_flow, cfg, force: bool = False) -> None:
+    """Run the sample flow and print its summary, `cached` when the samples table did not grow: the run sampled
+    nothing, its rows were there (a Prefect cache hit returns the report of the run that wrote them, as if it had
+    just sampled)."""
+    held = samples_held()
+    result = sample_flow(cfg, force=force)
+    echo_result("sample", result, cached=samples_held() == held)
 
 
 def samples_held() -> int:
-    """Rows of the samples table. A sample run that leaves it as it was sampled nothing: its rows were there (a
-    Prefect cache hit returns the report of the run that wrote them, as if it had just sampled)."""
+    """Rows of the samples table (0 without a store: the flow says what is missing)."""
     from pipeline_lib.store.db import open_store
 
-    with open_store(resolve_workspace().store_path, read_only=True) as store:
+    path = resolve_workspace().store_path
+    if not path.exists():
+        return 0
+    with open_store(path, read_only=True) as store:
         return store.count("samples")
 
 

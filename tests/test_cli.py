@@ -314,10 +314,10 @@ def test_a_model_given_by_relative_paths_from_two_directories_is_evaluated_once_
         assert sorted(set(store.read("eval_results")["model"])) == [str(model.resolve())]
 
 
-@pytest.mark.slow  # two CLI processes, each starting Prefect: ~60 s on 2 cores
+@pytest.mark.slow  # three CLI processes, each starting Prefect: ~80 s on 2 cores
 def test_the_same_sample_command_again_says_its_samples_were_cached(tmp_path):
     """The second run is a Prefect cache hit that samples nothing: it says so, with the run id and the run's counts,
-    instead of the first run's `rows written`."""
+    instead of the first run's `rows written`; so does `run sample` with a config file of the same settings."""
     from pipeline_lib.models import build_tiny_model
     from pipeline_lib.store.db import open_store
     from pipeline_lib.store.ingest import ingest_file
@@ -336,9 +336,14 @@ def test_the_same_sample_command_again_says_its_samples_were_cached(tmp_path):
     run_id = summary.split()[1].rstrip(":")
     again = alignflow(*args, workspace=tmp_path / "ws")
     assert again.returncode == 0, again.stderr
-    assert again.stdout.strip().splitlines()[-1].startswith(
-        f"sample {run_id}: cached, nothing sampled: its 4 rows (2 prompts) were already in the store | mean reward ")
+    cached = f"sample {run_id}: cached, nothing sampled: its 4 rows (2 prompts) were already in the store | mean reward "
+    assert again.stdout.strip().splitlines()[-1].startswith(cached)
     assert "rows written" not in again.stdout
+    config = tmp_path / "sample.yaml"
+    config.write_text(f"model_path: {model}\nsplit: test\nn: 2\nmax_new_tokens: 4\n")
+    from_config = alignflow("run", "sample", "-c", str(config), workspace=tmp_path / "ws")
+    assert from_config.returncode == 0, from_config.stderr
+    assert from_config.stdout.strip().splitlines()[-1].startswith(cached)
 
 
 def test_sample_and_eval_refuse_problems_the_store_does_not_hold_before_prefect_starts(tmp_path):
