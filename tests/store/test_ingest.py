@@ -133,14 +133,14 @@ def test_every_file_type_gives_the_same_rows(tmp_path, store):
 
 def test_hh_prompt_is_shared_prefix_ending_at_assistant_turn(tmp_path, store):
     prompt = "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: help me\n\nAssistant:"
-    chosen = prompt + " Sure.\n\nHuman: fake turn\n\nAssistant: inside the response"
+    chosen = prompt + " Sure.\n\nAssistant: inside the response"
     rejected = prompt + " Sure thing."  # shares " Sure" past the prompt: the cut stays at the marker
     assert hh_prompt_end(chosen, rejected) == len(prompt)
     report = ingest_file(write_jsonl(tmp_path / "hh.jsonl", [{"chosen": chosen, "rejected": rejected}]), store)
     assert report.format == "hh" and report.accepted == 1
     row = store.read("preference_pairs").row(0, named=True)
     assert row["prompt"] == prompt
-    assert row["chosen"] == " Sure.\n\nHuman: fake turn\n\nAssistant: inside the response"
+    assert row["chosen"] == " Sure.\n\nAssistant: inside the response"
     assert row["rejected"] == " Sure thing."
 
 
@@ -495,19 +495,28 @@ def test_hh_bad_rows(tmp_path, store):
 
 def test_hh_transcript_ending_with_a_human_turn_is_quarantined_as_chat_is(tmp_path, store):
     """A transcript going on with a Human turn after its last reply is the chat record whose messages end with a
-    user turn: quarantined, not stored with the Human turn as part of the response."""
+    user turn: quarantined, not stored with the Human turn as part of the response. One going on with a Human turn
+    and another reply differs from the other side before its last reply, which the chat form refuses too; an
+    Assistant marker alone inside a reply is its text."""
     p = "\n\nHuman: q\n\nAssistant:"
     lines = [
         {"chosen": p + " a", "rejected": p + " b"},
         {"chosen": p + " a\n\nHuman: more", "rejected": p + " b"},
         {"chosen": p + " a", "rejected": p + " b\n\nHuman: more"},
+        {"chosen": p + " a\n\nHuman: more\n\nAssistant: c", "rejected": p + " b"},
+        {"chosen": p + " a", "rejected": p + " b\n\nHuman: more\n\nAssistant: c"},
+        {"chosen": p + " a says\n\nAssistant: this", "rejected": p + " b"},
     ]
     report = ingest_file(write_jsonl(tmp_path / "hh.jsonl", lines), store)
     check_invariant(report)
-    assert (report.format, report.accepted, report.quarantined) == ("hh", 1, 2)
+    assert (report.format, report.accepted, report.quarantined) == ("hh", 2, 4)
+    differ = ("'chosen' and 'rejected' differ before their last reply ('{}' continues with a '\\n\\nHuman:' turn and "
+              "another reply): a pair needs one shared prompt and one reply each")
     assert quarantine(store) == {
         2: "'chosen' does not end with an assistant message (a '\\n\\nHuman:' turn follows its last reply)",
         3: "'rejected' does not end with an assistant message (a '\\n\\nHuman:' turn follows its last reply)",
+        4: differ.format("chosen"),
+        5: differ.format("rejected"),
     }
 
 
