@@ -159,7 +159,7 @@ def run_cli() -> None:
             exc.show()
         sys.exit(exc.exit_code)
     except UsageError as exc:  # an unknown option, a missing argument, a bad value
-        command = exc.ctx.command_path if exc.ctx is not None else "alignflow"
+        command = exc.ctx.command_path if exc.ctx is not None else typed_command(sys.argv[1:])
         message = f"{exc.format_message().removesuffix('.')} (see {command} --help)"
         if isinstance(exc, NoSuchOption) and exc.ctx is not None and exc.ctx.parent is not None and any(
                 exc.option_name in param.opts for param in exc.ctx.find_root().command.params):
@@ -376,6 +376,23 @@ def load_flow(stage: str):
         if not any(isinstance(f, ShowUserErrorOnce) for f in handler.filters):
             handler.addFilter(ShowUserErrorOnce())
     return flow
+
+
+def typed_command(args: list[str]) -> str:
+    """`alignflow [<command> [<subcommand>]]` as named in `args`, for the usage errors click's parser raises without
+    a context (an option missing its value)."""
+    command, path, rest = typer.main.get_command(app), ["alignflow"], iter(args)
+    for token in rest:
+        if token.startswith("-"):  # an option of the command named so far: skip its value
+            option = next((param for param in command.params if token in param.opts), None)
+            if option is not None and not getattr(option, "is_flag", True):
+                next(rest, None)
+        elif token in getattr(command, "commands", {}):
+            command = command.commands[token]
+            path.append(token)
+        else:
+            break
+    return " ".join(path)
 
 
 @app.command()

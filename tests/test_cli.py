@@ -210,6 +210,10 @@ def test_a_model_path_that_is_not_there_fails_before_the_stage_starts(tmp_path, 
     (["data", "quarantine", "--sorce", "x"], "error: No such option: --sorce (Possible options: --source) "
                                              "(see alignflow data quarantine --help)"),
     (["nosuch"], "error: No such command 'nosuch' (see alignflow --help)"),
+    (["eval", "--model"], "error: Option '--model' requires an argument (see alignflow eval --help)"),
+    (["-w", "/tmp/w", "data", "quarantine", "--source"],
+     "error: Option '--source' requires an argument (see alignflow data quarantine --help)"),
+    (["--workspace"], "error: Option '--workspace' requires an argument (see alignflow --help)"),
 ])
 def test_usage_errors_are_one_line(tmp_path, args, expected):
     """click's usage errors (typer vendors its own click) are one line naming the command's --help, exit 2; no
