@@ -574,14 +574,16 @@ def serve(
     os.environ.setdefault("PREFECT_API_URL", PREFECT_URL)
     api = os.environ["PREFECT_API_URL"]
     cfg = load_preset(config)
-    resolve_workspace().create()  # the flows it serves run there, and Prefect's import makes PREFECT_HOME in it
-    from flows.deployments import build_deployments
+    workspace = resolve_workspace().create()  # the flows it serves run there; Prefect's import makes PREFECT_HOME in it
+    from flows.deployments import build_deployments, check_not_served_elsewhere
 
-    deployments = build_deployments(cfg, origin=str(config))  # a config mistake first, server or not
+    # a config mistake first, server or not
+    deployments = build_deployments(cfg, origin=str(config), workspace=workspace.root)
     try:
         httpx.get(f"{api}/health", timeout=5).raise_for_status()
     except httpx.HTTPError:
         fail(f"no Prefect server at {api}; start one with `alignflow ui` (or set PREFECT_API_URL)")
+    check_not_served_elsewhere(api, cfg.name, workspace.root)
     from prefect import serve as prefect_serve
 
     typer.echo(f"serving {len(deployments)} deployments on {api}: " + ", ".join(d.name for d in deployments))

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -25,12 +26,17 @@ from pipeline_lib.workspace import Workspace
 STAGE_FLOWS = {"ingest": None, "prepare": "base", "sft": "sft", "rm": "rm", "sample": "sample", "dpo": "dpo",
                "grpo": "grpo", "dapo": "dapo", "ppo": "ppo", "eval": None}
 FILTER_KINDS = ("best_of_n", "west_of_n")
+WORKSPACE_TAG = "alignflow-workspace:"
+"""Prefix of the deployments' tag naming the workspace whose `alignflow serve` runs them."""
+POLLED_WITHIN_S = 30
+"""A deployment polled this recently is being served (a runner polls every 10 s by default)."""
 
 
-def build_deployments(cfg: PipelineConfig, origin: str = "config") -> list:
-    """The pipeline deployment (cron from the preset), one per stage flow and one per filter kind. A stage's
-    preset config is its default parameter when it has no `from:` reference; otherwise the UI asks for the
-    paths (and a filter for the sampling run). An invalid cron is a one-line ConfigError naming `origin`."""
+def build_deployments(cfg: PipelineConfig, origin: str = "config", workspace: Path | None = None) -> list:
+    """The pipeline deployment (cron from the preset), one per stage flow and one per filter kind, tagged with the
+    `workspace` that serves them. A stage's preset config is its default parameter when it has no `from:`
+    reference; otherwise the UI asks for the paths (and a filter for the sampling run). An invalid cron is a
+    one-line ConfigError naming `origin`."""
     from flows.cli import load_flow
     from flows.filters import filter_flow
     from flows.pipeline import pipeline_flow
@@ -38,16 +44,39 @@ def build_deployments(cfg: PipelineConfig, origin: str = "config") -> list:
     check_cron(cfg.schedule_cron, origin)
     check_name(cfg.name, origin)
 
-    deployments = [pipeline_flow.to_deployment(name=cfg.name, cron=cfg.schedule_cron,
+    tags = [f"{WORKSPACE_TAG}{workspace}"] if workspace is not None else []
+    deployments = [pipeline_flow.to_deployment(name=cfg.name, cron=cfg.schedule_cron, tags=tags,
                                                parameters={"cfg": cfg.model_dump(mode="json")})]
     for stage, field in STAGE_FLOWS.items():
         stage_cfg = getattr(cfg, field) if field else None
         dumped = stage_cfg.model_dump(mode="json") if stage_cfg is not None else None
         params = {"cfg": dumped} if dumped and not any(str(v).startswith(FROM) for v in dumped.values()) else {}
-        deployments.append(load_flow(stage).to_deployment(name=f"{cfg.name}-{stage}", parameters=params))
+        deployments.append(load_flow(stage).to_deployment(name=f"{cfg.name}-{stage}", parameters=params, tags=tags))
     for kind in FILTER_KINDS:
-        deployments.append(filter_flow.to_deployment(name=f"{cfg.name}-{kind}", parameters={"kind": kind}))
+        deployments.append(filter_flow.to_deployment(name=f"{cfg.name}-{kind}", parameters={"kind": kind},
+                                                     tags=tags))
     return deployments
+
+
+def check_not_served_elsewhere(api: str, name: str, workspace: Path) -> None:
+    """A one-line AlignflowError if another workspace's `alignflow serve` serves the preset `name` on the server at
+    `api` now (its runner polled the pipeline deployment within POLLED_WITHIN_S): both runners would take the
+    deployments' runs, each into its own workspace. The same workspace may serve it again (a restart)."""
+    from flows.pipeline import pipeline_flow
+
+    response = httpx.get(f"{api}/deployments/name/{pipeline_flow.name}/{name}", timeout=10)
+    if response.status_code == 404:
+        return
+    response.raise_for_status()
+    deployment = response.json()
+    served_from = [tag.removeprefix(WORKSPACE_TAG) for tag in deployment["tags"] if tag.startswith(WORKSPACE_TAG)]
+    if not served_from or served_from == [str(workspace)] or deployment["last_polled"] is None:
+        return
+    age = (datetime.now(timezone.utc) - datetime.fromisoformat(deployment["last_polled"])).total_seconds()
+    if age < POLLED_WITHIN_S:
+        raise AlignflowError(f"preset {name!r} is served from workspace {served_from[0]} (polled {age:.0f} s ago): "
+                             "both would take its runs; stop that `alignflow serve`, or give this preset another "
+                             "`name`")
 
 
 def check_cron(cron: str | None, origin: str) -> None:

@@ -980,7 +980,8 @@ class PipelineConfig(Config):
     name: str = "pipeline"
     """Name of the pipeline's MLflow parent run and Prefect deployments."""
     schedule_cron: str | None = None
-    """Cron schedule of the pipeline deployment registered by `alignflow serve` (e.g. `0 3 * * *`)."""
+    """Cron schedule of the pipeline deployment registered by `alignflow serve` (e.g. `0 3 * * *`); a triggered run's
+    own value changes nothing (the schedule is the deployment's)."""
     ingest: tuple[IngestConfig, ...] = ()
     """Files ingested first (relative paths resolve against the working dir, then the alignflow checkout)."""
     base: TinyModelConfig | None = None

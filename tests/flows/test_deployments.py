@@ -112,6 +112,7 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_e
                                   start_new_session=True)
         deployment = wait_for(lambda: _deployment(api, "smoke"), 120, "the pipeline deployment")
         assert deployment["schedules"][0]["schedule"]["cron"] == "0 3 * * *"
+        assert f"alignflow-workspace:{workspace}" in deployment["tags"]
         # every stage flow is deployed too (registered one after the other)
         wait_for(lambda: _deployment(api, "smoke-west_of_n"), 60, "the stage deployments")
         for stage in ("ingest", "prepare", "sft", "eval", "best_of_n"):
@@ -131,6 +132,13 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_e
         assert state == "COMPLETED", (tmp_path / "serve.log").read_text()[-3000:]
         with open_store(workspace / "store.duckdb", read_only=True) as store:
             assert store.count("rankings") == 600
+        # another workspace may not serve the same preset name while this one does: both would take its runs
+        other = subprocess.run([sys.executable, "-m", "flows.cli", "serve", "--config", str(preset)],
+                               capture_output=True, text=True, env=env | {"ALIGNFLOW_HOME": str(tmp_path / "ws2")},
+                               timeout=120)
+        assert other.returncode == 2, other.stderr
+        assert other.stderr.startswith(f"error: preset 'smoke' is served from workspace {workspace} (polled "), \
+            other.stderr
         # a user error in a deployment run (a file path mistyped in the UI) is one line in its logs, no traceback
         ingest = _deployment(api, "smoke-ingest")
         body = {"parameters": {"cfg": {"path": str(tmp_path / "no-such.jsonl"), "source": "x"}}}
