@@ -355,10 +355,13 @@ class Store:
         """Quarantined rows (of one source, or all) per file and reason: n_rows and where the first is (`line 3`,
         `row 3`: see `position`), most frequent first (`alignflow data quarantine`)."""
         where, params = _where("quarantine", {} if source is None else {"source": source})
-        # an oversized record's reason starts with its own size (`record is 5,123 bytes as JSON > max_record_bytes
-        # 1,000`): one reason for all of them here, each row's size stays in its quarantine reason
-        reason = ("regexp_replace(reason, '^record is [0-9,]+ bytes as JSON > max_record_bytes ', "
-                  "'record as JSON is over max_record_bytes ')")
+        # what a reason says of its own row alone is left out here, and stays in the row's quarantine reason: an
+        # oversized record's size (`record is 5,123 bytes as JSON > max_record_bytes 1,000`), a raw text cut to
+        # RAW_LIMIT (` (raw truncated to 10 KB)`), which record of a one-line JSON array it is (` (record 3 of the
+        # file, on line 1)`)
+        reason = ("regexp_replace(regexp_replace(regexp_replace(reason, "
+                  "'^record is [0-9,]+ bytes as JSON > max_record_bytes ', 'record as JSON is over max_record_bytes '), "
+                  "' \\(raw truncated to [0-9]+ KB\\)', ''), ' \\(record [0-9]+ of the file, on line [0-9]+\\)$', '')")
         frame = self.con.sql(
             f"SELECT source, file, {reason} AS reason, count(*) AS n_rows, min(line_no) AS first_line FROM quarantine "
             f"WHERE {where} GROUP BY source, file, {reason} ORDER BY n_rows DESC, source, file, first_line",

@@ -184,19 +184,31 @@ def test_stats_count_per_table_and_source(tmp_path):
 
 
 def test_quarantine_reasons_group_oversized_records_of_any_size(tmp_path):
-    """An oversized record's reason holds its size: the listing groups such rows under one reason, and each row
-    keeps its own size in the quarantine table; other reasons group as they are."""
+    """An oversized record's reason holds its size, a long one says its raw text was cut, a record of a one-line
+    JSON array says which it is: the listing groups such rows under their common reason, and each row keeps what
+    is its own in the quarantine table; other reasons group as they are."""
     data = tmp_path / "p.jsonl"
-    data.write_text("".join(f'{{"prompt": "{"a" * size}", "chosen": "b", "rejected": "c"}}\n' for size in (40, 50, 60))
+    data.write_text("".join(f'{{"prompt": "{"a" * size}", "chosen": "b", "rejected": "c"}}\n'
+                            for size in (40, 50, 60, 20_000))
                     + '{"prompt": "a", "chosen": 1, "rejected": "c"}\n')
+    array = tmp_path / "a.json"
+    array.write_text('[{"prompt": "a", "chosen": 1, "rejected": "c"}, {"prompt": "b", "chosen": "d", "rejected": "c"}, '
+                     '{"prompt": "e", "chosen": 2, "rejected": "c"}]')
     with open_store(tmp_path / "store.duckdb") as store:
-        assert ingest_file(data, store, max_record_bytes=80).quarantined == 4
+        assert ingest_file(data, store, max_record_bytes=80).quarantined == 5
+        assert ingest_file(array, store, source="array").quarantined == 2
         reasons = store.quarantine_reasons()
         stored = sorted(store.read("quarantine")["reason"])
-    assert reasons.select("reason", "n_rows", "first").rows() == [
-        ("record as JSON is over max_record_bytes 80", 3, "line 1"),
-        ("field 'chosen' is a number, expected a string", 1, "line 4")], reasons
-    assert stored[1:] == [f"record is {size} bytes as JSON > max_record_bytes 80" for size in (106, 86, 96)]
+    assert reasons.select("source", "reason", "n_rows", "first").rows() == [
+        ("p", "record as JSON is over max_record_bytes 80", 4, "line 1"),
+        ("array", "field 'chosen' is a number, expected a string", 2, "line 1"),
+        ("p", "field 'chosen' is a number, expected a string", 1, "line 5")], reasons
+    assert stored == sorted([
+        "field 'chosen' is a number, expected a string",
+        "field 'chosen' is a number, expected a string (record 1 of the file, on line 1)",
+        "field 'chosen' is a number, expected a string (record 3 of the file, on line 1)",
+        *(f"record is {size} bytes as JSON > max_record_bytes 80" for size in (86, 96, 106)),
+        "record is 20,046 bytes as JSON > max_record_bytes 80 (raw truncated to 10 KB)"])
 
 
 def test_delete_eval_results_of_one_model_and_run(tmp_path):
