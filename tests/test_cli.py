@@ -340,7 +340,8 @@ def test_the_same_sample_command_again_says_its_samples_were_cached(tmp_path):
     run_id = summary.split()[1].rstrip(":")
     again = alignflow(*args, workspace=tmp_path / "ws")
     assert again.returncode == 0, again.stderr
-    cached = f"sample {run_id}: cached, nothing sampled: its 4 rows (2 prompts) were already in the store | mean reward "
+    cached = (f"sample {run_id}: cached, nothing sampled: its 4 rows (2 prompts) were already in the store | "
+              "mean reward ")
     assert again.stdout.strip().splitlines()[-1].startswith(cached)
     assert "rows written" not in again.stdout
     config = tmp_path / "sample.yaml"

@@ -360,8 +360,10 @@ class Store:
         # RAW_LIMIT (` (raw truncated to 10 KB)`), which record of a one-line JSON array it is (` (record 3 of the
         # file, on line 1)`)
         reason = ("regexp_replace(regexp_replace(regexp_replace(reason, "
-                  "'^record is [0-9,]+ bytes as JSON > max_record_bytes ', 'record as JSON is over max_record_bytes '), "
-                  "' \\(raw truncated to [0-9]+ KB\\)', ''), ' \\(record [0-9]+ of the file, on line [0-9]+\\)$', '')")
+                  "'^record is [0-9,]+ bytes as JSON > max_record_bytes ', "
+                  "'record as JSON is over max_record_bytes '), "
+                  "' \\(raw truncated to [0-9]+ KB\\)', ''), "
+                  "' \\(record [0-9]+ of the file, on line [0-9]+\\)$', '')")
         frame = self.con.sql(
             f"SELECT source, file, {reason} AS reason, count(*) AS n_rows, min(line_no) AS first_line FROM quarantine "
             f"WHERE {where} GROUP BY source, file, {reason} ORDER BY n_rows DESC, source, file, first_line",

@@ -141,7 +141,8 @@ def _hh(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
                              f"follows its last reply)"))
             continue
         # more turns after the shared prompt: the sides differ at an earlier turn, as split_chat refuses
-        more_turns = [name for name, text in (("chosen", chosen), ("rejected", rejected)) if HH_HUMAN_TURN in text[cut:]]
+        more_turns = [name for name, text in (("chosen", chosen), ("rejected", rejected))
+                      if HH_HUMAN_TURN in text[cut:]]
         if more_turns:
             bad.append((idx, f"'chosen' and 'rejected' differ before their last reply ('{more_turns[0]}' continues "
                              "with a '\\n\\nHuman:' turn and another reply): a pair needs one shared prompt and one "
