@@ -22,7 +22,7 @@ demo: setup
 
 # the whole suite: slow learning tests and the vLLM test included (CI runs this)
 test: setup vllm-env
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 # inner loop, a few minutes
 test-fast: setup
