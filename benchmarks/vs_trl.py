@@ -2,7 +2,8 @@
 model, data, hyper-parameters, torch threads and machine; each run in its own subprocess, ours and TRL alternating.
 
     .venv/bin/python benchmarks/vs_trl.py [--model demo|large] [--algo dpo grpo] [--repeats 2] [--threads 2]
-                                          [--data demo|gsm8k] [--steps N --warmup W] [--set batch=8 ...] [--profile]
+                                          [--data demo|gsm8k] [--pairs mixed|answers] [--steps N --warmup W]
+                                          [--set batch=8 ...] [--profile]
 
 Per run: mean step time over the steps after `--warmup` (a step ends at our log call / TRL's on_step_end, so data,
 forward, backward, optimizer and logging are all inside it; a GRPO step also holds generation and scoring), the
@@ -35,7 +36,8 @@ SIZES = {
     "demo": {},
     "large": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "head_dim": 64, "intermediate_size": 2048},
 }
-# Hyper-parameters both sides get; demo values follow flows/configs/demo.yaml, large ones keep a run affordable.
+# Hyper-parameters both sides get; demo values are near flows/configs/demo.yaml's (GRPO takes num_iterations 1, where
+# the preset has 2: both sides then skip the θ_old pass, which TRL would add), large ones keep a run affordable.
 # DPO trains on the first `pairs` pairs of data/demo/pairs.jsonl for about one epoch (ours holds 10% out for its
 # evals): over an epoch our one-time reference pass and TRL's per-step reference forwards see the same pairs.
 DEFAULTS = {
@@ -60,13 +62,30 @@ LABELS = {
 TRL_SETTINGS = {
     "dpo": "DPOConfig(per_device_train_batch_size=batch, beta, max_length, loss_type=['sigmoid'] (default), "
            "precompute_ref_log_probs=False|True, precompute_ref_batch_size=128, gradient_checkpointing=False, "
-           "bf16=False, use_cpu=True, lr_scheduler_type='constant', max_grad_norm=1.0, weight_decay=0)",
+           "bf16=False, use_cpu=True, lr_scheduler_type='constant', max_grad_norm=1.0, weight_decay=0); "
+           "ours: DPOConfig(batch_size, beta, max_length, lr_schedule='constant', warmup_steps=0, weight_decay=0)",
     "grpo": "GRPOConfig(per_device_train_batch_size=prompts*group, num_generations=group, "
             "max_completion_length=max_new_tokens, beta, epsilon=0.2, loss_type='grpo', scale_rewards='group', "
             "num_iterations=1, temperature=1, top_p=1, top_k=0, use_vllm=False, gradient_checkpointing=False, "
-            "bf16=False, use_cpu=True, lr_scheduler_type='constant', max_grad_norm=1.0); reward: pipeline_lib's "
-            "verifier; ours: GRPOConfig(prompts_per_step, group_size, num_iterations=1, clip 0.2, backend='hf')",
+            "bf16=False, use_cpu=True, lr_scheduler_type='constant', max_grad_norm=1.0, weight_decay=0, "
+            "use_bias_correction_kl=False (TRL's default True weights the KL by pi/pi_old; DeepSeekMath's, and ours, "
+            "does not), log_completions=False); reward: pipeline_lib's verifier; ours: GRPOConfig(prompts_per_step, "
+            "group_size, num_iterations=1, clip 0.2, lr_schedule='constant', warmup_steps=0, weight_decay=0, "
+            "backend='hf'). Left different (no TRL setting matches; no effect on time): TRL divides advantages by "
+            "the group's sample std + 1e-4, ours by its population std + 1e-6",
 }
+
+
+def dpo_pairs(s: dict) -> list[dict]:
+    """DPO's pairs: the first `pairs` of data/demo/pairs.jsonl (`mixed`: 41% of them reject with a ~70-character
+    non-answer, the other rows are ~9 tokens, so padding a batch to its longest row costs TRL much more than our
+    length buckets), or the first `pairs` whose rejection is an answer too (`answers`: every row ~9 tokens)."""
+    import polars as pl
+
+    pairs = pl.read_ndjson(DEMO / "pairs.jsonl")
+    if s["pairs_kind"] == "answers":
+        pairs = pairs.filter(pl.col("rejected_kind") != "non_answer")
+    return pairs.select("prompt", "chosen", "rejected").head(s["pairs"]).to_dicts()
 
 
 def grpo_problems(name: str):
@@ -143,10 +162,10 @@ def _ours_dpo(model_dir: str, s: dict, out_dir: Path, clock: StepClock) -> None:
     from pipeline_lib.config import DPOConfig
     from pipeline_lib.train.dpo import train_dpo
 
-    pairs = pl.read_ndjson(DEMO / "pairs.jsonl").select("prompt", "chosen", "rejected").head(s["pairs"])
+    pairs = pl.DataFrame(dpo_pairs(s))
     cfg = DPOConfig(policy_path=model_dir, max_steps=s["steps"], batch_size=s["batch"], lr=s["lr"], beta=s["beta"],
-                    max_length=s["max_length"], lr_schedule="constant", max_grad_norm=1.0, log_every=1,
-                    save_every=s["steps"], device="cpu")
+                    max_length=s["max_length"], lr_schedule="constant", warmup_steps=0, weight_decay=0.0,
+                    max_grad_norm=1.0, log_every=1, save_every=s["steps"], device="cpu")
     train_dpo(cfg, pairs, out_dir, log=clock.log)
 
 
@@ -158,7 +177,8 @@ def _ours_grpo(model_dir: str, s: dict, out_dir: Path, clock: StepClock) -> None
     cfg = GRPOConfig(policy_path=model_dir, max_steps=s["steps"], prompts_per_step=s["prompts"],
                      group_size=s["group"], num_iterations=1, lr=s["lr"], beta=s["beta"], clip_eps_low=0.2,
                      clip_eps_high=0.2, max_new_tokens=s["max_new_tokens"], temperature=1.0, top_p=1.0,
-                     max_grad_norm=1.0, backend="hf", log_every=1, save_every=s["steps"], device="cpu")
+                     lr_schedule="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, backend="hf",
+                     log_every=1, save_every=s["steps"], device="cpu")
     train_grpo(cfg, problems, out_dir, log=clock.log)
 
 
@@ -186,7 +206,7 @@ def _trl_dpo(model_dir: str, s: dict, out_dir: Path, clock: StepClock, precomput
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    rows = pl.read_ndjson(DEMO / "pairs.jsonl").select("prompt", "chosen", "rejected").head(s["pairs"]).to_dicts()
+    rows = dpo_pairs(s)
     args = DPOConfig(per_device_train_batch_size=s["batch"], beta=s["beta"], max_length=s["max_length"],
                      precompute_ref_log_probs=precompute, precompute_ref_batch_size=128, **_trl_common(s, out_dir))
     trainer = DPOTrainer(model=model_dir, args=args, train_dataset=Dataset.from_list(rows),
@@ -209,7 +229,7 @@ def _trl_grpo(model_dir: str, s: dict, out_dir: Path, clock: StepClock) -> None:
     args = GRPOConfig(per_device_train_batch_size=s["prompts"] * s["group"], num_generations=s["group"],
                       max_completion_length=s["max_new_tokens"], beta=s["beta"], epsilon=0.2, loss_type="grpo",
                       scale_rewards="group", num_iterations=1, temperature=1.0, top_p=1.0, top_k=0, use_vllm=False,
-                      log_completions=False, **_trl_common(s, out_dir))
+                      use_bias_correction_kl=False, log_completions=False, **_trl_common(s, out_dir))
     trainer = GRPOTrainer(model=model_dir, reward_funcs=verifier, args=args,
                           train_dataset=Dataset.from_dict(problems.select("prompt", "answer").to_dict(as_series=False)),
                           processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[_trl_callback(clock)])
@@ -313,7 +333,8 @@ def summarize(algo: str, results: dict[str, list[dict]]) -> list[str]:
 def algo_settings(args: argparse.Namespace, algo: str, overrides: dict[str, str]) -> dict:
     """DEFAULTS of the model and algorithm, with --steps, --warmup and the --set values that apply to it (a key of
     the other algorithm applies there); a value of the wrong type, or no step left to time, exits in one line."""
-    settings = dict(DEFAULTS[(args.model, algo)]) | ({"data": args.data} if algo == "grpo" else {})
+    settings = dict(DEFAULTS[(args.model, algo)]) | ({"data": args.data} if algo == "grpo" else
+                                                     {"pairs_kind": args.pairs})
     settings.update({k: v for k, v in (("steps", args.steps), ("warmup", args.warmup)) if v is not None})
     for key, value in overrides.items():
         if key in settings:
@@ -336,6 +357,9 @@ def main() -> None:
     parser.add_argument("--threads", type=positive_int, default=2, help="torch threads in every run")
     parser.add_argument("--data", choices=["demo", "gsm8k"], default="demo",
                         help="GRPO's prompts: demo `ab+cd=` problems (6 tokens) or GSM8K questions (~240)")
+    parser.add_argument("--pairs", choices=["mixed", "answers"], default="mixed",
+                        help="DPO's pairs: the demo's first ones (41%% long non-answer rejections) or only those "
+                             "rejecting with an answer (every row ~9 tokens)")
     parser.add_argument("--steps", type=positive_int, help="optimizer steps per run (default: per model and algorithm)")
     parser.add_argument("--warmup", type=int, help="steps left out of the step-time mean")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",

@@ -13,10 +13,11 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_trl.py"
 
 @pytest.mark.slow
 def test_vs_trl_prints_one_row_per_implementation():
-    """DPO on the demo pairs and GRPO on the GSM8K prompts (`--data` is GRPO's), in one invocation."""
+    """DPO on the demo's answer-vs-answer pairs (`--pairs` is DPO's) and GRPO on the GSM8K prompts (`--data` is
+    GRPO's), in one invocation."""
     out = subprocess.run(
         [sys.executable, str(SCRIPT), "--repeats", "1", "--threads", "1", "--steps", "2", "--warmup", "0",
-         "--no-trl-precompute", "--data", "gsm8k",
+         "--no-trl-precompute", "--data", "gsm8k", "--pairs", "answers",
          "--set", "pairs=64", "batch=4", "prompts=2", "group=2", "max_new_tokens=2"],
         check=True, capture_output=True, text=True, timeout=300,
     ).stdout
@@ -30,6 +31,25 @@ def test_vs_trl_prints_one_row_per_implementation():
         peak_mib = float(row.split(" | ")[6])
         assert step_ms > 0 and 100 < peak_mib < 8000
     assert "'data': 'gsm8k'" in out.split("grpo: ")[1] and "'data'" not in out.split("dpo: ")[1].splitlines()[0]
+    assert "'pairs_kind': 'answers'" in out.split("dpo: ")[1].splitlines()[0] and "pairs_kind" not in \
+        out.split("grpo: ")[1].splitlines()[0]
+
+
+def test_dpo_pairs_mixed_are_the_first_ones_and_answers_leave_out_non_answer_rejections():
+    import polars as pl
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from vs_trl import DEMO, dpo_pairs
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    demo = pl.read_ndjson(DEMO / "pairs.jsonl")
+    mixed = dpo_pairs({"pairs": 100, "pairs_kind": "mixed"})
+    assert mixed == demo.select("prompt", "chosen", "rejected").head(100).to_dicts()
+    answers = dpo_pairs({"pairs": 100, "pairs_kind": "answers"})
+    kept = demo.filter(pl.col("rejected_kind") != "non_answer")
+    assert len(answers) == 100 and answers == kept.select("prompt", "chosen", "rejected").head(100).to_dicts()
+    assert max(len(row["rejected"]) for row in answers) < 10 < max(len(row["rejected"]) for row in mixed)
 
 
 @pytest.mark.parametrize(("args", "error"), [
