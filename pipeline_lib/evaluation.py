@@ -323,12 +323,14 @@ def run_eval_stage(cfg: EvalConfig, store: Store, *, log: LogFn = no_log,
     """The evaluation stage: sample (resumable), score Pass@K / Maj@K against the gold answers, replace the
     model's rows of the run in eval_results, log `eval/pass_at_K` and `eval/maj_at_K`. Returns (results, the
     samples)."""
-    from pipeline_lib.sampling.stage import run_sample_stage
+    from pipeline_lib.sampling.stage import run_sample_stage, select_problems
 
     report = run_sample_stage(cfg.sample_config, store, log=log, progress=progress)
-    samples = store.read("samples", run_id=report.run_id)
-    problems = store.read("problems", split=cfg.split, **({"source": cfg.problems_source} if cfg.problems_source else {}))
+    # the problems the run sampled this time: its samples of problems deleted or re-ingested with another answer
+    # since (a run without max_problems keeps its id when its problems change) are not scored
+    problems = select_problems(store, cfg.sample_config)
     gold = dict(zip(problems["problem_id"].to_list(), problems["answer"].to_list()))
+    samples = store.read("samples", run_id=report.run_id).filter(pl.col("prompt_id").is_in(list(gold)))
     dataset = f"{cfg.problems_source or 'all'}/{cfg.split}"
     results = evaluate(samples, gold, cfg.k_values, model=cfg.label, dataset=dataset)
     with store.transaction():

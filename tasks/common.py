@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import duckdb
 from prefect.cache_policies import INPUTS, TASK_SOURCE, CacheKeyFnPolicy
 from prefect.runtime import flow_run
 
@@ -54,15 +55,18 @@ def artifact_key(*names: str) -> str:
 
 
 def retry_on_io(task, task_run, state) -> bool:
-    """Retry transient failures only: I/O, a store briefly locked by another process, a vLLM server that went
-    away or failed on its side (VLLMServerError.transient). A user error (bad file, bad config) or a request the
-    server refused (4xx: a prompt over the model's context) would fail the same way again."""
+    """Retry transient failures only: I/O (the OS's or DuckDB's), a store briefly locked by another process, a
+    vLLM server that went away or failed on its side (VLLMServerError.transient). A user error (bad file, bad
+    config), a request the server refused (4xx: a prompt over the model's context) or a bug would fail the same way
+    again, leaving a second failed run."""
     try:
         state.result()
     except VLLMServerError as exc:
         return exc.transient
     except AlignflowError as exc:
         return "in use by another" in str(exc)  # the store is briefly locked by another process
-    except Exception:
+    except (OSError, duckdb.IOException):
         return True
+    except Exception:
+        return False
     return False

@@ -96,12 +96,14 @@ def west_of_n_missing_task(run_id: str, source: str) -> int:
         return store.count_missing("preference_pairs", west_of_n_of_run(store, run_id, source)[0])
 
 
-@task(name="eval-results-count")
-def eval_results_count_task(cfg: EvalConfig) -> int:
-    """How many eval_results rows the store holds now for this evaluation (its sampling run, its model name)."""
+@task(name="eval-results-held")
+def eval_results_held_task(cfg: EvalConfig) -> list[tuple[int, float, float]]:
+    """The (k, pass_at_k, maj_at_k) rows the store holds now for this evaluation (its sampling run, its model
+    name), by k."""
     with open_store(current_workspace().store_path) as store:
         problem_ids = select_problems(store, cfg.sample_config)["problem_id"].to_list()
-        return store.count("eval_results", run_id=sample_run_id(cfg.sample_config, problem_ids), model=cfg.label)
+        held = store.read("eval_results", run_id=sample_run_id(cfg.sample_config, problem_ids), model=cfg.label)
+    return sorted(held.select("k", "pass_at_k", "maj_at_k").iter_rows())
 
 
 @task(name="corpus-sources")

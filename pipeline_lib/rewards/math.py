@@ -457,8 +457,12 @@ def answer_value(answer: str) -> Fraction | str:
 
 @lru_cache(maxsize=65_536)
 def _cached_answer_value(answer: str) -> Fraction | str:
-    """A gold answer is read as an extracted one is: `$18$` and `**18**` are 18, `x = 5` is its right-hand side
-    (as `\\boxed{x=5}` is); text compares without spaces, as the MATH grader does (`(1, 2)` is `(1,2)`)."""
+    """A gold answer is read as an extracted one is: `$18$` and `**18**` are 18, `x = 5` is its right-hand side,
+    a boxed answer its box's (`\\boxed{x=5}` is 5, `$\\boxed{\\frac{1}{2}}$` 1/2); text compares without spaces,
+    as the MATH grader does (`(1, 2)` is `(1,2)`)."""
+    content = boxed_content(answer)
+    if content is not None and (boxed := _boxed_answer(content)) is not None:
+        answer = boxed
     parsed = _parse_number(answer, MAX_ANSWER_CHARS)
     if parsed is not None:
         return parsed[0]

@@ -14,6 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import duckdb
 import psutil
 import pytest
 
@@ -223,7 +224,9 @@ def test_the_next_run_crashes_the_flow_runs_of_a_killed_process_and_stops_its_pr
     (VLLMServerError("vLLM server ...: HTTP 503: overloaded", status=503, transient=True), True),
     (VLLMServerError("vLLM server ...: HTTP 400: prompt too long", status=400), False),  # the same again
     (OSError("disk hiccup"), True),
+    (duckdb.IOException("IO Error: could not write"), True),
     (ConfigError("max_new_tokens: ..."), False),
+    (ValueError("a bug, or input the stage refuses: the same again"), False),
 ])
 def test_sampling_retries_a_server_that_went_away_not_a_request_it_refused(error, retried):
     assert retry_on_io(None, None, Failed(data=error)) is retried

@@ -15,6 +15,7 @@ from flows.filters import filter_flow
 from pipeline_lib import tracking
 from pipeline_lib.config import DPOConfig, EvalConfig
 from pipeline_lib.errors import AlignflowError
+from pipeline_lib.evaluation import run_eval_stage
 from pipeline_lib.filters import SamplesError
 from pipeline_lib.fingerprint import frame_fingerprint
 from pipeline_lib.models import build_tiny_model
@@ -83,6 +84,36 @@ def test_a_cache_hit_whose_results_left_the_store_evaluates_again(flow_workspace
     assert eval_flow(cfg) == rows
     with open_store(flow_workspace.store_path) as store:
         assert store.read("eval_results").sort("k").select("model", "k").rows() == [("tiny", 1), ("tiny", 2)]
+
+
+def test_a_cache_hit_whose_results_were_replaced_by_other_ks_evaluates_again(flow_workspace, tmp_path):
+    """Another evaluation under the same name and sampling run replaced the rows with as many others: the cache hit
+    evaluates again rather than print rows the store no longer holds."""
+    add_problems(flow_workspace)
+    model = build_tiny_model(tmp_path / "tiny", ["0123456789+="])
+    cfg = EvalConfig(model_path=str(model), model_name="tiny", n=4, ks=(1, 2), max_new_tokens=3, device="cpu")
+    rows = eval_flow(cfg)
+    eval_flow(cfg.model_copy(update={"ks": (2, 4)}))
+    assert eval_flow(cfg) == rows
+    with open_store(flow_workspace.store_path) as store:
+        assert store.read("eval_results").sort("k").select("k", "pass_at_k").rows() == [
+            (row["k"], row["pass_at_k"]) for row in rows]
+
+
+def test_samples_of_problems_no_longer_selected_are_not_scored(flow_workspace, tmp_path):
+    """A problem deleted (or re-ingested with another answer, a new problem_id) since its sampling run, which keeps
+    its id without max_problems: its samples stay in the run and are left out of the scores."""
+    add_problems(flow_workspace)
+    model = build_tiny_model(tmp_path / "tiny", ["0123456789+="])
+    cfg = EvalConfig(model_path=str(model), model_name="tiny", n=2, ks=(1, 2), max_new_tokens=3, device="cpu")
+    eval_flow(cfg)
+    with open_store(flow_workspace.store_path) as store:
+        store.con.execute("DELETE FROM problems WHERE problem_id = 'p2'")
+    rows = eval_flow(cfg)
+    with open_store(flow_workspace.store_path) as store:
+        results, samples = run_eval_stage(cfg, store, progress=False)
+        assert store.count("samples") == 4  # p2's samples are still in the run
+    assert set(samples["prompt_id"]) == {"p1"} and results.to_dicts() == rows
 
 
 def test_an_unnamed_model_is_named_after_the_stage_that_wrote_it(flow_workspace, tmp_path, prefect_run):

@@ -173,6 +173,14 @@ def test_answer_value_merges_spellings_of_one_number():
     assert answer_value("Some Text.") == "sometext"  # text compares without spaces, as the MATH grader does
 
 
+def test_a_boxed_gold_answer_is_read_as_its_box():
+    assert answer_value(r"\boxed{5}") == answer_value(r"\boxed{x = 5}") == 5
+    assert answer_value(r"$\boxed{\frac{1}{2}}$") == Fraction(1, 2)
+    assert answer_value(r"\boxed{(1, 2)}") == "(1,2)"
+    assert is_numeric_answer(r"\boxed{5}") and is_correct(r"The answer is \boxed{5}.", r"\boxed{5}")
+    assert is_correct("so it is 0.5", r"$\boxed{\frac{1}{2}}$") and not is_correct("6", r"\boxed{5}")
+
+
 # ---- LaTeX thousands separators, powers of ten, long canonical numbers
 
 
