@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from pipeline_lib.errors import AlignflowError, first_line
+from pipeline_lib.errors import AlignflowError, one_line
 
 PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 # What a training stage writes beside a final model about its run (wall time, metrics): not part of the model
@@ -74,7 +74,7 @@ def _check_index(model_dir: Path, index: Path) -> None:
     try:
         shards = set(json.loads(index.read_text())["weight_map"].values())
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ModelLoadError(f"model dir {model_dir}: unreadable {index.name} ({first_line(exc)})") from None
+        raise ModelLoadError(f"model dir {model_dir}: unreadable {index.name} ({one_line(exc)})") from None
     # the index names the files transformers loads: a pickle shard behind it is still a pickle
     other = sorted(str(shard) for shard in shards if not str(shard).endswith(".safetensors"))
     if other:
@@ -92,7 +92,7 @@ def _explicit_weights(model_dir: Path) -> Path | None:
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"model dir {model_dir}: unreadable config.json ({first_line(exc)})") from None
+        raise ModelLoadError(f"model dir {model_dir}: unreadable config.json ({one_line(exc)})") from None
     name = config.get("transformers_weights") if isinstance(config, dict) else None
     if name is None:
         return None

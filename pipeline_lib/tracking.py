@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from pipeline_lib import alignflow_version, code_version
 from pipeline_lib.config import KEEPING_FIELDS
-from pipeline_lib.errors import AlignflowError, first_line
+from pipeline_lib.errors import AlignflowError, one_line
 from pipeline_lib.logfns import LogFn, print_log
 from pipeline_lib.workspace import Workspace, host_id, process_alive
 
@@ -212,7 +212,7 @@ def _end_failed(exc: BaseException) -> None:
         mlflow.set_tag("alignflow.error", "interrupted (Ctrl-C)")
         mlflow.end_run(status="KILLED")
         return
-    mlflow.set_tag("alignflow.error", first_line(exc)[:5000])
+    mlflow.set_tag("alignflow.error", one_line(exc, width=5000))
     mlflow.end_run(status="FAILED")
 
 

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from transformers import AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from pipeline_lib.errors import first_line
+from pipeline_lib.errors import one_line
 from pipeline_lib.model_dirs import head_files
 from pipeline_lib.models.loading import (
     ModelLoadError, atomic_output_dir, load_policy, load_pretrained, resolve_model_dir,
@@ -144,7 +144,7 @@ def _load(
     try:
         head.load_state_dict(load_file(str(head_file)))
     except (SafetensorError, RuntimeError, OSError) as exc:  # a truncated file, wrong shapes
-        raise ModelLoadError(f"{head_file}: cannot load the {kind} head ({first_line(exc)})") from exc
+        raise ModelLoadError(f"{head_file}: cannot load the {kind} head ({one_line(exc)})") from exc
     return backbone, head.to(backbone.device), config
 
 

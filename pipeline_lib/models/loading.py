@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from pipeline_lib.errors import first_line
+from pipeline_lib.errors import one_line
 from pipeline_lib.model_dirs import ModelLoadError, check_weights, resolve_model_dir
 
 
@@ -71,7 +71,7 @@ def load_pretrained(
             output_loading_info=True,
         )
     except Exception as exc:  # noqa: BLE001 - surface one line; the chained cause keeps the detail
-        raise ModelLoadError(f"model dir {model_dir}: {auto_cls.__name__} could not load it ({first_line(exc)})") from exc
+        raise ModelLoadError(f"model dir {model_dir}: {auto_cls.__name__} could not load it ({one_line(exc)})") from exc
     if info["missing_keys"]:  # transformers would start them at random and only log it
         missing = sorted(info["missing_keys"])
         heads = [f"a {kind} model dir ({kind}_config.json): " for kind in ("reward", "value")
@@ -108,7 +108,7 @@ def load_tokenizer(path_or_id: str | Path, *, trust_remote_code: bool = False) -
             model_dir, trust_remote_code=trust_remote_code, local_files_only=True, padding_side="left"
         )
     except Exception as exc:  # noqa: BLE001 - surface one line; the chained cause keeps the detail
-        raise ModelLoadError(f"tokenizer in {model_dir}: could not load it ({first_line(exc)})") from exc
+        raise ModelLoadError(f"tokenizer in {model_dir}: could not load it ({one_line(exc)})") from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelLoadError(f"tokenizer in {model_dir}: has neither a pad token nor an eos token to pad with")

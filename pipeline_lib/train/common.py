@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from torch import Tensor, nn
 
 from pipeline_lib.config import ConfigError
-from pipeline_lib.errors import AlignflowError, first_line
+from pipeline_lib.errors import AlignflowError, one_line
 from pipeline_lib.logfns import LogFn
 from pipeline_lib.model_dirs import FINAL_MARKER, missing_files, read_marker
 
@@ -341,7 +341,7 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
         _fsync_dir(out_dir)
     except (OSError, RuntimeError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(f"{out_dir}: cannot write the step {step} checkpoint ({first_line(exc)}); "
+        raise CheckpointWriteError(f"{out_dir}: cannot write the step {step} checkpoint ({one_line(exc)}); "
                                    "the previous checkpoint is kept") from exc
     shutil.rmtree(old, ignore_errors=True)
     return final
@@ -363,7 +363,7 @@ def _read_checkpoint(ckpt: Path) -> tuple[int, dict, dict, list] | None:
         if missing:
             raise KeyError(f"state.pt lacks {sorted(missing)}")
     except (OSError, RuntimeError, EOFError, ValueError, KeyError, TypeError, pickle.UnpicklingError) as exc:
-        warnings.warn(f"checkpoint {ckpt} is unreadable ({first_line(exc)}); ignoring it", RuntimeWarning,
+        warnings.warn(f"checkpoint {ckpt} is unreadable ({one_line(exc)}); ignoring it", RuntimeWarning,
                       stacklevel=3)
         return None
     return step, trainer_state, state, python_rng
@@ -434,7 +434,7 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, *, metrics: dict | No
         _fsync_dir(out_dir)
     except (OSError, RuntimeError, SafetensorError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(f"{final}: cannot write the final model ({first_line(exc)}); the last "
+        raise CheckpointWriteError(f"{final}: cannot write the final model ({one_line(exc)}); the last "
                                    "checkpoint is kept, rerun the stage to resume") from exc
     shutil.rmtree(out_dir / CHECKPOINT_DIR, ignore_errors=True)
     return final
@@ -458,7 +458,7 @@ def finished_final(out_dir: Path, log: LogFn, step: int, run_key: str) -> Path |
     try:
         marker = read_marker(final)
     except (OSError, ValueError) as exc:
-        warnings.warn(f"{final}: unreadable {FINAL_MARKER} ({first_line(exc)}); training again", RuntimeWarning,
+        warnings.warn(f"{final}: unreadable {FINAL_MARKER} ({one_line(exc)}); training again", RuntimeWarning,
                       stacklevel=2)
         return None
     _other_run(final, marker.get("run_key"), run_key)

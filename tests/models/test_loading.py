@@ -94,6 +94,19 @@ def test_load_tokenizer_pads_left_and_falls_back_to_eos(tiny_dir, tmp_path):
     assert tokenizer.pad_token == "</s>" and tokenizer.pad_token_id == tokenizer.eos_token_id == 2
 
 
+def test_a_dir_without_tokenizer_files_says_what_transformers_tried_on_one_line(tiny_dir, tmp_path):
+    """transformers lists what it tried on the lines after its first: the one-line error keeps them."""
+    copy = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_dir, copy)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (copy / name).unlink(missing_ok=True)
+    with pytest.raises(ModelLoadError) as raised:
+        load_tokenizer(copy)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(f"tokenizer in {copy}: could not load it (ValueError: ")
+    assert "from one of: (1) a `tokenizers` library serialization file," in message
+
+
 def test_missing_local_path_names_it(tmp_path):
     with pytest.raises(ModelLoadError, match=f"no such directory {tmp_path / 'absent'}"):
         load_policy(tmp_path / "absent")
