@@ -180,10 +180,12 @@ def dynamic_sampling(
 
 
 def run_samples(store: Store, run_id: str) -> pl.DataFrame:
-    """The rows of one sampling run; none is a one-line SamplesError."""
-    samples = store.read("samples", run_id=run_id)
+    """The rows of one sampling run whose problem is still stored (`Store.run_samples`); none is a one-line
+    SamplesError."""
+    samples = store.run_samples(run_id)
     if samples.height == 0:
-        raise SamplesError(f"samples: no rows for run_id {run_id!r}; run the sampling stage first")
+        raise SamplesError(f"samples: no rows for run_id {run_id!r} (of problems the store holds); run the sampling "
+                           "stage first")
     return samples
 
 

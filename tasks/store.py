@@ -76,9 +76,10 @@ def check_selections_task(selections: list[tuple[str, str, dict[str, str | None]
 
 @task(name="samples-fingerprint")
 def samples_fingerprint_task(run_id: str) -> str:
-    """Fingerprint of a sampling run's rows: a run resumed with new problems is a new input to its filters."""
+    """Fingerprint of a sampling run's rows of stored problems: a run resumed with new problems, or whose
+    problems were deleted since, is a new input to its filters."""
     with open_store(current_workspace().store_path) as store:
-        return frame_fingerprint(store.read("samples", run_id=run_id))
+        return frame_fingerprint(store.run_samples(run_id))
 
 
 @task(name="samples-count")

@@ -277,6 +277,13 @@ class Store:
         columns = "* EXCLUDE (ingested_at)" if "ingested_at" in TABLES[table] else "*"
         return self.con.sql(f"SELECT {columns} FROM {table} WHERE {where}", params=params).pl()
 
+    def run_samples(self, run_id: str) -> pl.DataFrame:
+        """The samples of sampling run `run_id` whose problem the store still holds. A problem deleted since, or
+        re-ingested with a corrected answer (a new problem_id), leaves its samples in the run, scored against what
+        it was: what reads the run (filters, RS-SFT, evaluation, their cache keys) leaves them out."""
+        return self.con.sql("SELECT * FROM samples WHERE run_id = ? AND prompt_id IN (SELECT problem_id FROM problems) "
+                            "ORDER BY prompt_id, sample_idx", params=[run_id]).pl()  # in key order: fingerprinted
+
     def read_selected(self, table: str, **equals: object) -> pl.DataFrame:
         """`read` with the filters whose value is not None, refused when no row matches: one line naming the
         selection and what the table holds, counted by the same columns (a mistyped source or split shows at once)."""

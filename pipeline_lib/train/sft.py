@@ -89,7 +89,7 @@ def load_sft_data(store: Store, cfg: SFTConfig) -> tuple[pl.DataFrame, pl.DataFr
     if cfg.data == "pairs":
         return sft_rows(store.read_selected("preference_pairs", source=cfg.source), "pairs",
                         chat_template=cfg.chat_template), None
-    selected = best_of_n(store.read("samples", run_id=cfg.samples_run_id))
+    selected = best_of_n(store.run_samples(cfg.samples_run_id))
     if cfg.min_reward is not None:
         selected = selected.filter(pl.col("reward") >= cfg.min_reward)
     if selected.height == 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import polars as pl
 import psutil
 import pytest
 from prefect.client.orchestration import get_client
@@ -24,6 +25,20 @@ def flow_workspace(workspace, monkeypatch):
     """The workspace the tasks resolve through ALIGNFLOW_HOME."""
     monkeypatch.setenv("ALIGNFLOW_HOME", str(workspace.root))
     return workspace
+
+
+@pytest.fixture
+def insert_samples():
+    """`insert_samples(store, samples)`: a sampling run's rows, and a problem row for each of their prompt_ids
+    (what reads a run leaves out the samples of problems the store no longer holds)."""
+
+    def insert(store, samples: pl.DataFrame) -> None:
+        problems = samples.select(pl.col("prompt_id").alias("problem_id"), "prompt").unique("problem_id", keep="first")
+        store.insert_new("problems", problems.with_columns(source=pl.lit("sampled"), split=pl.lit("test"),
+                                                           answer=pl.lit("0")))
+        store.insert_new("samples", samples)
+
+    return insert
 
 
 @pytest.fixture

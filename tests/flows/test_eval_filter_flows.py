@@ -132,25 +132,25 @@ def test_an_unnamed_model_is_named_after_the_stage_that_wrote_it(flow_workspace,
     assert model_label(cfg.model_copy(update={"model_path": str(outside)})) == "Tiny_Model"  # its dir name
 
 
-def test_west_of_n_accounts_for_every_prompt_of_the_run(flow_workspace):
+def test_west_of_n_accounts_for_every_prompt_of_the_run(insert_samples, flow_workspace):
     """A prompt without a scored sample (all rewards NaN) gives no pair and is no tie: it is counted on its own."""
     unscored = SAMPLES.head(4).with_columns(prompt_id=pl.lit("d"), reward=pl.lit(float("nan")))
     with open_store(flow_workspace.store_path) as store:
-        store.insert_new("samples", pl.concat([SAMPLES, unscored]).with_columns(run_id=pl.lit("r4")))
+        insert_samples(store, pl.concat([SAMPLES, unscored]).with_columns(run_id=pl.lit("r4")))
     stats = filter_task.fn("west_of_n", "r4")
     assert (stats["filter/prompts"], stats["filter/pairs"], stats["filter/skipped_ties"],
             stats["filter/skipped_unscored"]) == (4, 1, 2, 1)
 
 
-def test_filter_flows_on_a_sampling_run(flow_workspace, the_run, prefect_run):
+def test_filter_flows_on_a_sampling_run(insert_samples, flow_workspace, the_run, prefect_run):
     with open_store(flow_workspace.store_path) as store:
-        store.insert_new("samples", SAMPLES)
+        insert_samples(store, SAMPLES)
     state = filter_flow("west_of_n", "r1", return_state=True)
     won = state.result()
     assert won == {"filter/prompts": 3, "filter/pairs": 1, "filter/pairs_inserted": 1, "filter/skipped_ties": 2,
                    "filter/skipped_unscored": 0, "filter/chat_template": 0}
     with open_store(flow_workspace.store_path) as store:
-        read = frame_fingerprint(store.read("samples", run_id="r1"))
+        read = frame_fingerprint(store.run_samples("r1"))
     assert the_run(flow_workspace, "west_of_n")[0].data.tags["data.fingerprint"] == read  # the rows it filtered
     assert prefect_run(state)[0] == "west_of_n-r1"
     with open_store(flow_workspace.store_path) as store:
@@ -164,19 +164,20 @@ def test_filter_flows_on_a_sampling_run(flow_workspace, the_run, prefect_run):
     assert bon["filter/best_accuracy"] == 2 / 3 and bon["filter/all_accuracy"] == 6 / 12
     assert prefect_run(state)[0] == "best_of_n-r1"
     with open_store(flow_workspace.store_path) as store:  # an unscored (NaN) sample counts in neither mean
-        store.insert_new("samples", SAMPLES.with_columns(run_id=pl.lit("r2"), reward=pl.col("reward").replace(0.0, float("nan"))))
+        insert_samples(store, SAMPLES.with_columns(run_id=pl.lit("r2"),
+                                                   reward=pl.col("reward").replace(0.0, float("nan"))))
     assert filter_task.fn("best_of_n", "r2")["filter/all_reward_mean"] == 1.0
     dyn = filter_flow("dynamic", "r1", group_size=4)
     assert dyn == {"filter/groups_total": 3, "filter/groups_kept": 1, "filter/dropped_all_correct": 1,
                    "filter/dropped_all_wrong": 1}
 
 
-def test_west_of_n_pairs_go_under_their_source_and_dpo_trains_on_one_runs_alone(flow_workspace):
+def test_west_of_n_pairs_go_under_their_source_and_dpo_trains_on_one_runs_alone(insert_samples, flow_workspace):
     """Two sampling runs (an earlier SFT model's, this one's) both leave West-of-N pairs under the pipeline's
     source; DPO with samples_run_id reads the pairs of its run alone, not the earlier run's."""
     later = SAMPLES.with_columns(run_id=pl.lit("r2"), completion=pl.col("completion").replace({"3": "7", "5": "6"}))
     with open_store(flow_workspace.store_path) as store:
-        store.insert_new("samples", pl.concat([SAMPLES, later]))
+        insert_samples(store, pl.concat([SAMPLES, later]))
     for run in ("r1", "r2"):
         assert filter_flow("west_of_n", run, source="won_custom")["filter/pairs_inserted"] == 1
     with open_store(flow_workspace.store_path) as store:
@@ -186,11 +187,11 @@ def test_west_of_n_pairs_go_under_their_source_and_dpo_trains_on_one_runs_alone(
     assert pairs.select("prompt", "chosen", "rejected").rows() == [("1+1=", "2", "7")]
 
 
-def test_west_of_n_pairs_deleted_since_a_cached_filter_run_are_written_again(flow_workspace):
+def test_west_of_n_pairs_deleted_since_a_cached_filter_run_are_written_again(insert_samples, flow_workspace):
     """`alignflow data delete --source` frees a source; the pipeline's next (cached) filter run puts its pairs back
     instead of leaving the source empty, and a run whose pairs are all stored stays a cache hit."""
     with open_store(flow_workspace.store_path) as store:
-        store.insert_new("samples", SAMPLES.with_columns(run_id=pl.lit("d1")))
+        insert_samples(store, SAMPLES.with_columns(run_id=pl.lit("d1")))
     assert filter_flow("west_of_n", "d1", source="won_d")["filter/pairs_inserted"] == 1
     assert filter_flow("west_of_n", "d1", source="won_d")["filter/pairs_inserted"] == 1  # cached: the first stats
     runs = len(tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'west_of_n'"))
@@ -203,15 +204,16 @@ def test_west_of_n_pairs_deleted_since_a_cached_filter_run_are_written_again(flo
 
 
 def test_a_filter_on_a_run_without_rows_is_one_line_and_not_retried(flow_workspace):
-    with pytest.raises(SamplesError, match=r"^samples: no rows for run_id 'nosuch'; run the sampling stage first$"):
+    with pytest.raises(SamplesError, match=r"^samples: no rows for run_id 'nosuch' \(of problems the store holds\); "
+                                           r"run the sampling stage first$"):
         filter_flow("west_of_n", "nosuch")
     assert isinstance(SamplesError("x"), AlignflowError)
     assert len(tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'west_of_n'")) == 1  # no retry
 
 
-def test_west_of_n_of_a_chat_template_run_stores_conversations(flow_workspace, the_run):
+def test_west_of_n_of_a_chat_template_run_stores_conversations(insert_samples, flow_workspace, the_run):
     with open_store(flow_workspace.store_path) as store:
-        store.insert_new("samples", SAMPLES.with_columns(run_id=pl.lit("c1"), chat_template=True))
+        insert_samples(store, SAMPLES.with_columns(run_id=pl.lit("c1"), chat_template=True))
     assert filter_flow("west_of_n", "c1")["filter/pairs_inserted"] == 1  # the samples say how they were made
     with open_store(flow_workspace.store_path) as store:
         pair = store.read("preference_pairs").row(0, named=True)
@@ -219,13 +221,28 @@ def test_west_of_n_of_a_chat_template_run_stores_conversations(flow_workspace, t
     assert the_run(flow_workspace, "west_of_n")[0].data.metrics["filter/chat_template"] == 1
 
 
-def test_a_sampling_run_that_gained_rows_is_filtered_again(flow_workspace):
+def test_samples_of_problems_deleted_since_are_left_out_of_the_filters(insert_samples, flow_workspace):
+    """A problem deleted since its run sampled it (or re-ingested with a corrected answer: a new problem_id) leaves
+    samples scored against what it was: the filters run again without them, and RS-SFT does not train on them."""
+    with open_store(flow_workspace.store_path) as store:
+        insert_samples(store, SAMPLES)
+    assert filter_flow("best_of_n", "r1")["filter/prompts"] == 3
+    with open_store(flow_workspace.store_path) as store:
+        store.con.execute("DELETE FROM problems WHERE problem_id = 'a'")
+        assert sorted(store.run_samples("r1")["prompt_id"].unique()) == ["b", "c"]
+        assert store.count("samples", run_id="r1") == 12
+    stats = filter_flow("best_of_n", "r1")  # its input changed: not a cache hit
+    assert stats["filter/prompts"] == 2 and stats["filter/all_accuracy"] == 4 / 8
+    assert filter_flow("west_of_n", "r1")["filter/pairs"] == 0  # 'a' held the only pair
+
+
+def test_a_sampling_run_that_gained_rows_is_filtered_again(insert_samples, flow_workspace):
     """A sampling run resumed on newly ingested problems keeps its id: West-of-N must see the new samples."""
     with open_store(flow_workspace.store_path) as store:
-        store.insert_new("samples", SAMPLES)
+        insert_samples(store, SAMPLES)
     assert filter_flow("west_of_n", "r1")["filter/pairs_inserted"] == 1
     more = SAMPLES.filter(pl.col("prompt_id") == "a").with_columns(prompt_id=pl.lit("d"), prompt=pl.lit("0+2="))
     with open_store(flow_workspace.store_path) as store:
-        store.insert_new("samples", more)
+        insert_samples(store, more)
     again = filter_flow("west_of_n", "r1")
     assert (again["filter/prompts"], again["filter/pairs_inserted"]) == (4, 1)

@@ -85,10 +85,10 @@ def test_a_run_that_logged_one_point_still_gets_its_curves(flow_workspace, tiny,
     assert (artifacts / "sft_curves.png").is_file()
 
 
-def test_rs_sft_is_named_rs_sft_in_prefect_and_mlflow(flow_workspace, tiny, the_run, prefect_run):
+def test_rs_sft_is_named_rs_sft_in_prefect_and_mlflow(insert_samples, flow_workspace, tiny, the_run, prefect_run):
     """The pipeline runs rs_sft through the sft flow: its flow run, task run, artifact and MLflow run say rs_sft."""
     with open_store(flow_workspace.store_path) as store:
-        store.insert_new("samples", SAMPLES)
+        insert_samples(store, SAMPLES)
     state = sft_flow(SFTConfig(model_path=tiny, data="best_of_n", samples_run_id="r1", **FAST), return_state=True)
     final = Path(state.result())
     assert final.parent.parent == flow_workspace.models_dir / "rs_sft"  # an unnamed eval of it says eval-rs_sft

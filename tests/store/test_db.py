@@ -170,6 +170,18 @@ def test_an_empty_selection_is_one_line_naming_it_and_what_the_table_holds(tmp_p
             store.read_selected("preference_pairs", source="x")
 
 
+def test_run_samples_leave_out_problems_the_store_no_longer_holds_in_key_order(tmp_path):
+    problems = pl.DataFrame({"problem_id": ["p", "q"], "source": "s", "split": "test", "prompt": ["1+1=", "2+2="],
+                             "answer": ["2", "4"]})
+    samples = pl.DataFrame({"run_id": ["r"] * 4 + ["o"], "prompt_id": ["q", "x", "p", "q", "p"],
+                            "sample_idx": [1, 0, 0, 0, 0], "completion": ["c"] * 5})
+    with open_store(tmp_path / "s.duckdb") as store:
+        store.insert_new("problems", problems)
+        store.append("samples", samples)
+        assert store.run_samples("r").select("prompt_id", "sample_idx").rows() == [("p", 0), ("q", 0), ("q", 1)]
+        assert store.run_samples("nosuch").height == 0
+
+
 def test_stats_count_per_table_and_source(tmp_path):
     with open_store(tmp_path / "s.duckdb") as store:
         store.insert_new("preference_pairs", pairs_frame(["a", "b"], source="hh"))
