@@ -280,7 +280,8 @@ class Store:
     def run_samples(self, run_id: str) -> pl.DataFrame:
         """The samples of sampling run `run_id` whose problem the store still holds. A problem deleted since, or
         re-ingested with a corrected answer (a new problem_id), leaves its samples in the run, scored against what
-        it was: what reads the run (filters, RS-SFT, evaluation, their cache keys) leaves them out."""
+        it was: the filters, RS-SFT and the filters' input fingerprint leave them out (evaluation scores the
+        samples of the problems its config selects)."""
         return self.con.sql("SELECT * FROM samples WHERE run_id = ? AND prompt_id IN (SELECT problem_id FROM problems) "
                             "ORDER BY prompt_id, sample_idx", params=[run_id]).pl()  # in key order: fingerprinted
 
