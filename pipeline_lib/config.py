@@ -415,7 +415,8 @@ class DPOConfig(TrainLoopConfig):
     eval_fraction: float = Field(0.1, gt=0, lt=1)
     """Seeded share of pairs held out for eval/pref_accuracy and eval/logp_margin."""
     ref_batch_size: int = Field(256, ge=1)
-    """Rows per forward pass of the one-time reference log-prob computation."""
+    """Rows per forward pass of the one-time reference log-prob computation (and the held-out evals); a pair counts
+    as two rows, packed or not."""
     disable_dropout: bool = True
     """Train with dropout off (TRL's default): the policy is then the same function as the cached reference
     at step 0 (loss log 2). False trains with the model's dropout and lora_dropout on."""

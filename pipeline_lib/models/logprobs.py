@@ -1,6 +1,7 @@
 """Per-token log-probabilities (and entropies) of the taken tokens under a causal LM, computed chunk by chunk
 over positions so no full (B, T, V) float32 log-softmax is ever materialised; gradients flow. Rows that share a
-prompt (GRPO's G samples) can run that prompt once and attend to its cached keys/values."""
+prompt (GRPO's G samples) can run that prompt once and attend to its cached keys/values; a DPO pair's chosen and
+rejected answers can share one row behind their prompt."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from transformers.cache_utils import DynamicLayer
 from pipeline_lib.errors import AlignflowError
 
 DEFAULT_CHUNK_SIZE = 64
+CHOSEN, REJECTED = 1, 2  # segments of a packed pair's row (0: its prompt)
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -86,8 +88,8 @@ def _final_hidden(model: PreTrainedModel, logits_of: OutputLogits, input_ids: Te
     Calling `model(...)` (not its inner decoder) keeps DDP/PEFT wrappers in the loop; logits_to_keep=1
     makes the built-in lm_head run on one position only, whose logits `logits_of` must give too (an
     architecture whose forward transforms them otherwise is an UnsupportedModelError, not wrong log-probs).
-    `cache_args` (position_ids, cache) continue a cached prefix; without them positions come from the mask and
-    nothing is cached."""
+    `cache_args` (position_ids, cache) continue a cached prefix or give a packed row's positions; without them
+    positions come from the mask and nothing is cached."""
     outputs = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -277,3 +279,72 @@ def shared_prompt_logprobs(
     if return_entropy:
         return logps, torch.where(keep, entropy, torch.zeros_like(entropy))
     return logps
+
+
+def _base_model(model: nn.Module) -> PreTrainedModel:
+    """The transformers model inside DDP (.module) and peft (get_base_model) wrappers."""
+    inner = getattr(model, "module", model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
+def packs_pairs(model: nn.Module, width: int) -> bool:
+    """Whether `pair_logprob_sums` gives this model's log-probs for packed rows of up to `width` columns: a
+    transformers model (its forward takes a prepared 4D mask as it is) whose attention applies such a mask (sdpa,
+    eager; flash attention takes none), without a sliding window narrower than the row (the one 4D mask would
+    stand for the sliding layers' too)."""
+    inner = _base_model(model)
+    window = getattr(inner.config, "sliding_window", None)
+    return (type(inner).__module__.startswith("transformers.models.")
+            and inner.config._attn_implementation in ("sdpa", "eager")
+            and (window is None or width <= window))
+
+
+def _pair_mask(attention_mask: Tensor, segments: Tensor, implementation: str, dtype: torch.dtype) -> Tensor:
+    """(B, 1, L, L) mask of packed pair rows in the form the attention takes (sdpa: True = attend; eager: 0 or the
+    dtype's minimum, added to the scores): causal over real tokens, and no rejected token sees a chosen one. A
+    padding column sees itself, so no query row is empty (an empty row gives NaN, which reaches the real tokens'
+    outputs through 0 x NaN)."""
+    columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    causal = columns[:, None] >= columns[None, :]  # (L, L) query, key
+    real_keys = attention_mask.bool()[:, None, :]  # (B, 1, L)
+    rejected_to_chosen = (segments == REJECTED)[:, :, None] & (segments == CHOSEN)[:, None, :]  # (B, L, L)
+    allowed = (causal & real_keys & ~rejected_to_chosen) | torch.eye(len(columns), dtype=torch.bool,
+                                                                     device=columns.device)
+    allowed = allowed[:, None]  # (B, 1, L, L)
+    if implementation == "sdpa":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def pair_logprob_sums(
+    model: PreTrainedModel,
+    input_ids: Tensor,  # (B, L) a pair per row: prompt, chosen and rejected without their last tokens; left-padded
+    attention_mask: Tensor,  # (B, L)
+    position_ids: Tensor,  # (B, L) rejected tokens at the positions they have right after the prompt
+    segments: Tensor,  # (B, L) 0 prompt or padding, CHOSEN, REJECTED
+    sources: Tensor,  # (B, S) the column whose hidden state predicts each target
+    targets: Tensor,  # (B, S) the chosen tokens, then the rejected ones; right-padded
+    target_sides: Tensor,  # (B, S) CHOSEN, REJECTED, 0 = padding
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Tensor:
+    """(B, 2): Σ_t log π(y_t | x, y_<t) of each pair's chosen and rejected completion, the prompt run once.
+
+    The same sums as `completion_logprob_sums` on the rows prompt + chosen and prompt + rejected (prefix sharing):
+    a rejected token attends to the prompt and the rejected tokens before it, never to a chosen one, at the position
+    it has in its own row, and the last prompt column predicts both answers' first tokens. Neither answer's last
+    token is run (it predicts nothing asked for). Only for models `packs_pairs` accepts (sdpa or eager attention,
+    whose forward takes a prepared 4D mask as it is)."""
+    if input_ids.dim() != 2 or sources.dim() != 2:
+        raise ValueError(f"input_ids, sources: expected shape (B, L), (B, S), got {tuple(input_ids.shape)}, "
+                         f"{tuple(sources.shape)}")
+    _check_options(chunk_size, 1.0)
+    inner = _base_model(model)
+    mask = _pair_mask(attention_mask, segments, inner.config._attn_implementation,
+                      inner.get_input_embeddings().weight.dtype)
+    logits_of = output_logits(model)
+    hidden = _final_hidden(model, logits_of, input_ids, mask, position_ids=position_ids, use_cache=False)  # (B, L, H)
+    predicting = hidden.gather(1, sources.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, S, H)
+    logps, _ = _chunked_logps(logits_of, predicting, targets, False, chunk_size, 1.0)  # (B, S)
+    sums = [torch.where(target_sides == side, logps, torch.zeros_like(logps)).sum(-1) for side in (CHOSEN, REJECTED)]
+    return torch.stack(sums, dim=1)  # (B, 2)

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TypeVar
 
@@ -29,6 +29,7 @@ from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import content_id, frame_fingerprint, keyed_dir, model_fingerprint
 from pipeline_lib.logfns import print_log
 from pipeline_lib.model_dirs import resolve_model_dir
+from pipeline_lib.models.logprobs import CHOSEN, REJECTED
 from pipeline_lib.rewards.model import text_ids
 from pipeline_lib.train import LAUNCH_PARENT
 
@@ -226,6 +227,56 @@ def collate(encoded: Encoded, indices: Sequence[int], *, pad_id: int) -> Batch:
     return Batch(input_ids, attention_mask, completion_mask)
 
 
+@dataclass(frozen=True)
+class PairBatch:
+    """DPO pairs packed a pair per row (`collate_pairs`); the arguments of `pair_logprob_sums`."""
+
+    input_ids: Tensor  # (B, L) prompt, chosen and rejected without their last tokens, left-padded
+    attention_mask: Tensor  # (B, L) 1 = real token
+    position_ids: Tensor  # (B, L) the rejected tokens at the positions they have right after the prompt
+    segments: Tensor  # (B, L) 0 prompt or padding, CHOSEN, REJECTED
+    sources: Tensor  # (B, S) the column whose hidden state predicts each target
+    targets: Tensor  # (B, S) the chosen tokens, then the rejected ones, right-padded
+    target_sides: Tensor  # (B, S) CHOSEN, REJECTED, 0 = padding
+
+    def to(self, device: torch.device) -> "PairBatch":
+        return PairBatch(*(getattr(self, field.name).to(device) for field in fields(self)))
+
+
+def packed_width(encoded: Encoded, pair: int) -> int:
+    """Columns of pair `pair`'s packed row (rows 2 pair and 2 pair + 1 of `encoded`, one prompt)."""
+    return (len(encoded.prompt_ids[2 * pair]) + len(encoded.completion_ids[2 * pair])
+            + len(encoded.completion_ids[2 * pair + 1]) - 2)
+
+
+def collate_pairs(encoded: Encoded, pairs: Sequence[int], *, pad_id: int) -> PairBatch:
+    """Left-padded rows prompt + chosen[:-1] + rejected[:-1] of `pairs` (`encode` gives both of a pair's rows one
+    prompt). The last prompt column predicts each answer's first token; every other answer token is predicted by
+    the column before it."""
+    width = max(packed_width(encoded, i) for i in pairs)
+    span = max(len(encoded.completion_ids[2 * i]) + len(encoded.completion_ids[2 * i + 1]) for i in pairs)
+    input_ids, attention_mask, position_ids, segments = [], [], [], []
+    sources, targets, target_sides = [], [], []
+    for i in pairs:
+        prompt, chosen, rejected = encoded.prompt_ids[2 * i], encoded.completion_ids[2 * i], encoded.completion_ids[2 * i + 1]
+        row = prompt + chosen[:-1] + rejected[:-1]
+        pad = width - len(row)
+        last_prompt = pad + len(prompt) - 1  # its column
+        first_rejected = last_prompt + len(chosen)  # the column of rejected[0], which predicts rejected[1]
+        input_ids.append([pad_id] * pad + row)
+        attention_mask.append([0] * pad + [1] * len(row))
+        position_ids.append([0] * pad + list(range(len(prompt) + len(chosen) - 1))
+                            + list(range(len(prompt), len(prompt) + len(rejected) - 1)))
+        segments.append([0] * (pad + len(prompt)) + [CHOSEN] * (len(chosen) - 1) + [REJECTED] * (len(rejected) - 1))
+        fill = span - len(chosen) - len(rejected)
+        sources.append([last_prompt + k for k in range(len(chosen))]
+                       + [last_prompt] + [first_rejected + k for k in range(len(rejected) - 1)] + [0] * fill)
+        targets.append(chosen + rejected + [0] * fill)
+        target_sides.append([CHOSEN] * len(chosen) + [REJECTED] * len(rejected) + [0] * fill)
+    return PairBatch(*(torch.tensor(t, dtype=torch.long) for t in (input_ids, attention_mask, position_ids, segments,
+                                                                    sources, targets, target_sides)))
+
+
 def length_buckets(lengths: Sequence[int], *, ratio: float = 1.5) -> list[list[int]]:
     """Positions sorted by length, cut where a row is over `ratio` x its bucket's shortest: each bucket pads
     little (a batch of 9-token answers and 75-token non-answers becomes two forwards, not one 75-wide)."""
@@ -245,6 +296,16 @@ def per_row(fn: Callable[[Batch], Tensor], encoded: Encoded, rows: Sequence[int]
     bucketing changes the cost, not the result; gradients flow through."""
     buckets = length_buckets([len(encoded.prompt_ids[r]) + len(encoded.completion_ids[r]) for r in rows])
     outputs = [fn(collate(encoded, [rows[k] for k in bucket], pad_id=pad_id).to(device)) for bucket in buckets]
+    order = torch.tensor([k for bucket in buckets for k in bucket], device=device)
+    return torch.cat(outputs)[torch.argsort(order)]
+
+
+def per_pair(fn: Callable[[PairBatch], Tensor], encoded: Encoded, pairs: Sequence[int], *, pad_id: int,
+             device: torch.device) -> Tensor:
+    """`fn(batch) -> (R, 2)` over packed `pairs` in length buckets; results (len(pairs), 2) in the order of `pairs`
+    (as `per_row`: a pair's values do not depend on its batch mates)."""
+    buckets = length_buckets([packed_width(encoded, i) for i in pairs])
+    outputs = [fn(collate_pairs(encoded, [pairs[k] for k in bucket], pad_id=pad_id).to(device)) for bucket in buckets]
     order = torch.tensor([k for bucket in buckets for k in bucket], device=device)
     return torch.cat(outputs)[torch.argsort(order)]
 

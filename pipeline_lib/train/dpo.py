@@ -1,5 +1,5 @@
 """Direct Preference Optimization: reference log-probs computed once per dataset (batched, cached on disk by
-reference weights + data fingerprint), an explicit loop over pairs, optional LoRA policy through peft whose
+reference weights + data fingerprint), an explicit loop over pairs packed a pair per row behind one prompt, optional LoRA policy through peft whose
 reference is the same model with its adapters disabled; eval on held-out pairs before and after."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pipeline_lib.losses import dpo_loss
 from pipeline_lib.model_dirs import resolve_model_dir
 from pipeline_lib.models import completion_logprob_sums, load_policy, load_tokenizer
 from pipeline_lib.models.loading import resolve_device
+from pipeline_lib.models.logprobs import packs_pairs, pair_logprob_sums
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
     Dist,
@@ -49,10 +50,11 @@ from pipeline_lib.train.common import (
 from pipeline_lib.train.data import (
     Encoded,
     TrainDataError,
-    collate,
     encode,
     holdout_split,
     micro_batches,
+    packed_width,
+    per_pair,
     per_row,
     render_prompts,
     require_columns,
@@ -86,21 +88,34 @@ def pair_rows(pair_ids: list[int]) -> list[int]:
     return [row for i in pair_ids for row in (2 * i, 2 * i + 1)]
 
 
+def pair_logps(model: nn.Module, encoded: Encoded, pair_ids: list[int], *, packed: bool, pad_id: int,
+               device: torch.device) -> Tensor:
+    """(len(pair_ids), 2): log π(chosen|x), log π(rejected|x) in length buckets; `packed` (where `packs_pairs`
+    allows it) runs a pair as one row, its prompt once, else as two rows."""
+    if packed:
+        return per_pair(lambda batch: pair_logprob_sums(
+            model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.segments, batch.sources,
+            batch.targets, batch.target_sides).float(), encoded, pair_ids, pad_id=pad_id, device=device)
+    return per_row(lambda batch: completion_logprob_sums(
+        model, batch.input_ids, batch.attention_mask, batch.completion_mask).float(),
+        encoded, pair_rows(pair_ids), pad_id=pad_id, device=device).view(-1, 2)
+
+
 @torch.no_grad()
-def logprob_sums(model: nn.Module, encoded: Encoded, rows: list[int], *, pad_id: int, device: torch.device,
-                 batch_size: int) -> Tensor:
-    """log π(y|x) of `rows` without gradients (dropout off), batched over rows sorted by length (little padding)."""
+def logprob_sums(model: nn.Module, encoded: Encoded, pair_ids: list[int], *, packed: bool, pad_id: int,
+                 device: torch.device, batch_size: int) -> Tensor:
+    """`pair_logps` without gradients (dropout off), over pairs sorted by length (little padding), batch_size rows
+    (a pair counting as two) per forward."""
     training = model.training
     model.eval()
-    lengths = [len(encoded.prompt_ids[r]) + len(encoded.completion_ids[r]) for r in rows]
-    order = sorted(range(len(rows)), key=lambda k: lengths[k])
-    out = torch.zeros(len(rows), dtype=torch.float32)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
-        batch = collate(encoded, [rows[k] for k in chunk], pad_id=pad_id).to(device)
+    order = sorted(range(len(pair_ids)), key=lambda k: packed_width(encoded, pair_ids[k]))
+    out = torch.zeros((len(pair_ids), 2), dtype=torch.float32)
+    step = max(1, batch_size // 2)
+    for start in range(0, len(order), step):
+        chunk = order[start:start + step]
         with autocast(device):
-            sums = completion_logprob_sums(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
-        out[chunk] = sums.float().cpu()
+            out[chunk] = pair_logps(model, encoded, [pair_ids[k] for k in chunk], packed=packed, pad_id=pad_id,
+                                    device=device).cpu()
     model.train(training)
     return out
 
@@ -113,22 +128,24 @@ def weights_fingerprint(model_path: str | Path) -> str:
     return content_id(*(f"{file.relative_to(model_dir)}:{fingerprint_path(file)}" for file in files))
 
 
-def reference_logps(model: nn.Module, encoded: Encoded, *, policy_path: str, cache_dir: Path, pad_id: int,
-                    device: torch.device, batch_size: int, ctx: Dist) -> Tensor:
+def reference_logps(model: nn.Module, encoded: Encoded, *, packed: bool, policy_path: str, cache_dir: Path,
+                    pad_id: int, device: torch.device, batch_size: int, ctx: Dist) -> Tensor:
     """log π_ref(y|x) of every row, computed once and cached at cache_dir/ref_logps/<key>.safetensors.
 
-    The key hashes the reference weights, the tokenized data, the numeric setting (device type, dtype) and the code,
-    so a rerun, a resumed run or another stage on the same data reuses the file. Rank 0 computes and writes
+    The key hashes the reference weights, the tokenized data, the numeric setting (device type, dtype, packed pairs
+    or rows: the float sums differ in their last bits) and the code, so a rerun, a resumed run or another stage on the same data reuses the file. Rank 0 computes and writes
     (atomically); every rank then reads the same file. A peft model is evaluated with its adapters
     disabled: that is the reference, without a second copy of the weights."""
     dtype = "bf16" if device.type == "cuda" else "fp32"
-    key = content_id(weights_fingerprint(policy_path), encoded.fingerprint(), device.type, dtype, code_version())
+    layout = "packed" if packed else "rows"
+    key = content_id(weights_fingerprint(policy_path), encoded.fingerprint(), device.type, dtype, layout,
+                     code_version())
     path = Path(cache_dir) / "ref_logps" / f"{key[:32]}.safetensors"
     if ctx.is_main and not path.is_file():
         adapters_off = model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext()
         with adapters_off:
-            logps = logprob_sums(model, encoded, list(range(len(encoded))), pad_id=pad_id, device=device,
-                                 batch_size=batch_size)
+            logps = logprob_sums(model, encoded, list(range(len(encoded) // 2)), packed=packed, pad_id=pad_id,
+                                 device=device, batch_size=batch_size).flatten()  # rows 2i, 2i + 1
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         save_file({"logps": logps.contiguous()}, str(tmp))
@@ -138,11 +155,11 @@ def reference_logps(model: nn.Module, encoded: Encoded, *, policy_path: str, cac
 
 
 def preference_eval(model: nn.Module, encoded: Encoded, ref: Tensor, pair_ids: list[int], *, beta: float,
-                    pad_id: int, device: torch.device, batch_size: int) -> dict[str, float]:
+                    packed: bool, pad_id: int, device: torch.device, batch_size: int) -> dict[str, float]:
     """Held-out pairs: how often the policy prefers chosen (log π(y_w) > log π(y_l)), by how much, the DPO loss."""
-    rows = pair_rows(pair_ids)
-    logps = logprob_sums(model, encoded, rows, pad_id=pad_id, device=device, batch_size=batch_size).view(-1, 2)
-    ref_logps = ref[rows].view(-1, 2)
+    logps = logprob_sums(model, encoded, pair_ids, packed=packed, pad_id=pad_id, device=device,
+                         batch_size=batch_size)  # (P, 2)
+    ref_logps = ref[pair_rows(pair_ids)].view(-1, 2)
     loss, stats = dpo_loss(logps[:, 0], logps[:, 1], ref_logps[:, 0], ref_logps[:, 1], beta=beta)
     return {
         "eval/pref_accuracy": float((logps[:, 0] > logps[:, 1]).float().mean()),
@@ -194,8 +211,10 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     train_ids, eval_ids = holdout_split(pairs["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)
     pad_id = tokenizer.pad_token_id
-    ref = reference_logps(model, encoded, policy_path=cfg.policy_path, cache_dir=Path(cache_dir or out_dir / "cache"),
-                          pad_id=pad_id, device=device, batch_size=cfg.ref_batch_size, ctx=ctx)  # (2N,)
+    packed = packs_pairs(model, max(packed_width(encoded, i) for i in range(len(encoded) // 2)))
+    ref = reference_logps(model, encoded, packed=packed, policy_path=cfg.policy_path,
+                          cache_dir=Path(cache_dir or out_dir / "cache"), pad_id=pad_id, device=device,
+                          batch_size=cfg.ref_batch_size, ctx=ctx)  # (2N,)
     optimizer = make_optimizer(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
                                kind=cfg.lr_schedule)
@@ -204,8 +223,8 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     ddp_model = wrap_model(model, ctx)
 
     def evaluate() -> dict[str, float]:
-        return preference_eval(model, encoded, ref, eval_ids, beta=cfg.beta, pad_id=pad_id, device=device,
-                               batch_size=cfg.ref_batch_size)
+        return preference_eval(model, encoded, ref, eval_ids, beta=cfg.beta, packed=packed, pad_id=pad_id,
+                               device=device, batch_size=cfg.ref_batch_size)
 
     # the start's held-out numbers travel in the checkpoint, so a resumed run still reports before/after
     before = extra.get("eval_start") or (evaluate() if ctx.is_main else {})
@@ -216,7 +235,7 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     for step, positions in batches(len(train_ids), cfg.batch_size, seed=cfg.seed, start_step=start_step):
         if step >= cfg.max_steps:
             break
-        # ---- batch: this rank's pairs, chosen and rejected side by side in one forward
+        # ---- batch: this rank's pairs, chosen and rejected in one forward
         local = [train_ids[p] for p in ctx.shard(positions)]
         chunks = micro_batches(local, cfg.grad_accum_steps)
         step_stats: dict[str, Tensor] = {}
@@ -227,9 +246,8 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
             sync = nullcontext() if k == len(chunks) - 1 or not ctx.enabled else ddp_model.no_sync()
             with sync:
                 with autocast(device):
-                    logps = per_row(lambda batch: completion_logprob_sums(
-                        ddp_model, batch.input_ids, batch.attention_mask, batch.completion_mask).float(),
-                        encoded, rows, pad_id=pad_id, device=device).view(-1, 2)  # (B, 2)
+                    logps = pair_logps(ddp_model, encoded, micro, packed=packed, pad_id=pad_id,
+                                       device=device)  # (B, 2): chosen, rejected
                 # ---- loss
                 loss, stats = dpo_loss(logps[:, 0], logps[:, 1], ref_logps[:, 0], ref_logps[:, 1],
                                        beta=cfg.beta, label_smoothing=cfg.label_smoothing,

@@ -1,14 +1,23 @@
 """Chunked per-token log-probs and entropies against the naive full log-softmax, with left padding and gradients;
-the shared-prompt variant against the full rows."""
+the shared-prompt variant and DPO's packed pairs against the full rows."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 import transformers
 
 from pipeline_lib.models import build_tiny_model, completion_logprob_sums, load_policy, sequence_logprobs
-from pipeline_lib.models.logprobs import UnsupportedModelError, position_ids_from_mask, shared_prompt_logprobs
+from pipeline_lib.models.logprobs import (
+    UnsupportedModelError,
+    packs_pairs,
+    pair_logprob_sums,
+    position_ids_from_mask,
+    shared_prompt_logprobs,
+)
+from pipeline_lib.train.data import Encoded, collate, collate_pairs
 
 CORPUS = [f"{a:02d}+{b:02d}={a + b}" for a in range(0, 100, 9) for b in range(0, 100, 13)] + ["hello world"]
 ATOL = 1e-5
@@ -365,3 +374,116 @@ def test_a_model_whose_logits_are_not_reproduced_is_a_one_line_error_not_wrong_l
         sequence_logprobs(doubled, ids, attention, completion)
     with pytest.raises(UnsupportedModelError):
         shared_prompt_logprobs(doubled, *_grouped_tensors(*_grouped()))
+
+
+# ---- DPO pairs packed a pair per row
+
+
+def _pairs(seed: int = 0) -> Encoded:
+    """Pairs (rows 2i, 2i + 1 share a prompt) of 1-7 prompt tokens and 1-6 answer tokens, one-token answers too."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, completions = [], []
+    for prompt_len, chosen_len, rejected_len in [(3, 2, 5), (7, 1, 1), (1, 6, 2), (4, 3, 3), (2, 1, 6), (5, 4, 1)]:
+        prompt = torch.randint(7, 19, (prompt_len,), generator=g).tolist()
+        prompts += [prompt, prompt]
+        completions += [torch.randint(7, 19, (n,), generator=g).tolist() for n in (chosen_len, rejected_len)]
+    return Encoded(prompts, completions)
+
+
+def _packed_and_rows(model, encoded: Encoded) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pairs, 2) sums of the packed rows and of the two plain rows per pair (one batch each)."""
+    pairs = list(range(len(encoded) // 2))
+    batch = collate_pairs(encoded, pairs, pad_id=0)
+    packed = pair_logprob_sums(model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.segments,
+                               batch.sources, batch.targets, batch.target_sides, chunk_size=3)
+    rows = collate(encoded, list(range(len(encoded))), pad_id=0)
+    plain = completion_logprob_sums(model, rows.input_ids, rows.attention_mask, rows.completion_mask)
+    return packed, plain.view(-1, 2)
+
+
+def test_packed_pairs_give_their_two_rows_sums_and_gradients(model):
+    """Prefix sharing: a pair's prompt runs once, its rejected answer never sees the chosen one, and each sum and
+    every gradient is that of the pair's two plain rows."""
+    encoded = _pairs()
+    weights = torch.tensor([[1.0, -1.0], [0.5, 2.0], [-0.7, 0.3], [1.5, -2.0], [0.2, 0.9], [-1.1, 0.4]])
+    grads = []
+    for take in (0, 1):
+        model.zero_grad(set_to_none=True)
+        sums = _packed_and_rows(model, encoded)[take]
+        (sums * weights).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        packed, plain = _packed_and_rows(model, encoded)
+    torch.testing.assert_close(packed, plain, atol=ATOL, rtol=0)
+    assert bool((packed < 0).all())
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    shapes = _input_widths(model, lambda: _packed_and_rows(model, encoded))
+    assert shapes[0] == (6, max(len(encoded.prompt_ids[2 * i]) + len(encoded.completion_ids[2 * i])
+                                + len(encoded.completion_ids[2 * i + 1]) - 2 for i in range(6)))
+
+
+def test_a_rejected_answer_never_reads_the_chosen_one(model):
+    """Changing a pair's chosen answer leaves its rejected sum as it was, to the last bit of the same batch."""
+    encoded = _pairs()
+    other = Encoded(encoded.prompt_ids, [list(ids) for ids in encoded.completion_ids])
+    other.completion_ids[0] = [18 if token != 18 else 17 for token in other.completion_ids[0]]
+    with torch.no_grad():
+        before, after = _packed_and_rows(model, encoded)[0], _packed_and_rows(model, other)[0]
+    assert float(before[0, 0]) != float(after[0, 0])
+    torch.testing.assert_close(after[:, 1], before[:, 1], atol=0, rtol=0)
+
+
+# Decoders of other families (other norms, rotary layouts, head transforms, eager-only attention)
+OTHER_FAMILIES = {
+    **HEAD_TRANSFORMS,
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=24, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64)),
+    "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=24, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)),
+}
+
+
+@pytest.mark.parametrize("name", OTHER_FAMILIES)
+def test_packed_pairs_equal_their_rows_in_other_families(name):
+    """In each attention implementation the family has (Gemma 2: eager only), a mask in that one's format."""
+    torch.manual_seed(0)
+    model = OTHER_FAMILIES[name]().eval()
+    for attention in ("sdpa", "eager") if model._supports_sdpa else ("eager",):
+        model.set_attn_implementation(attention)
+        with torch.no_grad():
+            packed, plain = _packed_and_rows(model, _pairs(seed=1))
+        assert packs_pairs(model, 64)
+        torch.testing.assert_close(packed, plain, atol=ATOL, rtol=0)
+
+
+def test_packing_is_only_for_models_that_take_its_mask(model):
+    assert packs_pairs(model, 64)
+    flash = transformers.LlamaForCausalLM(copy.deepcopy(model.config))
+    flash.config._attn_implementation = "flash_attention_2"  # takes no 4D mask (set without the kernel installed)
+    assert not packs_pairs(flash, 64)
+    doubled = _DoubledLogits(model.config)  # a class from outside transformers: its forward may not take the mask
+    assert not packs_pairs(doubled, 64)
+    windowed = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=24, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64, sliding_window=16))
+    assert packs_pairs(windowed, 16) and not packs_pairs(windowed, 17)
+
+
+def test_packed_pair_gradients_are_the_same_on_every_run(model):
+    """The gather that picks each target's predicting column adds its gradients back in a fixed order."""
+    encoded = _pairs()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        grads = set()
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            _packed_and_rows(model, encoded)[0].sum().backward()
+            grads.add(b"".join(p.grad.numpy().tobytes() for p in model.parameters()))
+        model.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(grads) == 1

@@ -105,14 +105,16 @@ def test_a_long_pair_keeps_one_prompt_for_chosen_and_rejected(tiny):
 def test_reference_logps_are_cached_by_weights_and_data(tiny, tmp_path):
     tokenizer, model = load_tokenizer(tiny), load_policy(tiny, device="cpu")
     encoded = encode_pairs(tokenizer, toy_pairs(6), max_length=64)
-    kwargs = dict(policy_path=str(tiny), cache_dir=tmp_path, pad_id=tokenizer.pad_token_id,
+    kwargs = dict(packed=True, policy_path=str(tiny), cache_dir=tmp_path, pad_id=tokenizer.pad_token_id,
                   device=torch.device("cpu"), batch_size=4, ctx=Dist())
     ref = reference_logps(model, encoded, **kwargs)
     files = list((tmp_path / "ref_logps").glob("*.safetensors"))
     assert len(files) == 1 and ref.shape == (12,)
-    direct = logprob_sums(model, encoded, list(range(12)), pad_id=tokenizer.pad_token_id, device=torch.device("cpu"),
-                          batch_size=12)
-    assert torch.allclose(ref, direct, atol=1e-5) and bool((ref < 0).all())
+    for packed in (True, False):  # rows 2i, 2i + 1: pair i's chosen and rejected, whichever way it ran
+        direct = logprob_sums(model, encoded, list(range(6)), packed=packed, pad_id=tokenizer.pad_token_id,
+                              device=torch.device("cpu"), batch_size=12)
+        assert direct.shape == (6, 2) and torch.allclose(ref, direct.flatten(), atol=1e-5) and bool((ref < 0).all())
+    assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 1
 
     with torch.no_grad():  # a different model object with other weights still hits the cache: it is keyed by
         model.lm_head.weight.add_(1.0)  # the reference checkpoint's files, never recomputed from the live model
@@ -120,6 +122,8 @@ def test_reference_logps_are_cached_by_weights_and_data(tiny, tmp_path):
     other = encode_pairs(tokenizer, toy_pairs(6, seed=1), max_length=64)
     reference_logps(model, other, **kwargs)
     assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 2
+    reference_logps(model, encoded, **{**kwargs, "packed": False})  # the other layout, other last bits: its own file
+    assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 3
 
 
 def test_lora_reference_disables_adapters_and_final_is_merged(tiny, tmp_path, collect):
