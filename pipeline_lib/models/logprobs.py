@@ -281,7 +281,7 @@ def shared_prompt_logprobs(
     return logps
 
 
-def _base_model(model: nn.Module) -> PreTrainedModel:
+def transformers_model(model: nn.Module) -> PreTrainedModel:
     """The transformers model inside DDP (.module) and peft (get_base_model) wrappers."""
     inner = getattr(model, "module", model)
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
@@ -292,7 +292,7 @@ def packs_pairs(model: nn.Module, width: int) -> bool:
     transformers model (its forward takes a prepared 4D mask as it is) whose attention applies such a mask (sdpa,
     eager; flash attention takes none), without a sliding window narrower than the row (the one 4D mask would
     stand for the sliding layers' too)."""
-    inner = _base_model(model)
+    inner = transformers_model(model)
     window = getattr(inner.config, "sliding_window", None)
     return (type(inner).__module__.startswith("transformers.models.")
             and inner.config._attn_implementation in ("sdpa", "eager")
@@ -339,7 +339,7 @@ def pair_logprob_sums(
         raise ValueError(f"input_ids, sources: expected shape (B, L), (B, S), got {tuple(input_ids.shape)}, "
                          f"{tuple(sources.shape)}")
     _check_options(chunk_size, 1.0)
-    inner = _base_model(model)
+    inner = transformers_model(model)
     mask = _pair_mask(attention_mask, segments, inner.config._attn_implementation,
                       inner.get_input_embeddings().weight.dtype)
     logits_of = output_logits(model)

@@ -258,7 +258,7 @@ def collate_pairs(encoded: Encoded, pairs: Sequence[int], *, pad_id: int) -> Pai
     input_ids, attention_mask, position_ids, segments = [], [], [], []
     sources, targets, target_sides = [], [], []
     for i in pairs:
-        prompt, chosen, rejected = encoded.prompt_ids[2 * i], encoded.completion_ids[2 * i], encoded.completion_ids[2 * i + 1]
+        prompt, (chosen, rejected) = encoded.prompt_ids[2 * i], encoded.completion_ids[2 * i:2 * i + 2]
         row = prompt + chosen[:-1] + rejected[:-1]
         pad = width - len(row)
         last_prompt = pad + len(prompt) - 1  # its column

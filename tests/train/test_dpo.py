@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -15,13 +16,14 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from pipeline_lib.config import DPOConfig, SFTConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.models import build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.train.common import Dist, NonFiniteLossError, final_metrics
-from pipeline_lib.train.dpo import encode_pairs, logprob_sums, reference_logps, train_dpo
+from pipeline_lib.train.dpo import encode_pairs, logprob_sums, packing_holds, reference_logps, train_dpo
 from pipeline_lib.train.sft import sft_rows, train_sft
 
 DEMO = Path(__file__).resolve().parents[2] / "data" / "demo"
@@ -124,6 +126,41 @@ def test_reference_logps_are_cached_by_weights_and_data(tiny, tmp_path):
     assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 2
     reference_logps(model, encoded, **{**kwargs, "packed": False})  # the other layout, other last bits: its own file
     assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 3
+
+
+class _DropsPositions(transformers.LlamaForCausalLM):
+    """A transformers-looking model whose forward drops the position ids it is given: a packed rejected answer
+    would sit at the chosen one's later positions."""
+
+    __module__ = "transformers.models.llama.modeling_llama"
+
+    def forward(self, *args, position_ids=None, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+class _DropsMask(transformers.LlamaForCausalLM):
+    """One whose forward drops the mask: a packed rejected answer would read the chosen one."""
+
+    __module__ = "transformers.models.llama.modeling_llama"
+
+    def forward(self, *args, attention_mask=None, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+def test_packed_pairs_are_checked_against_the_two_rows_on_the_first_pairs(tiny, capsys):
+    tokenizer, model = load_tokenizer(tiny), load_policy(tiny, device="cpu")
+    encoded = encode_pairs(tokenizer, toy_pairs(12), max_length=64)
+    cpu = torch.device("cpu")
+    capsys.readouterr()  # the loading progress bar
+    assert packing_holds(model, encoded, pad_id=tokenizer.pad_token_id, device=cpu)
+    assert "note:" not in capsys.readouterr().err
+    for cls in (_DropsPositions, _DropsMask):
+        quirky = cls(model.config).eval()
+        quirky.load_state_dict(model.state_dict())
+        assert not packing_holds(quirky, encoded, pad_id=tokenizer.pad_token_id, device=cpu)
+        assert re.fullmatch(rf"note: {cls.__name__}'s packed pair rows do not give the two rows' log-probs \(max "
+                            r"difference [0-9.e+-]+ on the first 8 pairs\): each pair runs as two rows\n",
+                            capsys.readouterr().err)
 
 
 def test_lora_reference_disables_adapters_and_final_is_merged(tiny, tmp_path, collect):
