@@ -122,6 +122,9 @@ _MIXED_VULGAR = re.compile(rf"(?:{_WHOLE} ?)?({_VULGAR_CHAR})")
 # their sum, as it is read, not the digits run together (`11/2`)
 _MIXED_FRAC = re.compile(
     rf"{_WHOLE}[ ]*\\[dt]?frac\s*(?:\{{\s*({_INTEGER})\s*\}}\s*\{{\s*({_INTEGER})\s*\}}|(\d)(\d))")
+# A mixed number in plain text: a whole number, one space and a proper fraction (`1 1/2`, `2 3/4 cups`) is their sum,
+# as GSM8K-style answers write it (not 1 and then 1/2)
+_MIXED_PLAIN = re.compile(rf"{_WHOLE} ({_INTEGER})/({_INTEGER})(?![\d/]|[.,]\d)")
 # LaTeX that wraps numbers: \frac{a}{b} -> a/b, \text{..} -> .. (and the other text and font commands), spacing,
 # \left/\right and the math delimiters \( \) \[ \] dropped (`The answer is \(1234\).` reads like
 # `The answer is $1234$.`).
@@ -147,6 +150,14 @@ def _mixed_fraction(match: re.Match[str]) -> str:
     return f"{int(match[1]) * denominator + numerator}/{denominator}"
 
 
+def _plain_mixed_number(match: re.Match[str]) -> str:
+    """`1 1/2` -> `3/2`; an improper or zero-denominator fraction after a number is left as written (`3 5/4`)."""
+    whole, numerator, denominator = int(match[1]), int(match[2]), int(match[3])
+    if not 0 < numerator < denominator:
+        return match[0]
+    return f"{whole * denominator + numerator}/{denominator}"
+
+
 def _vulgar_number(match: re.Match[str]) -> str:
     """A vulgar fraction and the whole number before it as a fraction: `2½` -> `5/2`, `¾` -> `3/4`."""
     if match[1] is None:
@@ -168,6 +179,8 @@ def _normalize(text: str) -> str:
         if re.search(_VULGAR_CHAR, text):
             text = _MIXED_VULGAR.sub(_vulgar_number, text)
     text = _EQUALS_SPACED_SIGN.sub(r"\1-", text)
+    if "/" in text:
+        text = _MIXED_PLAIN.sub(_plain_mixed_number, text)
     if "\\" not in text:
         return text
     if "frac" in text:

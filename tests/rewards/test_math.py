@@ -181,6 +181,15 @@ def test_a_boxed_gold_answer_is_read_as_its_box():
     assert is_correct("so it is 0.5", r"$\boxed{\frac{1}{2}}$") and not is_correct("6", r"\boxed{5}")
 
 
+def test_a_plain_mixed_number_gold_answer_is_its_value():
+    """`1 1/2` as a gold answer was the text `11/2`, which no completion matched."""
+    assert answer_value("1 1/2") == answer_value("-1 1/2") * -1 == Fraction(3, 2)
+    assert is_numeric_answer("2 3/4 cups")
+    for completion in ("The answer is 1.5", "The answer is 3/2", "#### 1 1/2"):
+        assert is_correct(completion, "1 1/2")
+    assert not is_correct("The answer is 11/2", "1 1/2") and not is_correct("The answer is 1", "1 1/2")
+
+
 # ---- LaTeX thousands separators, powers of ten, long canonical numbers
 
 
@@ -400,6 +409,7 @@ HOSTILE = {
     "markers ending their lines": "The answer is:\n" * 100_000,
     "a marker then blank lines": "The answer is:" + "\n" * 1_000_000 + "5",
     "mixed numbers": "1\\frac{2}{3}" * 100_000,
+    "plain mixed numbers": "1 2/3 " * 200_000,
     "long whole numbers before fractions": ("9" * 150 + " \\frac12") * 5_000,
     "vulgar fractions": "1½" * 300_000,
     "superscripts": "10³⁴" * 300_000,
@@ -547,6 +557,15 @@ def test_extract_answer_reads_signs_in_dollars_worked_equations_and_the_line_aft
         ("The answer is ¾.", "3/4"),
         ("1⁄2", "1/2"),
         (r"x = \frac{1}{2}", "1/2"),  # a fraction alone is as before
+        # plain text: a whole number, a space and a proper fraction (were 1, or the fraction alone)
+        ("The answer is 1 1/2", "3/2"),
+        ("#### 2 3/4", "11/4"),
+        ("So she needs 1 1/2 cups.", "3/2"),
+        ("The answer is -1 1/2", "-3/2"),
+        ("She ate 2 1/2 pies, so 5 are left.", "5"),
+        ("3 5/4", "5/4"),  # an improper fraction is no mixed number's part: the numbers as written
+        ("1 1/0", "1"),
+        ("Due 1 3/4/2024", "2024"),  # a date's slashes
         # superscript powers and other minus signs
         ("There are 10³ cells", "1000"),
         ("The answer is －5", "-5"),
