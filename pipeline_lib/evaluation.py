@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from numpy.lib.stride_tricks import sliding_window_view
 
 from pipeline_lib.config import EvalConfig
-from pipeline_lib.rewards.math import answer_value, extract_answer, is_numeric_answer, values_equivalent
+from pipeline_lib.rewards.math import answer_value, extract_answer, is_numeric_answer, terminates, values_equivalent
 from pipeline_lib.store.db import Store
 from pipeline_lib.logfns import LogFn, no_log
 
@@ -60,7 +60,8 @@ def pass_at_k(n: np.ndarray | int, c: np.ndarray | int, k: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Votes:
-    """Answer classes per problem (equal `answer_value`s vote together; None answers do not vote)."""
+    """Answer classes per problem (`answer_value`s equal within the verifier's tolerance vote together; None
+    answers do not vote)."""
 
     n: np.ndarray  # (P,) samples per problem, None answers included
     counts: np.ndarray  # (P, R) votes per class, sorted descending per row, zero-padded
@@ -71,8 +72,35 @@ class Votes:
         return (self.counts * self.correct).sum(axis=1)
 
 
+def merge_within_tolerance(classes: Counter[Fraction | str]) -> Counter[Fraction | str]:
+    """Answer values equal within the verifier's tolerance vote together (`1/3` and `0.333333`; exactly equal ones
+    already do). Tolerance is not transitive (`0.6666667` and `0.666668` are each within it of 2/3, not of each
+    other), so a class is a connected group of values, keyed by its most-voted one. Only a value without a finite
+    decimal expansion can equal another within tolerance, so most problems skip the pass."""
+    repeating = [value for value in classes if isinstance(value, Fraction) and not terminates(value)]
+    if not repeating:
+        return classes
+    parent = {value: value for value in classes}
+
+    def root(value: Fraction | str) -> Fraction | str:
+        while parent[value] != value:
+            value = parent[value]
+        return value
+
+    for hub in repeating:
+        for value in classes:
+            if value != hub and values_equivalent(hub, value):
+                parent[root(value)] = root(hub)
+    merged: Counter[Fraction | str] = Counter()
+    key: dict[Fraction | str, Fraction | str] = {}
+    for value, count in sorted(classes.items(), key=lambda item: -item[1]):  # stable: the first of equal counts
+        merged[key.setdefault(root(value), value)] += count
+    return merged
+
+
 def count_votes(answers: Sequence[Sequence[str | None]], gold: Sequence[str | None]) -> Votes:
-    """Group each problem's extracted answers into classes and mark the classes equivalent to its gold answer."""
+    """Group each problem's extracted answers into classes (`merge_within_tolerance`) and mark the classes
+    equivalent to its gold answer."""
     if len(answers) != len(gold):
         raise ValueError(f"gold: expected one answer per problem ({len(answers)}), got {len(gold)}")
     values: dict[str, Fraction | str] = {}  # raw answer -> value, shared across problems
@@ -88,7 +116,7 @@ def count_votes(answers: Sequence[Sequence[str | None]], gold: Sequence[str | No
                 if value is None:
                     value = values[raw] = answer_value(str(raw))
                 classes[value] += count
-        for value, count in classes.items():
+        for value, count in merge_within_tolerance(classes).items():
             flat_rows.append(p)
             flat_counts.append(count)
             flat_correct.append(gold_value is not None and values_equivalent(value, gold_value))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import itertools
 import random
+from collections import Counter
 from fractions import Fraction
 from math import comb
 
@@ -15,6 +16,7 @@ from matplotlib.figure import Figure
 
 from pipeline_lib.evaluation import (
     count_votes,
+    merge_within_tolerance,
     evaluate,
     maj_at_k,
     maj_at_k_from_votes,
@@ -30,15 +32,16 @@ def brute_pass(correct: list[bool], k: int) -> Fraction:
     return Fraction(sum(any(s) for s in subsets), len(subsets))
 
 
-def brute_maj(answers: list[str | None], gold: str | None, k: int) -> Fraction:
-    """Mean over all k-subsets of: (#correct classes among the most-voted) / (#most-voted); Nones do not vote."""
+def brute_maj(answers: list[str | None], gold: str | None, k: int, classes: dict | None = None) -> Fraction:
+    """Mean over all k-subsets of: (#correct classes among the most-voted) / (#most-voted); Nones do not vote.
+    An answer's class is its value, or `classes[answer]` where given (answers equal within tolerance)."""
     total, subsets = Fraction(0), 0
     for subset in itertools.combinations(answers, k):
         subsets += 1
         votes: dict = {}
         for answer in subset:
             if answer is not None:
-                value = answer_value(answer)
+                value = answer_value(classes.get(answer, answer) if classes else answer)
                 votes[value] = votes.get(value, 0) + 1
         if not votes:
             continue
@@ -131,15 +134,32 @@ def test_maj_at_k_matches_brute_force(seed):
                 assert got[q, p] == pytest.approx(float(brute_maj(answers[p], gold[p], k)), abs=1e-12)
 
 
-def test_maj_at_k_with_two_distinct_correct_classes_matches_brute_force():
-    """'0.3333333' and '1/3' are different votes, both within tolerance of the gold 1/3."""
+def test_answers_equal_within_tolerance_vote_together_and_match_brute_force():
+    """'0.3333333' and '1/3' are one class (equal within the verifier's tolerance, as Pass@K judges them); they
+    were two, each within tolerance of the gold 1/3, so a split majority lost to a wrong answer."""
+    assert maj_at_k([["0.3333333", "1/3", "0.33333333", "2", "2"]], ["1/3"], 5)[0] == 1.0  # was 0: 2 beat 1 + 1 + 1
     rng = random.Random(7)
     answers = [[rng.choice(["0.3333333", "1/3", "0.3", None]) for _ in range(8)] for _ in range(10)]
     gold = ["1/3"] * 10
     for k in range(1, 9):
         got = maj_at_k(answers, gold, k)
         for p in range(10):
-            assert got[p] == pytest.approx(float(brute_maj(answers[p], gold[p], k)), abs=1e-12)
+            expected = brute_maj(answers[p], gold[p], k, classes={"0.3333333": "1/3"})
+            assert got[p] == pytest.approx(float(expected), abs=1e-12)
+
+
+def test_values_equal_within_tolerance_through_another_are_one_class():
+    """0.6666667 and 0.666668 are each within tolerance of 2/3 but not of each other (two finite decimals compare
+    exactly): with 2/3 among the answers the three are one class, keyed by its most-voted value."""
+    third, near_third = Fraction(1, 3), Fraction(3333333, 10_000_000)
+    assert merge_within_tolerance(Counter({near_third: 1, third: 3, Fraction(1, 2): 2})) == \
+        Counter({third: 4, Fraction(1, 2): 2})
+    two_thirds, near, farther = Fraction(2, 3), Fraction(6666667, 10_000_000), Fraction(666668, 1_000_000)
+    assert merge_within_tolerance(Counter({near: 3, farther: 1, two_thirds: 2})) == Counter({near: 6})
+    assert merge_within_tolerance(Counter({near: 3, farther: 1, Fraction(1, 2): 2})) == \
+        Counter({near: 3, farther: 1, Fraction(1, 2): 2})
+    integers = Counter({Fraction(5): 2, Fraction(7): 1, "seven": 1})
+    assert merge_within_tolerance(integers) is integers  # no repeating value: nothing to compare
 
 
 def test_maj_at_k_many_classes_and_big_n_is_a_probability():

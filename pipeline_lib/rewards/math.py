@@ -491,7 +491,7 @@ def is_numeric_answer(answer: str | None) -> bool:
     return answer is not None and isinstance(answer_value(str(answer)), Fraction)
 
 
-def _terminates(value: Fraction) -> bool:
+def terminates(value: Fraction) -> bool:
     """Whether `value` has a finite decimal expansion (its denominator has no prime factor but 2 and 5)."""
     den = value.denominator
     for prime in (2, 5):
@@ -505,7 +505,7 @@ def values_equivalent(a: Fraction | str, b: Fraction | str) -> bool:
     them has no finite decimal expansion (`1/3` vs `0.333333`), within |a-b| <= tol + tol*max(|a|,|b|), tol 1e-6."""
     if a == b:
         return True
-    if not (isinstance(a, Fraction) and isinstance(b, Fraction)) or (_terminates(a) and _terminates(b)):
+    if not (isinstance(a, Fraction) and isinstance(b, Fraction)) or (terminates(a) and terminates(b)):
         return False
     # The same inequality multiplied through by both denominators and 1/tol: integers only (fast, exact).
     an, ad, bn, bd = a.numerator, a.denominator, b.numerator, b.denominator
