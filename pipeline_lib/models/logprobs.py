@@ -288,15 +288,19 @@ def transformers_model(model: nn.Module) -> PreTrainedModel:
 
 
 def packs_pairs(model: nn.Module, width: int) -> bool:
-    """Whether `pair_logprob_sums` gives this model's log-probs for packed rows of up to `width` columns: a
+    """Whether `pair_logprob_sums` can give this model's log-probs for packed rows of up to `width` columns: a
     transformers model (its forward takes a prepared 4D mask as it is) whose attention applies such a mask (sdpa,
-    eager; flash attention takes none), without a sliding window narrower than the row (the one 4D mask would
-    stand for the sliding layers' too)."""
+    eager; flash attention takes none), whose layers are all attention (a recurrent or linear-attention layer
+    reads every earlier column, mask or not), with no attention window narrower than the row (the one 4D mask
+    would stand for the windowed layers' too: `sliding_window`, GPT-Neo's `window_size`) and the row within its
+    positions (GPT-Neo indexes buffers by column). `packing_holds` (DPO) then checks the sums themselves."""
     inner = transformers_model(model)
-    window = getattr(inner.config, "sliding_window", None)
+    config = inner.config
+    limits = [getattr(config, name, None) for name in ("sliding_window", "window_size", "max_position_embeddings")]
     return (type(inner).__module__.startswith("transformers.models.")
-            and inner.config._attn_implementation in ("sdpa", "eager")
-            and (window is None or width <= window))
+            and config._attn_implementation in ("sdpa", "eager")
+            and set(getattr(config, "layer_types", None) or ()) <= {"full_attention", "sliding_attention"}
+            and all(limit is None or width <= limit for limit in limits))
 
 
 def _pair_mask(attention_mask: Tensor, segments: Tensor, implementation: str, dtype: torch.dtype) -> Tensor:

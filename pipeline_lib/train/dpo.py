@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from pipeline_lib import code_version
 from pipeline_lib.config import DPOConfig
-from pipeline_lib.errors import AlignflowError
+from pipeline_lib.errors import AlignflowError, one_line
 from pipeline_lib.filters import west_of_n_of_run
 from pipeline_lib.fingerprint import content_id, fingerprint_path
 from pipeline_lib.logfns import LogFn, no_log
@@ -123,21 +123,31 @@ def logprob_sums(model: nn.Module, encoded: Encoded, pair_ids: list[int], *, pac
 
 
 def packing_holds(model: nn.Module, encoded: Encoded, *, pad_id: int, device: torch.device, pairs: int = 8) -> bool:
-    """Whether `packs_pairs` allows this model packed rows of the data's widest pair and, on its first `pairs` pairs,
-    the packed sums are the two rows' (within float rounding: 1e-4 + 1e-5 relative in fp32, 0.05 + 1e-2 relative
-    under CUDA's bf16 autocast). A transformers model whose forward ignored the 4D mask or the position ids would
-    otherwise train on wrong log-probs, silently; it keeps the two rows."""
-    if not packs_pairs(model, max(packed_width(encoded, i) for i in range(len(encoded) // 2))):
+    """Whether `packs_pairs` allows this model packed rows of the data's widest pair and, on the `pairs` widest pairs
+    (where windows, positions and lengths bite), the packed sums are the two rows' within fp32 rounding (1e-4 + 1e-5
+    relative; run in fp32 without autocast, so the check is of the layout, not of bf16's rounding). A transformers
+    model whose forward ignores the 4D mask or the position ids (ALiBi's biases, encoder-decoder heads), or refuses
+    the packed row, keeps the two rows, with a note: it would otherwise train on wrong log-probs, silently."""
+    widest = sorted(range(len(encoded) // 2), key=lambda i: -packed_width(encoded, i))[:pairs]
+    if not packs_pairs(model, packed_width(encoded, widest[0])):
         return False
-    first = list(range(min(pairs, len(encoded) // 2)))
-    packed, rows = (logprob_sums(model, encoded, first, packed=layout, pad_id=pad_id, device=device,
-                                 batch_size=2 * len(first)) for layout in (True, False))
-    atol, rtol = (0.05, 1e-2) if device.type == "cuda" else (1e-4, 1e-5)
-    if torch.allclose(packed, rows, atol=atol, rtol=rtol):
+    name, training = type(transformers_model(model)).__name__, model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            rows = pair_logps(model, encoded, widest, packed=False, pad_id=pad_id, device=device).cpu()
+            try:
+                packed = pair_logps(model, encoded, widest, packed=True, pad_id=pad_id, device=device).cpu()
+            except Exception as exc:  # noqa: BLE001 - whatever a forward raises on a packed row, the rows ran
+                print(f"note: {name}'s forward refuses packed pair rows ({one_line(exc)}): each pair runs as two "
+                      "rows", file=sys.stderr, flush=True)
+                return False
+    finally:
+        model.train(training)
+    if torch.allclose(packed, rows, atol=1e-4, rtol=1e-5):
         return True
-    name = type(transformers_model(model)).__name__
     print(f"note: {name}'s packed pair rows do not give the two rows' log-probs (max difference "
-          f"{float((packed - rows).abs().max()):.3g} on the first {len(first)} pairs): each pair runs as two rows",
+          f"{float((packed - rows).abs().max()):.3g} on the {len(widest)} widest pairs): each pair runs as two rows",
           file=sys.stderr, flush=True)
     return False
 

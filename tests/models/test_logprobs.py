@@ -470,6 +470,17 @@ def test_packing_is_only_for_models_that_take_its_mask(model):
         vocab_size=24, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
         intermediate_size=64, sliding_window=16))
     assert packs_pairs(windowed, 16) and not packs_pairs(windowed, 17)
+    local = transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(  # GPT-Neo's local layers: window_size
+        vocab_size=24, hidden_size=32, num_layers=2, num_heads=2, attention_types=[[["global", "local"], 1]],
+        window_size=8, max_position_embeddings=64))
+    assert packs_pairs(local, 8) and not packs_pairs(local, 9)
+    short = copy.deepcopy(model.config)
+    short.max_position_embeddings = 20
+    assert packs_pairs(transformers.LlamaForCausalLM(short), 20)
+    assert not packs_pairs(transformers.LlamaForCausalLM(short), 21)  # GPT-Neo crashed past its positions
+    hybrid = copy.deepcopy(model.config)
+    hybrid.layer_types = ["full_attention", "linear_attention"]  # as Jamba, Qwen3-Next, Mamba hybrids declare
+    assert not packs_pairs(transformers.LlamaForCausalLM(hybrid), 8)
 
 
 def test_packed_pair_gradients_are_the_same_on_every_run(model):

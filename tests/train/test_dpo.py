@@ -139,7 +139,8 @@ class _DropsPositions(transformers.LlamaForCausalLM):
 
 
 class _DropsMask(transformers.LlamaForCausalLM):
-    """One whose forward drops the mask: a packed rejected answer would read the chosen one."""
+    """One whose forward drops the mask: a packed rejected answer would read the chosen one (as ALiBi's column
+    biases or a recurrent layer would, mask or not)."""
 
     __module__ = "transformers.models.llama.modeling_llama"
 
@@ -147,20 +148,50 @@ class _DropsMask(transformers.LlamaForCausalLM):
         return super().forward(*args, **kwargs)
 
 
-def test_packed_pairs_are_checked_against_the_two_rows_on_the_first_pairs(tiny, capsys):
+class _DropsWideMasks(transformers.LlamaForCausalLM):
+    """One that drops the packed mask of rows over 20 columns only (as a window or a position limit bites on long
+    rows): the toy pairs fit, the two long ones do not."""
+
+    __module__ = "transformers.models.llama.modeling_llama"
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        wide_packed = attention_mask.dim() == 4 and input_ids.shape[1] > 20
+        return super().forward(input_ids, attention_mask=None if wide_packed else attention_mask, **kwargs)
+
+
+class _RefusesMasks(transformers.LlamaForCausalLM):
+    """One whose forward raises on a prepared 4D mask (Bloom's ALiBi did: `too many values to unpack`)."""
+
+    __module__ = "transformers.models.llama.modeling_llama"
+
+    def forward(self, *args, attention_mask=None, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 4:
+            raise ValueError("too many values to unpack (expected 2)\nsecond line")
+        return super().forward(*args, attention_mask=attention_mask, **kwargs)
+
+
+def test_packed_pairs_are_checked_against_the_two_rows_on_the_widest_pairs(tiny, capsys):
     tokenizer, model = load_tokenizer(tiny), load_policy(tiny, device="cpu")
-    encoded = encode_pairs(tokenizer, toy_pairs(12), max_length=64)
+    long_pairs = pl.DataFrame({"prompt": ["12+34+56+78+90=", "98+76+54+32+10="],
+                               "chosen": ["310", "270"], "rejected": ["no idea!", "no idea! no idea!"]})
+    encoded = encode_pairs(tokenizer, pl.concat([toy_pairs(12), long_pairs]), max_length=64)
     cpu = torch.device("cpu")
     capsys.readouterr()  # the loading progress bar
     assert packing_holds(model, encoded, pad_id=tokenizer.pad_token_id, device=cpu)
     assert "note:" not in capsys.readouterr().err
-    for cls in (_DropsPositions, _DropsMask):
+    for cls in (_DropsPositions, _DropsMask, _DropsWideMasks):
         quirky = cls(model.config).eval()
         quirky.load_state_dict(model.state_dict())
         assert not packing_holds(quirky, encoded, pad_id=tokenizer.pad_token_id, device=cpu)
         assert re.fullmatch(rf"note: {cls.__name__}'s packed pair rows do not give the two rows' log-probs \(max "
-                            r"difference [0-9.e+-]+ on the first 8 pairs\): each pair runs as two rows\n",
+                            r"difference [0-9.e+-]+ on the 8 widest pairs\): each pair runs as two rows\n",
                             capsys.readouterr().err)
+    refuses = _RefusesMasks(model.config).train()
+    refuses.load_state_dict(model.state_dict())
+    assert not packing_holds(refuses, encoded, pad_id=tokenizer.pad_token_id, device=cpu)
+    assert capsys.readouterr().err == ("note: _RefusesMasks's forward refuses packed pair rows (ValueError: too many "
+                                       "values to unpack (expected 2) second line): each pair runs as two rows\n")
+    assert refuses.training  # the check leaves the model's mode as it found it
 
 
 def test_lora_reference_disables_adapters_and_final_is_merged(tiny, tmp_path, collect):
