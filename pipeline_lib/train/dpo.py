@@ -244,7 +244,8 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     train_ids, eval_ids = holdout_split(pairs["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)
     pad_id = tokenizer.pad_token_id
-    packed = packing_holds(model, encoded, pad_id=pad_id, device=device)
+    holds = packing_holds(model, encoded, pad_id=pad_id, device=device)
+    packed = bool(ctx.all_reduce_mean(torch.tensor(float(holds), device=device)) == 1.0)  # every rank, one layout
     ref = reference_logps(model, encoded, packed=packed, policy_path=cfg.policy_path,
                           cache_dir=Path(cache_dir or out_dir / "cache"), pad_id=pad_id, device=device,
                           batch_size=cfg.ref_batch_size, ctx=ctx)  # (2N,)
