@@ -34,6 +34,7 @@ from pipeline_lib.rewards.model import text_ids
 from pipeline_lib.train import LAUNCH_PARENT
 
 C = TypeVar("C", bound=BaseModel)
+B = TypeVar("B")  # Batch or PairBatch: what `_in_buckets` collates
 
 
 class TrainDataError(AlignflowError, ValueError):
@@ -288,26 +289,31 @@ def length_buckets(lengths: Sequence[int], *, ratio: float = 1.5) -> list[list[i
     return buckets
 
 
+def _in_buckets(fn: Callable[[B], Tensor], lengths: Sequence[int], batch_of: Callable[[list[int]], B],
+                device: torch.device) -> Tensor:
+    """`fn(batch_of(positions).to(device))` over `length_buckets(lengths)`, concatenated back in position order."""
+    buckets = length_buckets(lengths)
+    outputs = [fn(batch_of(bucket).to(device)) for bucket in buckets]
+    order = torch.tensor([k for bucket in buckets for k in bucket], device=device)
+    return torch.cat(outputs)[torch.argsort(order)]
+
+
 def per_row(fn: Callable[[Batch], Tensor], encoded: Encoded, rows: Sequence[int], *, pad_id: int,
             device: torch.device) -> Tensor:
     """`fn(batch) -> (R,)` over `rows` in length buckets; results (len(rows),) in the order of `rows`.
 
     A row's value does not depend on its batch mates (positions come from the attention mask), so
     bucketing changes the cost, not the result; gradients flow through."""
-    buckets = length_buckets([len(encoded.prompt_ids[r]) + len(encoded.completion_ids[r]) for r in rows])
-    outputs = [fn(collate(encoded, [rows[k] for k in bucket], pad_id=pad_id).to(device)) for bucket in buckets]
-    order = torch.tensor([k for bucket in buckets for k in bucket], device=device)
-    return torch.cat(outputs)[torch.argsort(order)]
+    return _in_buckets(fn, [len(encoded.prompt_ids[r]) + len(encoded.completion_ids[r]) for r in rows],
+                       lambda bucket: collate(encoded, [rows[k] for k in bucket], pad_id=pad_id), device)
 
 
 def per_pair(fn: Callable[[PairBatch], Tensor], encoded: Encoded, pairs: Sequence[int], *, pad_id: int,
              device: torch.device) -> Tensor:
     """`fn(batch) -> (R, 2)` over packed `pairs` in length buckets; results (len(pairs), 2) in the order of `pairs`
     (as `per_row`: a pair's values do not depend on its batch mates)."""
-    buckets = length_buckets([packed_width(encoded, i) for i in pairs])
-    outputs = [fn(collate_pairs(encoded, [pairs[k] for k in bucket], pad_id=pad_id).to(device)) for bucket in buckets]
-    order = torch.tensor([k for bucket in buckets for k in bucket], device=device)
-    return torch.cat(outputs)[torch.argsort(order)]
+    return _in_buckets(fn, [packed_width(encoded, i) for i in pairs],
+                       lambda bucket: collate_pairs(encoded, [pairs[k] for k in bucket], pad_id=pad_id), device)
 
 
 def micro_batches(indices: Sequence[int], n_micro: int) -> list[list[int]]:
