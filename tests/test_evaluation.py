@@ -16,10 +16,10 @@ from matplotlib.figure import Figure
 
 from pipeline_lib.evaluation import (
     count_votes,
-    merge_within_tolerance,
     evaluate,
     maj_at_k,
     maj_at_k_from_votes,
+    merge_within_tolerance,
     metric_key,
     pass_at_k,
     plot_curves,

@@ -32,11 +32,17 @@ class UnsupportedModelError(AlignflowError, ValueError):
     """The model makes its logits in a way these log-probs do not reproduce."""
 
 
+def transformers_model(model: nn.Module) -> PreTrainedModel:
+    """The transformers model inside DDP (.module) and peft (get_base_model) wrappers."""
+    inner = getattr(model, "module", model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
 def output_logits(model: PreTrainedModel) -> OutputLogits:
     """Hidden states -> float32 logits as the model's own forward makes them from its output layer: times
     `logit_scale` (Cohere), divided by `logits_scaling` (Granite), soft-capped by `final_logit_softcapping`
     (Gemma 2 and 3). `_final_hidden` checks the result against the model's own logits at every call."""
-    inner = getattr(model, "module", model)  # DDP keeps the model in .module
+    inner = transformers_model(model)
     lm_head, config = inner.get_output_embeddings(), inner.config
     scale = getattr(config, "logit_scale", None) or 1.0
     divisor = getattr(config, "logits_scaling", None) or 1.0
@@ -251,8 +257,7 @@ def shared_prompt_logprobs(
     if empty.numel():  # nothing would predict its rows' first completion token
         raise ValueError(f"prompt_mask: prompt {int(empty[0])} has no token; every prompt needs at least one")
     _check_options(chunk_size, temperature)
-    inner = getattr(model, "module", model)
-    cache = DynamicCache(config=inner.config)
+    cache = DynamicCache(config=transformers_model(model).config)
     logits_of = output_logits(model)
     prompt_hidden = _final_hidden(model, logits_of, prompt_ids, prompt_mask, cache=cache, use_cache=True,
                                   position_ids=position_ids_from_mask(prompt_mask))  # (U, P, H)
@@ -279,12 +284,6 @@ def shared_prompt_logprobs(
     if return_entropy:
         return logps, torch.where(keep, entropy, torch.zeros_like(entropy))
     return logps
-
-
-def transformers_model(model: nn.Module) -> PreTrainedModel:
-    """The transformers model inside DDP (.module) and peft (get_base_model) wrappers."""
-    inner = getattr(model, "module", model)
-    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
 
 
 def packs_pairs(model: nn.Module, width: int) -> bool:
