@@ -42,6 +42,7 @@ bench: setup
 	$(BIN)/python benchmarks/logprobs.py
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/sampling.py
 	$(BIN)/python benchmarks/cache_rerun.py
+	$(BIN)/python benchmarks/rm_packing.py
 	$(BIN)/python benchmarks/vs_trl.py --model demo --algo dpo grpo --threads 1
 	$(BIN)/python benchmarks/vs_trl.py --model large --algo dpo grpo --threads 1
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -20,7 +21,7 @@ from pipeline_lib.model_dirs import head_files
 from pipeline_lib.models.loading import (
     ModelLoadError, atomic_output_dir, load_policy, load_pretrained, resolve_model_dir,
 )
-from pipeline_lib.models.logprobs import position_ids_from_mask
+from pipeline_lib.models.logprobs import packed_mask, position_ids_from_mask
 
 Pooling = Literal["last_token", "mean", "last_two_layers"]
 POOLINGS: tuple[str, ...] = ("last_token", "mean", "last_two_layers")
@@ -84,11 +85,13 @@ def final_norm_name(backbone: PreTrainedModel) -> str:
 
 
 def _hidden_states(
-    backbone: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, *, norm_name: str | None = None
+    backbone: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor, *, norm_name: str | None = None,
+    packed: PackedGroups | None = None,
 ) -> tuple[Tensor, ...]:
     """Backbone hidden states in float32: the last layer's (final-normed), and with `norm_name` (the final norm's,
     `final_norm_name`) before it the previous layer's through that norm (raw, a pre-norm model's residual stream
-    is on another scale: far larger on trained LLMs). Positions come from the mask so padding side does not matter."""
+    is on another scale: far larger on trained LLMs). Positions come from the mask so padding side does not matter;
+    `packed` rows take its positions and `packed_mask`."""
     if attention_mask.shape != input_ids.shape or input_ids.dim() != 2:
         raise ValueError(
             f"attention_mask: expected shape {tuple(input_ids.shape)} (B, T) like input_ids, "
@@ -96,10 +99,16 @@ def _hidden_states(
         )
     if not bool(attention_mask.bool().any(dim=-1).all()):
         raise ValueError("attention_mask: every row needs at least one valid (1) token")
+    if packed is None:
+        mask, positions = attention_mask, position_ids_from_mask(attention_mask)
+    else:
+        mask = packed_mask(attention_mask, packed.segments, backbone.config._attn_implementation,
+                           backbone.get_input_embeddings().weight.dtype)
+        positions = packed.position_ids
     outputs = backbone(
         input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
+        attention_mask=mask,
+        position_ids=positions,
         output_hidden_states=norm_name is not None,
         use_cache=False,
     )
@@ -151,6 +160,21 @@ def _load(
 # ---- models
 
 
+@dataclass(frozen=True)
+class PackedGroups:
+    """Rows that each hold a group of K texts (a pair, a ranking) sharing their first tokens: the shared prefix once,
+    then each text's own tokens at the positions they have in that text (`train.data.collate_groups`)."""
+
+    position_ids: Tensor  # (B, L)
+    segments: Tensor  # (B, L) 0 the shared prefix or padding, k + 1 text k's own tokens
+    ends: Tensor  # (B, K) the column of each text's last token
+    lengths: Tensor  # (B, K) each text's tokens, prefix included; 0 where a group holds fewer than K texts
+
+    def to(self, device: torch.device) -> PackedGroups:
+        return PackedGroups(self.position_ids.to(device), self.segments.to(device), self.ends.to(device),
+                            self.lengths.to(device))
+
+
 class RewardModel(nn.Module):
     """r(x, y): causal-LM backbone + scalar linear head on a pooled hidden state; scores (B,) in float32.
 
@@ -198,9 +222,13 @@ class RewardModel(nn.Module):
                      {"pooling": self.pooling, "chat_prompts": self.chat_prompts, "penultimate_normed": True},
                      tokenizer)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        hidden = _hidden_states(self.backbone, input_ids, attention_mask, norm_name=self.norm_name)
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, packed: PackedGroups | None = None) -> Tensor:
+        """Scores (B,) of the rows; with `packed`, (B, K) of the texts each row packs (0 past a group's size), the
+        same as each text's own row would get (one forward, so DDP sees it)."""
+        hidden = _hidden_states(self.backbone, input_ids, attention_mask, norm_name=self.norm_name, packed=packed)
         mask = attention_mask.bool()  # (B, T)
+        if packed is not None:
+            return self.head(self._pooled_groups(hidden, mask, packed)).squeeze(-1)  # (B, K)
         if self.pooling == "mean":
             # where, not multiply: a pad position's state must not leak in even if it is inf/nan.
             valid = torch.where(mask.unsqueeze(-1), hidden[-1], torch.zeros_like(hidden[-1]))  # (B, T, H)
@@ -213,6 +241,18 @@ class RewardModel(nn.Module):
             layers = hidden[-2:] if self.pooling == "last_two_layers" else hidden[-1:]
             pooled = torch.stack([h[rows, last] for h in layers]).mean(dim=0)  # (B, H)
         return self.head(pooled).squeeze(-1)  # (B,)
+
+    def _pooled_groups(self, hidden: tuple[Tensor, ...], mask: Tensor, packed: PackedGroups) -> Tensor:
+        """(B, K, H): each packed text's pooled state, as its own row pools it."""
+        if self.pooling == "mean":
+            texts = torch.arange(1, packed.ends.shape[1] + 1, device=mask.device)  # (K,) their segments
+            prefix = (packed.segments == 0) & mask  # (B, L)
+            members = prefix[:, None, :] | (packed.segments[:, None, :] == texts[None, :, None])  # (B, K, L)
+            valid = torch.where(mask.unsqueeze(-1), hidden[-1], torch.zeros_like(hidden[-1]))  # (B, L, H)
+            return members.to(valid.dtype) @ valid / packed.lengths.clamp(min=1).unsqueeze(-1)  # (B, K, H)
+        ends = packed.ends.unsqueeze(-1).expand(-1, -1, hidden[-1].shape[-1])  # (B, K, H)
+        layers = hidden[-2:] if self.pooling == "last_two_layers" else hidden[-1:]
+        return torch.stack([h.gather(1, ends) for h in layers]).mean(dim=0)  # (B, K, H)
 
 
 class ValueModel(nn.Module):

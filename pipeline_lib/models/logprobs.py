@@ -287,12 +287,13 @@ def shared_prompt_logprobs(
 
 
 def packs_pairs(model: nn.Module, width: int) -> bool:
-    """Whether `pair_logprob_sums` can give this model's log-probs for packed rows of up to `width` columns: a
-    transformers model (its forward takes a prepared 4D mask as it is) whose attention applies such a mask (sdpa,
-    eager; flash attention takes none), whose layers are all attention (a recurrent or linear-attention layer
-    reads every earlier column, mask or not), with no attention window narrower than the row (the one 4D mask
-    would stand for the windowed layers' too: `sliding_window`, GPT-Neo's `window_size`) and the row within its
-    positions (GPT-Neo indexes buffers by column). `packing_holds` (DPO) then checks the sums themselves."""
+    """Whether this model's hidden states on packed rows of up to `width` columns (`packed_mask`: DPO's
+    `pair_logprob_sums`, a reward model's `PackedGroups`) can be those of the rows they pack: a transformers model
+    (its forward takes a prepared 4D mask as it is) whose attention applies such a mask (sdpa, eager; flash attention
+    takes none), whose layers are all attention (a recurrent or linear-attention layer reads every earlier column,
+    mask or not), with no attention window narrower than the row (the one 4D mask would stand for the windowed
+    layers' too: `sliding_window`, GPT-Neo's `window_size`) and the row within its positions (GPT-Neo indexes
+    buffers by column). `packing_holds` then checks the values themselves."""
     inner = transformers_model(model)
     config = inner.config
     limits = [getattr(config, name, None) for name in ("sliding_window", "window_size", "max_position_embeddings")]
@@ -302,17 +303,17 @@ def packs_pairs(model: nn.Module, width: int) -> bool:
             and all(limit is None or width <= limit for limit in limits))
 
 
-def _pair_mask(attention_mask: Tensor, segments: Tensor, implementation: str, dtype: torch.dtype) -> Tensor:
-    """(B, 1, L, L) mask of packed pair rows in the form the attention takes (sdpa: True = attend; eager: 0 or the
-    dtype's minimum, added to the scores): causal over real tokens, and no rejected token sees a chosen one. A
-    padding column sees itself, so no query row is empty (an empty row gives NaN, which reaches the real tokens'
-    outputs through 0 x NaN)."""
+def packed_mask(attention_mask: Tensor, segments: Tensor, implementation: str, dtype: torch.dtype) -> Tensor:
+    """(B, 1, L, L) mask of packed rows (answers one after another behind the prefix they share) in the form the
+    attention takes (sdpa: True = attend; eager: 0 or the dtype's minimum, added to the scores): causal over real
+    tokens, and a token of answer k (segment k >= 1) sees the prefix (segment 0) and answer k only. A padding column
+    sees itself, so no query row is empty (an empty row gives NaN, which reaches the real tokens' outputs through
+    0 x NaN)."""
     columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     causal = columns[:, None] >= columns[None, :]  # (L, L) query, key
     real_keys = attention_mask.bool()[:, None, :]  # (B, 1, L)
-    rejected_to_chosen = (segments == REJECTED)[:, :, None] & (segments == CHOSEN)[:, None, :]  # (B, L, L)
-    allowed = (causal & real_keys & ~rejected_to_chosen) | torch.eye(len(columns), dtype=torch.bool,
-                                                                     device=columns.device)
+    same_part = (segments[:, None, :] == 0) | (segments[:, :, None] == segments[:, None, :])  # (B, L, L)
+    allowed = (causal & real_keys & same_part) | torch.eye(len(columns), dtype=torch.bool, device=columns.device)
     allowed = allowed[:, None]  # (B, 1, L, L)
     if implementation == "sdpa":
         return allowed
@@ -343,8 +344,8 @@ def pair_logprob_sums(
                          f"{tuple(sources.shape)}")
     _check_options(chunk_size, 1.0)
     inner = transformers_model(model)
-    mask = _pair_mask(attention_mask, segments, inner.config._attn_implementation,
-                      inner.get_input_embeddings().weight.dtype)
+    mask = packed_mask(attention_mask, segments, inner.config._attn_implementation,
+                       inner.get_input_embeddings().weight.dtype)
     logits_of = output_logits(model)
     hidden = _final_hidden(model, logits_of, input_ids, mask, position_ids=position_ids, use_cache=False)  # (B, L, H)
     predicting = hidden.gather(1, sources.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (B, S, H)

@@ -12,8 +12,9 @@ import os
 import pickle
 import random
 import shutil
+import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from pipeline_lib.config import ConfigError
 from pipeline_lib.errors import AlignflowError, one_line
 from pipeline_lib.logfns import LogFn
 from pipeline_lib.model_dirs import FINAL_MARKER, missing_files, read_marker
+from pipeline_lib.models.logprobs import packs_pairs
 
 CHECKPOINT_DIR = "checkpoint"
 
@@ -91,6 +93,51 @@ def autocast(device: torch.device):
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return nullcontext()
+
+
+def packing_saves(config, rows: Sequence[Sequence[int]], widths: Sequence[int]) -> bool:
+    """Whether packing each group of `rows` (token counts of a group's rows) into one row of `widths[g]` columns costs
+    fewer multiply-adds: per layer, a row of L tokens costs about L (4h^2 + 3hi) in its projections and MLP and L^2 h
+    in its attention (h `hidden_size`, i `intermediate_size`). A packed row attends over its whole width, masked or
+    not, so where the shared prefix is short next to the texts (long answers; texts cut from the left differently)
+    its attention costs more than the prefix saves."""
+    hidden = config.hidden_size
+    per_token = 4 * hidden ** 2 + 3 * hidden * (getattr(config, "intermediate_size", None) or 4 * hidden)
+
+    def cost(length: int) -> int:
+        return length * per_token + length ** 2 * hidden
+
+    return sum(cost(width) for width in widths) < sum(cost(length) for group in rows for length in group)
+
+
+def packing_holds(model: nn.Module, inner: nn.Module, width: int, values: Callable[[bool], Tensor], *, checked: str,
+                  fallback: str) -> bool:
+    """Whether `packs_pairs` allows `inner` (the transformers model in `model`) packed rows of `width` columns and
+    `values(packed=True)` are `values(packed=False)` within fp32 rounding (1e-4 + 1e-5 relative) on the `checked`
+    texts (the widest: where windows, positions and lengths bite). Run in eval mode without autocast, so the check
+    is of the layout, not of bf16's rounding. A transformers model whose forward ignores the 4D mask or the position
+    ids (ALiBi's biases, encoder-decoder heads), or refuses the packed row, keeps the rows, with a note saying
+    `fallback`: it would otherwise train on wrong values, silently."""
+    if not packs_pairs(inner, width):
+        return False
+    name, training = type(inner).__name__, model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            rows = values(False).cpu()
+            try:
+                packed = values(True).cpu()
+            except Exception as exc:  # noqa: BLE001 - whatever a forward raises on a packed row, the rows ran
+                print(f"note: {name}'s forward refuses packed rows ({one_line(exc)}): {fallback}", file=sys.stderr,
+                      flush=True)
+                return False
+    finally:
+        model.train(training)
+    if torch.allclose(packed, rows, atol=1e-4, rtol=1e-5):
+        return True
+    print(f"note: {name}'s packed rows do not give the rows' values (max difference "
+          f"{float((packed - rows).abs().max()):.3g} on {checked}): {fallback}", file=sys.stderr, flush=True)
+    return False
 
 
 def make_optimizer(params, *, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999)) -> torch.optim.Optimizer:
@@ -174,6 +221,10 @@ class Dist:
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()
+
+    def all_true(self, flag: bool, device: torch.device) -> bool:
+        """Whether `flag` holds on every rank (a choice every rank must make alike)."""
+        return bool(self.all_reduce_mean(torch.tensor(float(flag), device=device)) == 1.0)
 
 
 def check_batch_split(ctx: Dist, batch_size: int, grad_accum_steps: int) -> None:

@@ -29,12 +29,13 @@ from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import content_id, frame_fingerprint, keyed_dir, model_fingerprint
 from pipeline_lib.logfns import print_log
 from pipeline_lib.model_dirs import resolve_model_dir
+from pipeline_lib.models.heads import PackedGroups
 from pipeline_lib.models.logprobs import CHOSEN, REJECTED
 from pipeline_lib.rewards.model import text_ids
 from pipeline_lib.train import LAUNCH_PARENT
 
 C = TypeVar("C", bound=BaseModel)
-B = TypeVar("B")  # Batch or PairBatch: what `_in_buckets` collates
+B = TypeVar("B")  # Batch, PairBatch or GroupBatch: what `_in_buckets` collates
 
 
 class TrainDataError(AlignflowError, ValueError):
@@ -278,6 +279,55 @@ def collate_pairs(encoded: Encoded, pairs: Sequence[int], *, pad_id: int) -> Pai
                                                                     sources, targets, target_sides)))
 
 
+@dataclass(frozen=True)
+class GroupBatch:
+    """Groups of texts (a reward model's pairs or rankings) packed a group per row (`collate_groups`)."""
+
+    input_ids: Tensor  # (B, L) the shared prefix, then each text's own tokens; left-padded
+    attention_mask: Tensor  # (B, L) 1 = real token
+    packed: PackedGroups
+
+    def to(self, device: torch.device) -> "GroupBatch":
+        return GroupBatch(self.input_ids.to(device), self.attention_mask.to(device), self.packed.to(device))
+
+
+def _shared_prefix(texts: Sequence[list[int]]) -> int:
+    """Tokens every text of a group begins with, leaving each text at least its last token of its own."""
+    return min(len(os.path.commonprefix(list(texts))), min(len(text) for text in texts) - 1)
+
+
+def group_width(encoded: Encoded, group: Sequence[int]) -> int:
+    """Columns of rows `group`'s packed row: their shared prefix once, then each one's own tokens."""
+    texts = [encoded.prompt_ids[r] + encoded.completion_ids[r] for r in group]
+    shared = _shared_prefix(texts)
+    return shared + sum(len(text) - shared for text in texts)
+
+
+def collate_groups(encoded: Encoded, groups: Sequence[Sequence[int]], *, pad_id: int, texts: int) -> GroupBatch:
+    """Left-padded rows holding each group's shared prefix, then each text's own tokens (at the positions they have
+    in the text); `texts` (>= every group's size) is the width of the per-text tensors."""
+    width = max(group_width(encoded, group) for group in groups)
+    input_ids, attention_mask, position_ids, segments, ends, lengths = [], [], [], [], [], []
+    for group in groups:
+        rows = [encoded.prompt_ids[r] + encoded.completion_ids[r] for r in group]
+        shared = _shared_prefix(rows)
+        pad = width - group_width(encoded, group)
+        input_ids.append([pad_id] * pad + rows[0][:shared] + [t for row in rows for t in row[shared:]])
+        attention_mask.append([0] * pad + [1] * (width - pad))
+        position_ids.append([0] * pad + list(range(shared)) + [p for row in rows for p in range(shared, len(row))])
+        segments.append([0] * (pad + shared) + [k + 1 for k, row in enumerate(rows) for _ in range(len(row) - shared)])
+        column, group_ends = pad + shared - 1, []
+        for row in rows:
+            column += len(row) - shared
+            group_ends.append(column)
+        fill = texts - len(rows)
+        ends.append(group_ends + [0] * fill)
+        lengths.append([len(row) for row in rows] + [0] * fill)
+    input_ids, attention_mask, position_ids, segments, ends, lengths = (
+        torch.tensor(t, dtype=torch.long) for t in (input_ids, attention_mask, position_ids, segments, ends, lengths))
+    return GroupBatch(input_ids, attention_mask, PackedGroups(position_ids, segments, ends, lengths))
+
+
 def length_buckets(lengths: Sequence[int], *, ratio: float = 1.5) -> list[list[int]]:
     """Positions sorted by length, cut where a row is over `ratio` x its bucket's shortest: each bucket pads
     little (a batch of 9-token answers and 75-token non-answers becomes two forwards, not one 75-wide)."""
@@ -314,6 +364,17 @@ def per_pair(fn: Callable[[PairBatch], Tensor], encoded: Encoded, pairs: Sequenc
     (as `per_row`: a pair's values do not depend on its batch mates)."""
     return _in_buckets(fn, [packed_width(encoded, i) for i in pairs],
                        lambda bucket: collate_pairs(encoded, [pairs[k] for k in bucket], pad_id=pad_id), device)
+
+
+def per_group(fn: Callable[[GroupBatch], Tensor], encoded: Encoded, groups: Sequence[Sequence[int]], *, pad_id: int,
+              device: torch.device) -> Tensor:
+    """`fn(batch) -> (R, K)` over packed `groups` (lists of rows) in length buckets, K the largest group's size;
+    results (len(groups), K) in the order of `groups` (as `per_row`: a group's values do not depend on its batch
+    mates)."""
+    texts = max(len(group) for group in groups)
+    return _in_buckets(fn, [group_width(encoded, group) for group in groups],
+                       lambda bucket: collate_groups(encoded, [groups[k] for k in bucket], pad_id=pad_id, texts=texts),
+                       device)
 
 
 def micro_batches(indices: Sequence[int], n_micro: int) -> list[list[int]]:

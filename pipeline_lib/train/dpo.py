@@ -6,7 +6,6 @@ disabled; eval on held-out pairs before and after."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -18,7 +17,7 @@ from torch import Tensor, nn
 
 from pipeline_lib import code_version
 from pipeline_lib.config import DPOConfig
-from pipeline_lib.errors import AlignflowError, one_line
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.filters import west_of_n_of_run
 from pipeline_lib.fingerprint import content_id, fingerprint_path
 from pipeline_lib.logfns import LogFn, no_log
@@ -26,7 +25,7 @@ from pipeline_lib.losses import dpo_loss
 from pipeline_lib.model_dirs import resolve_model_dir
 from pipeline_lib.models import completion_logprob_sums, load_policy, load_tokenizer
 from pipeline_lib.models.loading import resolve_device
-from pipeline_lib.models.logprobs import packs_pairs, pair_logprob_sums, transformers_model
+from pipeline_lib.models.logprobs import pair_logprob_sums, transformers_model
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
     Dist,
@@ -42,6 +41,8 @@ from pipeline_lib.train.common import (
     make_optimizer,
     make_scheduler,
     mean_over_ranks,
+    packing_holds,
+    packing_saves,
     save_checkpoint,
     save_final,
     seed_everything,
@@ -92,7 +93,7 @@ def pair_rows(pair_ids: list[int]) -> list[int]:
 
 def pair_logps(model: nn.Module, encoded: Encoded, pair_ids: list[int], *, packed: bool, pad_id: int,
                device: torch.device) -> Tensor:
-    """(len(pair_ids), 2): log π(chosen|x), log π(rejected|x) in length buckets; `packed` (where `packs_pairs`
+    """(len(pair_ids), 2): log π(chosen|x), log π(rejected|x) in length buckets; `packed` (where `pairs_pack`
     allows it) runs a pair as one row, its prompt once, else as two rows."""
     if packed:
         return per_pair(lambda batch: pair_logprob_sums(
@@ -122,34 +123,19 @@ def logprob_sums(model: nn.Module, encoded: Encoded, pair_ids: list[int], *, pac
     return out
 
 
-def packing_holds(model: nn.Module, encoded: Encoded, *, pad_id: int, device: torch.device, pairs: int = 8) -> bool:
-    """Whether `packs_pairs` allows this model packed rows of the data's widest pair and, on the `pairs` widest pairs
-    (where windows, positions and lengths bite), the packed sums are the two rows' within fp32 rounding (1e-4 + 1e-5
-    relative; run in fp32 without autocast, so the check is of the layout, not of bf16's rounding). A transformers
-    model whose forward ignores the 4D mask or the position ids (ALiBi's biases, encoder-decoder heads), or refuses
-    the packed row, keeps the two rows, with a note: it would otherwise train on wrong log-probs, silently."""
-    widest = sorted(range(len(encoded) // 2), key=lambda i: -packed_width(encoded, i))[:pairs]
-    if not packs_pairs(model, packed_width(encoded, widest[0])):
+def pairs_pack(model: nn.Module, encoded: Encoded, *, pad_id: int, device: torch.device, pairs: int = 8) -> bool:
+    """Whether this model's pairs run packed: where it saves compute (`packing_saves`) and `packing_holds` on the
+    `pairs` widest pairs' log-prob sums."""
+    widths = [packed_width(encoded, i) for i in range(len(encoded) // 2)]
+    rows = [[len(encoded.prompt_ids[r]) + len(encoded.completion_ids[r]) for r in (2 * i, 2 * i + 1)]
+            for i in range(len(widths))]
+    if not packing_saves(transformers_model(model).config, rows, widths):
         return False
-    name, training = type(transformers_model(model)).__name__, model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            rows = pair_logps(model, encoded, widest, packed=False, pad_id=pad_id, device=device).cpu()
-            try:
-                packed = pair_logps(model, encoded, widest, packed=True, pad_id=pad_id, device=device).cpu()
-            except Exception as exc:  # noqa: BLE001 - whatever a forward raises on a packed row, the rows ran
-                print(f"note: {name}'s forward refuses packed pair rows ({one_line(exc)}): each pair runs as two "
-                      "rows", file=sys.stderr, flush=True)
-                return False
-    finally:
-        model.train(training)
-    if torch.allclose(packed, rows, atol=1e-4, rtol=1e-5):
-        return True
-    print(f"note: {name}'s packed pair rows do not give the two rows' log-probs (max difference "
-          f"{float((packed - rows).abs().max()):.3g} on the {len(widest)} widest pairs): each pair runs as two rows",
-          file=sys.stderr, flush=True)
-    return False
+    widest = sorted(range(len(widths)), key=lambda i: -widths[i])[:pairs]
+    return packing_holds(model, transformers_model(model), packed_width(encoded, widest[0]),
+                         lambda packed: pair_logps(model, encoded, widest, packed=packed, pad_id=pad_id,
+                                                   device=device),
+                         checked=f"the {len(widest)} widest pairs", fallback="each pair runs as two rows")
 
 
 def weights_fingerprint(model_path: str | Path) -> str:
@@ -244,8 +230,7 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     train_ids, eval_ids = holdout_split(pairs["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)
     pad_id = tokenizer.pad_token_id
-    holds = packing_holds(model, encoded, pad_id=pad_id, device=device)
-    packed = bool(ctx.all_reduce_mean(torch.tensor(float(holds), device=device)) == 1.0)  # every rank, one layout
+    packed = ctx.all_true(pairs_pack(model, encoded, pad_id=pad_id, device=device), device)  # one layout
     ref = reference_logps(model, encoded, packed=packed, policy_path=cfg.policy_path,
                           cache_dir=Path(cache_dir or out_dir / "cache"), pad_id=pad_id, device=device,
                           batch_size=cfg.ref_batch_size, ctx=ctx)  # (2N,)

@@ -32,6 +32,8 @@ from pipeline_lib.train.common import (
     make_optimizer,
     make_scheduler,
     mean_over_ranks,
+    packing_holds,
+    packing_saves,
     save_checkpoint,
     save_final,
     seed_everything,
@@ -43,8 +45,10 @@ from pipeline_lib.train.data import (
     Encoded,
     TrainDataError,
     encode_texts,
+    group_width,
     holdout_split,
     micro_batches,
+    per_group,
     per_row,
     render_prompts,
     require_columns,
@@ -111,28 +115,47 @@ def load_rm_data(store: Store, cfg: RMConfig) -> pl.DataFrame:
 PAIR_STATS = ("rewards/accuracies", "rewards/margins")
 
 
-def group_scores(model: torch.nn.Module, groups: Groups, ids: list[int], *, pad_id: int,
+def group_scores(model: torch.nn.Module, groups: Groups, ids: list[int], *, packed: bool, pad_id: int,
                  device: torch.device) -> tuple[Tensor, Tensor]:
-    """r(x, y) of every response of groups `ids` in one forward: scores (B, K) best first, and their mask."""
-    with autocast(device):
-        flat = per_row(lambda batch: model(batch.input_ids, batch.attention_mask).float(), groups.encoded,
-                       groups.rows(ids), pad_id=pad_id, device=device)  # (R,)
+    """r(x, y) of every response of groups `ids` in one forward: scores (B, K) best first, and their mask. `packed`
+    (where `groups_pack` allows it) runs a group as one row, the tokens its responses share once."""
     width = max(groups.sizes[g] for g in ids)
     sizes = torch.tensor([groups.sizes[g] for g in ids], device=device)
     mask = torch.arange(width, device=device).unsqueeze(0) < sizes.unsqueeze(1)  # (B, K) valid prefix
+    if packed:
+        scores = per_group(lambda batch: model(batch.input_ids, batch.attention_mask, batch.packed).float(),
+                           groups.encoded, [groups.rows([g]) for g in ids], pad_id=pad_id, device=device)
+        return torch.where(mask, scores, torch.zeros_like(scores)), mask  # (B, K)
+    flat = per_row(lambda batch: model(batch.input_ids, batch.attention_mask).float(), groups.encoded,
+                   groups.rows(ids), pad_id=pad_id, device=device)  # (R,)
     scores = torch.zeros(mask.shape, device=device, dtype=flat.dtype).masked_scatter(mask, flat)  # (B, K)
     return scores, mask
 
 
+def groups_pack(model: RewardModel, groups: Groups, *, pad_id: int, device: torch.device, widest: int = 8) -> bool:
+    """Whether this model's groups run packed: where it saves compute (`packing_saves`) and `packing_holds` on the
+    `widest` widest groups' scores."""
+    widths = [group_width(groups.encoded, groups.rows([g])) for g in range(len(groups))]
+    rows = [[len(groups.encoded.prompt_ids[r]) for r in groups.rows([g])] for g in range(len(groups))]
+    if not packing_saves(model.backbone.config, rows, widths):
+        return False
+    checked = sorted(range(len(groups)), key=lambda g: -widths[g])[:widest]
+    return packing_holds(model, model.backbone, widths[checked[0]],
+                         lambda packed: group_scores(model, groups, checked, packed=packed, pad_id=pad_id,
+                                                     device=device)[0],
+                         checked=f"the {len(checked)} widest groups", fallback="each response runs as its own row")
+
+
 @torch.no_grad()
-def pairwise_accuracy(model: torch.nn.Module, groups: Groups, ids: list[int], *, pad_id: int,
+def pairwise_accuracy(model: torch.nn.Module, groups: Groups, ids: list[int], *, packed: bool, pad_id: int,
                       device: torch.device, batch_size: int = 128) -> dict[str, float]:
     """Share of response pairs (i ranked above j) scored r_i > r_j, and the mean r_i - r_j."""
     model.eval()
     correct, margin, count = 0.0, 0.0, 0
     for start in range(0, len(ids), batch_size):
-        chunk = ids[start:start + batch_size]
-        scores, mask = group_scores(model, groups, chunk, pad_id=pad_id, device=device)  # (B, K)
+        with autocast(device):
+            scores, mask = group_scores(model, groups, ids[start:start + batch_size], packed=packed, pad_id=pad_id,
+                                        device=device)  # (B, K)
         gaps = scores.unsqueeze(2) - scores.unsqueeze(1)  # (B, K, K): r_i - r_j
         better = torch.ones_like(gaps, dtype=torch.bool).triu(diagonal=1) & mask.unsqueeze(2) & mask.unsqueeze(1)
         correct += float((gaps[better] > 0).sum())
@@ -165,6 +188,7 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
     train_ids, eval_ids = holdout_split(data["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)
     pad_id = tokenizer.pad_token_id
+    packed = ctx.all_true(groups_pack(model, groups, pad_id=pad_id, device=device), device)  # one layout
     optimizer = make_optimizer(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
                                kind=cfg.lr_schedule)
@@ -172,7 +196,7 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
     start_step = resumed[0] if resumed else 0
     ddp_model = wrap_model(model, ctx)
     if start_step == 0 and ctx.is_main:
-        log(pairwise_accuracy(model, groups, eval_ids, pad_id=pad_id, device=device), 0)
+        log(pairwise_accuracy(model, groups, eval_ids, packed=packed, pad_id=pad_id, device=device), 0)
     metrics: dict[str, float] = {}
 
     for step, positions in batches(len(train_ids), cfg.batch_size, seed=cfg.seed, start_step=start_step):
@@ -186,7 +210,9 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
         for k, micro in enumerate(chunks):
             sync = nullcontext() if k == len(chunks) - 1 or not ctx.enabled else ddp_model.no_sync()
             with sync:
-                scores, mask = group_scores(ddp_model, groups, micro, pad_id=pad_id, device=device)  # (B, K)
+                with autocast(device):
+                    scores, mask = group_scores(ddp_model, groups, micro, packed=packed, pad_id=pad_id,
+                                                device=device)  # (B, K)
                 # ---- loss
                 if cfg.loss == "bradley_terry":
                     loss, stats = bradley_terry_loss(scores[:, 0], scores[:, 1], margin=cfg.margin or None)
@@ -220,7 +246,7 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
         if ctx.is_main and (done % cfg.log_every == 0 or done == cfg.max_steps):
             log(metrics, done)
         if ctx.is_main and cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.max_steps:
-            log(pairwise_accuracy(model, groups, eval_ids, pad_id=pad_id, device=device), done)
+            log(pairwise_accuracy(model, groups, eval_ids, packed=packed, pad_id=pad_id, device=device), done)
         if ctx.is_main and done % cfg.save_every == 0 and done < cfg.max_steps:
             save_checkpoint(out_dir, step=done, model=model, optimizer=optimizer, scheduler=scheduler,
                             run_key=stage_key)
@@ -228,7 +254,7 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
     check_in_sync(model, ctx)
     final = out_dir / "final"
     if ctx.is_main:
-        evaluation = pairwise_accuracy(model, groups, eval_ids, pad_id=pad_id, device=device)
+        evaluation = pairwise_accuracy(model, groups, eval_ids, packed=packed, pad_id=pad_id, device=device)
         log(evaluation, cfg.max_steps)
         metrics.update({**evaluation, "eval/n_groups": float(len(eval_ids)),
                         "train/seconds": time.perf_counter() - started})

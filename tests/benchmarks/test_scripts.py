@@ -30,7 +30,7 @@ def table(out: str) -> list[list[str]]:
 
 @pytest.mark.parametrize(("script", "option"), [
     ("evaluation.py", "--samples"), ("ingest.py", "--n"), ("cache_rerun.py", "--steps"), ("logprobs.py", "--batch"),
-    ("sampling.py", "--prompts"), ("vs_trl.py", "--repeats"),
+    ("sampling.py", "--prompts"), ("vs_trl.py", "--repeats"), ("rm_packing.py", "--groups"),
 ])
 def test_a_count_below_one_is_a_one_line_usage_error(script, option):
     done = bench(script, option, "0", check=False)
@@ -62,3 +62,12 @@ def test_sampling_prints_hf_throughput_without_the_vllm_env():
     rows = table(out.stdout)
     assert [row[:3] for row in rows] == [["hf generate", "2", "1"], ["hf generate", "2", "2"]]
     assert [int(row[3]) for row in rows] == [4, 8]  # every prompt runs to max_new_tokens on the random-init model
+
+
+def test_rm_packing_times_both_layouts_and_says_which_the_loop_picks():
+    done = bench("rm_packing.py", "--data", "rankings", "hh", "--groups", "4", "--repeats", "1")
+    rankings, hh = table(done.stdout)
+    assert rankings[0] == "rankings" and rankings[4] == "packed"  # short prompts, 2-4 answers: fewer positions
+    assert float(rankings[3]) < float(rankings[2])
+    assert hh[0] == "hh" and hh[4] == "rows"  # cut from the left to 256 characters, the replies share little
+    assert all(float(cell) > 0 for cell in rankings[5:] + hh[5:])

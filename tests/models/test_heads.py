@@ -14,6 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
 
 from pipeline_lib.models import POOLINGS, RewardModel, ValueModel, build_tiny_model, load_policy
 from pipeline_lib.models.loading import ModelLoadError
+from pipeline_lib.train.data import Encoded, collate_groups
 
 CORPUS = [f"{a:02d}+{b:02d}={a + b}" for a in range(0, 100, 9) for b in range(0, 100, 13)]
 SEQUENCES = [[9, 10, 7, 11, 12], [8, 9, 7, 13, 14, 15, 16, 10], [11, 12]]  # lengths 5, 8, 2
@@ -47,10 +48,10 @@ def _padded(side: str, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def _unpadded_reference(model: RewardModel) -> torch.Tensor:
+def _unpadded_reference(model: RewardModel, sequences: list[list[int]] = SEQUENCES) -> torch.Tensor:
     """Each sequence alone (no padding at all), pooled by hand from the backbone's hidden states."""
     scores = []
-    for seq in SEQUENCES:
+    for seq in sequences:
         out = model.backbone(torch.tensor([seq]), output_hidden_states=True)
         last, before = out.hidden_states[-1][0], out.hidden_states[-2][0]  # (T, H)
         norm = getattr(model.backbone, "ln_f", None) or model.backbone.norm  # GPT-2, Llama: hidden_states[-1]'s norm
@@ -70,6 +71,52 @@ def test_reward_is_the_same_for_left_and_right_padding(request, backbone, poolin
     assert left.shape == (3,) and left.dtype == torch.float32
     torch.testing.assert_close(left, right, atol=ATOL, rtol=0)
     torch.testing.assert_close(left, _unpadded_reference(model), atol=ATOL, rtol=0)
+
+
+# groups of texts sharing their first tokens: 2 of 3 texts, all but the last token of two equal ones, none
+GROUPS = [[[9, 10, 7, 11, 12], [9, 10, 7, 13, 14, 15], [9, 10, 8]], [[8, 9, 7, 13], [8, 9, 7, 13]],
+          [[11, 12], [5, 6, 7]]]
+
+
+def _packed_groups() -> tuple[torch.Tensor, torch.Tensor, object]:
+    texts = [text for group in GROUPS for text in group]
+    rows, start = [], 0
+    for group in GROUPS:
+        rows.append(list(range(start, start + len(group))))
+        start += len(group)
+    batch = collate_groups(Encoded(texts, [[] for _ in texts]), rows, pad_id=0, texts=3)
+    return batch.input_ids, batch.attention_mask, batch.packed
+
+
+@pytest.mark.parametrize("backbone", ["policy_dir", "gpt2_dir"])
+@pytest.mark.parametrize("pooling", POOLINGS)
+def test_packed_groups_score_each_text_as_its_own_row_does(request, backbone, pooling):
+    model = RewardModel.from_policy(request.getfixturevalue(backbone), pooling=pooling)
+    with torch.no_grad():
+        scores = model(*_packed_groups())  # (3 groups, 3 texts)
+    assert scores.shape == (3, 3) and scores.dtype == torch.float32
+    valid = torch.tensor([[True, True, True], [True, True, False], [True, True, False]])
+    expected = _unpadded_reference(model, [text for group in GROUPS for text in group])
+    torch.testing.assert_close(scores[valid], expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("pooling", ["last_token", "mean"])
+def test_packed_groups_give_the_rows_gradients(policy_dir, pooling):
+    model = RewardModel.from_policy(policy_dir, pooling=pooling)
+    texts = [text for group in GROUPS for text in group]
+    weights = torch.arange(1.0, len(texts) + 1)
+    grads = []
+    for packed in (False, True):
+        model.zero_grad()
+        if packed:
+            scores = model(*_packed_groups())[torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0]], dtype=torch.bool)]
+        else:
+            scores = torch.cat([model(torch.tensor([text]), torch.ones(1, len(text), dtype=torch.long))
+                                for text in texts])
+        (scores * weights).sum().backward()
+        grads.append({name: param.grad.clone() for name, param in model.named_parameters()})
+    for name, grad in grads[0].items():  # fp32 rounding of sums taken in another order, on the tensor's scale
+        assert float((grads[1][name] - grad).abs().max()) <= 1e-6 * (1.0 + float(grad.abs().max())), name
 
 
 def test_poolings_differ(policy_dir):

@@ -15,9 +15,11 @@ from pipeline_lib.train.data import (
     Encoded,
     TrainDataError,
     collate,
+    collate_groups,
     encode,
     encode_frame,
     encode_texts,
+    group_width,
     holdout_split,
     length_buckets,
     micro_batches,
@@ -173,3 +175,18 @@ def test_run_file_round_trip_and_one_line_errors(tmp_path):
     path.write_text(json.dumps(raw))
     with pytest.raises(TrainDataError, match=r"data.rows: .*gone.parquet not found"):
         read_run_file(path, SFTConfig)
+
+
+def test_a_group_packs_its_shared_prefix_once_then_each_texts_own_tokens():
+    texts = [[5, 6, 7, 8], [5, 6, 9], [5, 6, 7, 8, 1],  # group 0: prefix 5 6 (the second text leaves it at 9)
+             [3, 4], [3, 4]]  # group 1: two equal texts keep their last token each
+    encoded = Encoded(texts, [[] for _ in texts])
+    assert [group_width(encoded, g) for g in ([0, 1, 2], [3, 4])] == [2 + 2 + 1 + 3, 1 + 1 + 1]
+    batch = collate_groups(encoded, [[0, 1, 2], [3, 4]], pad_id=0, texts=3)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9, 7, 8, 1], [0, 0, 0, 0, 0, 3, 4, 4]]
+    assert batch.attention_mask.tolist() == [[1] * 8, [0] * 5 + [1] * 3]
+    packed = batch.packed
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 2, 3, 4], [0, 0, 0, 0, 0, 0, 1, 1]]
+    assert packed.segments.tolist() == [[0, 0, 1, 1, 2, 3, 3, 3], [0, 0, 0, 0, 0, 0, 1, 2]]
+    assert packed.ends.tolist() == [[3, 4, 7], [6, 7, 0]]  # each text's last token; 0 past a group's size
+    assert packed.lengths.tolist() == [[4, 3, 5], [2, 2, 0]]

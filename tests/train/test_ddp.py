@@ -19,7 +19,7 @@ import polars as pl
 import pytest
 from safetensors.torch import load_file
 
-from pipeline_lib.config import DPOConfig, GRPOConfig
+from pipeline_lib.config import DPOConfig, GRPOConfig, RMConfig
 from pipeline_lib.models import build_tiny_model
 from pipeline_lib.train.data import write_run_file
 
@@ -68,8 +68,9 @@ def tiny_dpo_model(tmp_path: Path) -> Path:
                             intermediate_size=128)
 
 
-def torchrun_dpo(tmp_path: Path, run_file: Path, timeout: float, **env_vars: str) -> tuple[subprocess.Popen, str]:
-    """`torchrun --nproc_per_node 2 -m pipeline_lib.train.dpo` on `run_file`, with SITECUSTOMIZE loaded in every
+def torchrun_dpo(tmp_path: Path, run_file: Path, timeout: float, module: str = "pipeline_lib.train.dpo",
+                 **env_vars: str) -> tuple[subprocess.Popen, str]:
+    """`torchrun --nproc_per_node 2 -m <module>` (DPO unless told) on `run_file`, with SITECUSTOMIZE loaded in every
     process; per-rank logs under tmp_path/logs. (process, output) once it ended; killed and raised on a timeout."""
     site = tmp_path / "site"
     site.mkdir()
@@ -79,7 +80,7 @@ def torchrun_dpo(tmp_path: Path, run_file: Path, timeout: float, **env_vars: str
     ddp = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "--log-dir", str(tmp_path / "logs"), "--redirects", "3",
-         "-m", "pipeline_lib.train.dpo", "--config", str(run_file)],
+         "-m", module, "--config", str(run_file)],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = ddp.communicate(timeout=timeout)
@@ -123,6 +124,30 @@ def test_torchrun_two_ranks_match_one_process_and_only_rank_0_writes(tmp_path):
     b = load_file(str(tmp_path / "single" / "final" / "model.safetensors"))
     start = load_file(str(model / "model.safetensors"))
     assert max(float((a[k] - start[k]).abs().max()) for k in a) > 1e-3  # it trained
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
+@pytest.mark.slow
+def test_torchrun_reward_model_on_packed_rankings_matches_one_process(tmp_path):
+    """Rankings packed a ranking per row (the shared prompt once) go through DDP's forward: two ranks train the
+    weights one process does."""
+    model = tiny_dpo_model(tmp_path)
+    cfg = RMConfig(model_path=str(model), loss="plackett_luce", pooling="mean", max_steps=4, batch_size=8,
+                   grad_accum_steps=2, lr=1e-3, device="cpu")
+    rankings = pl.DataFrame({"prompt": [f"{i:02d}+01=" for i in range(40)],
+                             "responses": [[str(i + 1), str(i + 2), "no idea!"][: 2 + i % 2] for i in range(40)]})
+    ddp_file = write_run_file(tmp_path / "ddp.json", cfg, {"data": rankings}, tmp_path / "ddp")
+    single_file = write_run_file(tmp_path / "single.json", cfg, {"data": rankings}, tmp_path / "single")
+    ddp, output = torchrun_dpo(tmp_path, ddp_file, 300, module="pipeline_lib.train.rm")
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").rglob("*.log"))
+    assert ddp.returncode == 0, output + logs
+    assert "note:" not in output + logs  # packed: the check held
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    single = subprocess.run([sys.executable, "-m", "pipeline_lib.train.rm", "--config", str(single_file)],
+                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stdout + single.stderr
+    a = load_file(str(tmp_path / "ddp" / "final" / "model.safetensors"))
+    b = load_file(str(tmp_path / "single" / "final" / "model.safetensors"))
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
 
 

@@ -23,7 +23,7 @@ from pipeline_lib.config import DPOConfig, SFTConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.models import build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.train.common import Dist, NonFiniteLossError, final_metrics
-from pipeline_lib.train.dpo import encode_pairs, logprob_sums, packing_holds, reference_logps, train_dpo
+from pipeline_lib.train.dpo import encode_pairs, logprob_sums, pairs_pack, reference_logps, train_dpo
 from pipeline_lib.train.sft import sft_rows, train_sft
 
 DEMO = Path(__file__).resolve().parents[2] / "data" / "demo"
@@ -177,19 +177,19 @@ def test_packed_pairs_are_checked_against_the_two_rows_on_the_widest_pairs(tiny,
     encoded = encode_pairs(tokenizer, pl.concat([toy_pairs(12), long_pairs]), max_length=64)
     cpu = torch.device("cpu")
     capsys.readouterr()  # the loading progress bar
-    assert packing_holds(model, encoded, pad_id=tokenizer.pad_token_id, device=cpu)
+    assert pairs_pack(model, encoded, pad_id=tokenizer.pad_token_id, device=cpu)
     assert "note:" not in capsys.readouterr().err
     for cls in (_DropsPositions, _DropsMask, _DropsWideMasks):
         quirky = cls(model.config).eval()
         quirky.load_state_dict(model.state_dict())
-        assert not packing_holds(quirky, encoded, pad_id=tokenizer.pad_token_id, device=cpu)
-        assert re.fullmatch(rf"note: {cls.__name__}'s packed pair rows do not give the two rows' log-probs \(max "
+        assert not pairs_pack(quirky, encoded, pad_id=tokenizer.pad_token_id, device=cpu)
+        assert re.fullmatch(rf"note: {cls.__name__}'s packed rows do not give the rows' values \(max "
                             r"difference [0-9.e+-]+ on the 8 widest pairs\): each pair runs as two rows\n",
                             capsys.readouterr().err)
     refuses = _RefusesMasks(model.config).train()
     refuses.load_state_dict(model.state_dict())
-    assert not packing_holds(refuses, encoded, pad_id=tokenizer.pad_token_id, device=cpu)
-    assert capsys.readouterr().err == ("note: _RefusesMasks's forward refuses packed pair rows (ValueError: too many "
+    assert not pairs_pack(refuses, encoded, pad_id=tokenizer.pad_token_id, device=cpu)
+    assert capsys.readouterr().err == ("note: _RefusesMasks's forward refuses packed rows (ValueError: too many "
                                        "values to unpack (expected 2) second line): each pair runs as two rows\n")
     assert refuses.training  # the check leaves the model's mode as it found it
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 import warnings
 from pathlib import Path
@@ -14,6 +15,7 @@ import polars as pl
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from safetensors.torch import load_file
 
 from pipeline_lib.config import RMConfig, SFTConfig
@@ -21,7 +23,8 @@ from pipeline_lib.models import RewardModel, build_tiny_model, load_tokenizer
 from pipeline_lib.rewards.registry import build_reward
 from pipeline_lib.train.common import NonFiniteLossError, batches, final_metrics
 from pipeline_lib.train.data import TrainDataError, holdout_split
-from pipeline_lib.train.rm import build_groups, group_scores, pairwise_accuracy, train_rm
+from pipeline_lib.train import rm
+from pipeline_lib.train.rm import build_groups, group_scores, groups_pack, pairwise_accuracy, train_rm
 from pipeline_lib.train.sft import sft_rows, train_sft
 
 DEMO = Path(__file__).resolve().parents[2] / "data" / "demo"
@@ -78,13 +81,58 @@ def test_pairwise_accuracy_counts_every_ordered_pair(tiny):
     ranking 1: '2', '3', 'no idea!' (7, 7, 14): 2>3 tie, 2>no-idea gap -7, 3>no-idea gap -7; ranking 2: tie.
     Nothing is right: accuracy 0, margin (0 + 0 - 7 - 7 + 0) / 5 = -2.8."""
     groups = build_groups(load_tokenizer(tiny), toy_rankings(3), "plackett_luce", max_length=64)
-    result = pairwise_accuracy(LengthScorer(), groups, [0, 1, 2], pad_id=0, device=torch.device("cpu"))
+    result = pairwise_accuracy(LengthScorer(), groups, [0, 1, 2], packed=False, pad_id=0, device=torch.device("cpu"))
     assert result == {"eval/rm_accuracy": 0.0, "eval/rm_margin": pytest.approx(-2.8)}
     pairs = build_groups(load_tokenizer(tiny), toy_pairs(4), "bradley_terry", max_length=64)
-    scores, mask = group_scores(LengthScorer(), pairs, [0, 1], pad_id=0, device=torch.device("cpu"))
+    scores, mask = group_scores(LengthScorer(), pairs, [0, 1], packed=False, pad_id=0, device=torch.device("cpu"))
     assert mask.all() and scores[0, 1] == 14  # "no idea!" after a 6-token prompt
-    odd = pairwise_accuracy(LengthScorer(), pairs, [1, 3], pad_id=0, device=torch.device("cpu"))
+    odd = pairwise_accuracy(LengthScorer(), pairs, [1, 3], packed=False, pad_id=0, device=torch.device("cpu"))
     assert odd["eval/rm_accuracy"] == 0.0  # '+1' answers have the same length: ties
+
+
+class _DropsMask(transformers.LlamaModel):
+    """A transformers-looking backbone whose forward drops the mask: a packed response would read the others."""
+
+    __module__ = "transformers.models.llama.modeling_llama"
+
+    def forward(self, *args, attention_mask=None, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+def test_groups_run_packed_where_that_saves_compute_and_gives_each_responses_own_score(tiny, capsys):
+    tokenizer, cpu = load_tokenizer(tiny), torch.device("cpu")
+    model = RewardModel.from_policy(tiny, device="cpu")
+    rankings = build_groups(tokenizer, toy_rankings(12), "plackett_luce", max_length=64)
+    capsys.readouterr()
+    assert groups_pack(model, rankings, pad_id=tokenizer.pad_token_id, device=cpu)
+    assert capsys.readouterr().err == ""
+    quirky = RewardModel(_DropsMask(model.backbone.config), model.head, "mean")
+    quirky.backbone.load_state_dict(model.backbone.state_dict())
+    assert not groups_pack(quirky, rankings, pad_id=tokenizer.pad_token_id, device=cpu)
+    assert re.fullmatch(r"note: _DropsMask's packed rows do not give the rows' values \(max difference [0-9.e+-]+ on "
+                        r"the 8 widest groups\): each response runs as its own row\n", capsys.readouterr().err)
+    assert quirky.training  # as it was
+    # cut from the left to 12 tokens, a short and a long response keep no common first token: packing would only
+    # lengthen the attention, so the pairs run as rows, without a note
+    cut = build_groups(tokenizer, pl.DataFrame({"prompt": ["12+34+56+78+90="] * 4, "chosen": ["270"] * 4,
+                                                "rejected": ["no idea!"] * 4}), "bradley_terry", max_length=12)
+    capsys.readouterr()
+    assert not groups_pack(model, cut, pad_id=tokenizer.pad_token_id, device=cpu)
+    assert capsys.readouterr().err == ""
+
+
+def test_packed_groups_train_the_weights_their_rows_train(tiny, tmp_path, monkeypatch):
+    cfg = RMConfig(model_path=str(tiny), loss="plackett_luce", pooling="mean", max_steps=3, batch_size=4, lr=1e-3,
+                   device="cpu")
+    logged = {}
+    packed = train_rm(cfg, toy_rankings(24), tmp_path / "packed", log=lambda m, s: logged.setdefault("packed", m))
+    monkeypatch.setattr(rm, "groups_pack", lambda *args, **kwargs: False)
+    rows = train_rm(cfg, toy_rankings(24), tmp_path / "rows", log=lambda m, s: logged.setdefault("rows", m))
+    assert logged["packed"]["eval/rm_margin"] == pytest.approx(logged["rows"]["eval/rm_margin"], abs=1e-5)
+    before, after = load_file(str(rows / "model.safetensors")), load_file(str(packed / "model.safetensors"))
+    assert all(torch.allclose(after[name], weights, atol=1e-5) for name, weights in before.items())
+    assert not torch.equal(load_file(str(rows / "reward_head.safetensors"))["weight"],
+                           RewardModel.from_policy(tiny, seed=cfg.seed).head.weight.detach())  # they trained
 
 
 def test_bradley_terry_two_steps_with_margin(tiny, tmp_path):
@@ -102,7 +150,8 @@ def test_bradley_terry_two_steps_with_margin(tiny, tmp_path):
     train_ids, eval_ids = holdout_split(data["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     _, first = next(batches(len(train_ids), 8, seed=cfg.seed))
     with torch.no_grad():
-        scores, _ = group_scores(start, groups, [train_ids[p] for p in first], pad_id=0, device=torch.device("cpu"))
+        scores, _ = group_scores(start, groups, [train_ids[p] for p in first], packed=False, pad_id=0,
+                                 device=torch.device("cpu"))
     expected = float(-F.logsigmoid(scores[:, 0] - scores[:, 1] - 0.5).mean())
     assert logged[1][1]["train/loss"] == pytest.approx(expected, rel=1e-5)
 
