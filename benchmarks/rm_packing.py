@@ -1,15 +1,16 @@
 """Reward-model training step: each response as its own row vs a group's responses packed in one row behind the
-tokens they share (`pipeline_lib.train.rm.groups_pack`, which the training loop asks). Both layouts give the same
-scores and gradients (tests/models/test_heads.py); this times them.
+tokens they share, and the mix the training loop runs (`pipeline_lib.train.rm.packed_groups`: the groups where
+packing saves compute). The layouts give the same scores and gradients (tests/models/test_heads.py); this times them.
 
     .venv/bin/python benchmarks/rm_packing.py [--model demo|large] [--data pairs rankings hh] [--groups 32]
                                               [--max-length 256] [--repeats 6] [--threads 1]
 
 Data, ingested into a scratch DuckDB store as `alignflow ingest` stores them: `pairs` (data/demo/pairs.jsonl,
 Bradley-Terry), `rankings` (data/demo/rankings.jsonl, Plackett-Luce), `hh` (the shipped HH-RLHF harmless-base test
-transcripts: a multi-turn prompt shared by two replies). Per data set: the tokens a group holds as rows and packed
-(over the timed groups), what `groups_pack` picks for the whole set, and the mean time of one forward + backward
-over `--groups` groups, the two layouts alternating in one process (each one's first run is a warm-up, not counted).
+transcripts: a multi-turn prompt shared by two replies). Per data set: how many groups `packed_groups` packs, the
+tokens a group holds as rows and all packed (over the timed groups), and the mean time of one forward + backward
+over `--groups` groups as rows, all packed and the loop's mix, alternating in one process (each one's first run is a
+warm-up, not counted).
 The model is the tiny offline one built on the data (a character tokenizer, so a token is about a character)."""
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def measure(name: str, args: argparse.Namespace, scratch: Path) -> dict:
     from pipeline_lib.store.db import open_store
     from pipeline_lib.store.ingest import ingest_file
     from pipeline_lib.train.data import group_width
-    from pipeline_lib.train.rm import build_groups, group_scores, groups_pack
+    from pipeline_lib.train.rm import build_groups, group_scores, packed_groups
 
     with open_store(scratch / f"{name}.duckdb") as store:
         ingest_file(FILES[name], store, source=name)
@@ -48,25 +49,26 @@ def measure(name: str, args: argparse.Namespace, scratch: Path) -> dict:
     model_dir = build_tiny_model(scratch / f"{name}-model", corpus, **SIZES[args.model],
                                  max_position_embeddings=4 * args.max_length)
     tokenizer, cpu = load_tokenizer(model_dir), torch.device("cpu")
-    model = RewardModel.from_policy(model_dir, device="cpu")
+    model = RewardModel.from_policy(model_dir, device="cpu").eval()  # train_rm's default: dropout off
     groups = build_groups(tokenizer, data, "plackett_luce" if name == "rankings" else "bradley_terry",
                           max_length=args.max_length)
-    packs = groups_pack(model, groups, pad_id=tokenizer.pad_token_id, device=cpu)
+    chosen = packed_groups(model, groups, pad_id=tokenizer.pad_token_id, device=cpu)
     timed = list(range(min(args.groups, len(groups))))
-    times: dict[bool, list[float]] = {False: [], True: []}
+    layouts = {"rows": (), "all packed": timed, "mix": chosen}
+    times: dict[str, list[float]] = {name: [] for name in layouts}
     for repeat in range(args.repeats + 1):
-        for packed in (False, True):
+        for layout, packed in layouts.items():
             started = time.perf_counter()
             scores, mask = group_scores(model, groups, timed, packed=packed, pad_id=tokenizer.pad_token_id,
                                         device=cpu)
             (scores * mask).sum().backward()
             model.zero_grad(set_to_none=True)
             if repeat:
-                times[packed].append(time.perf_counter() - started)
+                times[layout].append(time.perf_counter() - started)
     rows = sum(len(groups.encoded.prompt_ids[r]) for r in groups.rows(timed)) / len(timed)
     width = sum(group_width(groups.encoded, groups.rows([g])) for g in timed) / len(timed)
-    return {"data": name, "groups": len(groups), "rows": rows, "packed_tokens": width, "packs": packs,
-            "rows_ms": 1e3 * statistics.mean(times[False]), "packed_ms": 1e3 * statistics.mean(times[True])}
+    return {"data": name, "groups": len(groups), "chosen": len(chosen), "rows": rows, "packed_tokens": width,
+            **{f"{layout} ms": 1e3 * statistics.mean(values) for layout, values in times.items()}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,15 +85,15 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     print(f"model {args.model}, max_length {args.max_length}, {args.groups} groups a batch, {args.repeats} runs each, "
           f"{args.threads} thread(s)", file=sys.stderr)
-    print("| data | groups | tokens a group, rows | packed | groups_pack picks | step ms, rows | packed | packed/rows |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| data | groups | packed by the loop | tokens a group, rows | all packed | step ms, rows | all packed | "
+          "the loop's mix | mix/rows |")
+    print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.data:
             r = measure(name, args, Path(scratch))
-            print(f"| {r['data']} | {r['groups']} | {r['rows']:.1f} | {r['packed_tokens']:.1f} | "
-                  f"{'packed' if r['packs'] else 'rows'} | {r['rows_ms']:.1f} | {r['packed_ms']:.1f} | "
-                  f"{r['packed_ms'] / r['rows_ms']:.2f} |", flush=True)
-
+            print(f"| {r['data']} | {r['groups']} | {r['chosen']} | {r['rows']:.1f} | {r['packed_tokens']:.1f} | "
+                  f"{r['rows ms']:.1f} | {r['all packed ms']:.1f} | {r['mix ms']:.1f} | "
+                  f"{r['mix ms'] / r['rows ms']:.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -387,6 +387,10 @@ class RMConfig(TrainLoopConfig):
     (both through the backbone's final norm)."""
     margin: float = 0.0
     """Bradley-Terry margin m in -log σ(r_w - r_l - m) (Llama 2 eq. 2); 0 is the plain loss."""
+    disable_dropout: bool = True
+    """Train with dropout off (TRL's RewardConfig default). False trains with the backbone's dropout on; a group's
+    responses then run as rows of their own, each drawing its own dropout (packed behind their shared prompt they
+    would share one draw over it)."""
     source: str | None = None
     """Only pairs/rankings whose `source` equals this; None keeps all."""
     eval_fraction: float = Field(0.1, gt=0, lt=1)
@@ -419,7 +423,8 @@ class DPOConfig(TrainLoopConfig):
     as two rows, packed or not."""
     disable_dropout: bool = True
     """Train with dropout off (TRL's default): the policy is then the same function as the cached reference
-    at step 0 (loss log 2). False trains with the model's dropout and lora_dropout on."""
+    at step 0 (loss log 2). False trains with the model's dropout and lora_dropout on, and a pair's answers as two
+    rows (packed behind their prompt they would share one dropout draw over it)."""
     lora_r: int = Field(0, ge=0)
     """LoRA rank through peft (Hu et al. 2021), e.g. 8-64; 0 trains all weights. With LoRA the reference is
     the policy with adapters disabled (no second copy) and the final model has the adapters merged."""

@@ -95,19 +95,18 @@ def autocast(device: torch.device):
     return nullcontext()
 
 
-def packing_saves(config, rows: Sequence[Sequence[int]], widths: Sequence[int]) -> bool:
-    """Whether packing each group of `rows` (token counts of a group's rows) into one row of `widths[g]` columns costs
-    fewer multiply-adds: per layer, a row of L tokens costs about L (4h^2 + 3hi) in its projections and MLP and L^2 h
-    in its attention (h `hidden_size`, i `intermediate_size`). A packed row attends over its whole width, masked or
-    not, so where the shared prefix is short next to the texts (long answers; texts cut from the left differently)
-    its attention costs more than the prefix saves."""
+def packing_saves(config, rows: Sequence[Sequence[int]], widths: Sequence[int]) -> list[bool]:
+    """For each group of `rows` (token counts of its rows): whether packing it into one row of `widths[g]` columns
+    costs fewer multiply-adds. Per layer, a row of L tokens costs about L (4h^2 + 3hi) in its projections and MLP (h
+    `hidden_size`, i `intermediate_size`) and 2 L^2 h in its attention scores and sums, of which a causal kernel
+    computes about half; a packed row's explicit mask has them all computed, masked or not. So where the shared
+    prefix is short next to the texts (long answers; texts cut from the left differently), the packed row's attention
+    costs more than the prefix saves."""
     hidden = config.hidden_size
     per_token = 4 * hidden ** 2 + 3 * hidden * (getattr(config, "intermediate_size", None) or 4 * hidden)
-
-    def cost(length: int) -> int:
-        return length * per_token + length ** 2 * hidden
-
-    return sum(cost(width) for width in widths) < sum(cost(length) for group in rows for length in group)
+    return [width * per_token + 2 * width ** 2 * hidden < sum(length * per_token + length ** 2 * hidden
+                                                               for length in group)
+            for group, width in zip(rows, widths)]
 
 
 def packing_holds(model: nn.Module, inner: nn.Module, width: int, values: Callable[[bool], Tensor], *, checked: str,
@@ -117,8 +116,9 @@ def packing_holds(model: nn.Module, inner: nn.Module, width: int, values: Callab
     texts (the widest: where windows, positions and lengths bite). Run in eval mode without autocast, so the check
     is of the layout, not of bf16's rounding. A transformers model whose forward ignores the 4D mask or the position
     ids (ALiBi's biases, encoder-decoder heads), or refuses the packed row, keeps the rows, with a note saying
-    `fallback`: it would otherwise train on wrong values, silently."""
-    if not packs_pairs(inner, width):
+    `fallback`: it would otherwise train on wrong values, silently. A model training with dropout on keeps the rows
+    too: packed, a group's texts would share one dropout draw over their shared prefix."""
+    if model.training or not packs_pairs(inner, width):
         return False
     name, training = type(inner).__name__, model.training
     model.eval()

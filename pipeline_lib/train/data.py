@@ -11,7 +11,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TypeVar
@@ -375,6 +375,16 @@ def per_group(fn: Callable[[GroupBatch], Tensor], encoded: Encoded, groups: Sequ
     return _in_buckets(fn, [group_width(encoded, group) for group in groups],
                        lambda bucket: collate_groups(encoded, [groups[k] for k in bucket], pad_id=pad_id, texts=texts),
                        device)
+
+
+def by_layout(ids: Sequence[int], packed: Collection[int], run_packed: Callable[[list[int]], Tensor],
+              run_rows: Callable[[list[int]], Tensor]) -> Tensor:
+    """Values of `ids` in their order: those in `packed` from `run_packed`, the others from `run_rows` (each gives one
+    entry per id it gets, in its order, and the same trailing shape); gradients flow."""
+    in_packs, in_rows = [i for i in ids if i in packed], [i for i in ids if i not in packed]
+    parts = ([run_packed(in_packs)] if in_packs else []) + ([run_rows(in_rows)] if in_rows else [])
+    order = [k for k, i in enumerate(ids) if i in packed] + [k for k, i in enumerate(ids) if i not in packed]
+    return torch.cat(parts)[torch.argsort(torch.tensor(order, device=parts[0].device))]
 
 
 def micro_batches(indices: Sequence[int], n_micro: int) -> list[list[int]]:

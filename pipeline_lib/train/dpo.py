@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Collection
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -53,6 +54,7 @@ from pipeline_lib.train.common import (
 from pipeline_lib.train.data import (
     Encoded,
     TrainDataError,
+    by_layout,
     encode,
     holdout_split,
     micro_batches,
@@ -91,21 +93,26 @@ def pair_rows(pair_ids: list[int]) -> list[int]:
     return [row for i in pair_ids for row in (2 * i, 2 * i + 1)]
 
 
-def pair_logps(model: nn.Module, encoded: Encoded, pair_ids: list[int], *, packed: bool, pad_id: int,
+def pair_logps(model: nn.Module, encoded: Encoded, pair_ids: list[int], *, packed: Collection[int], pad_id: int,
                device: torch.device) -> Tensor:
-    """(len(pair_ids), 2): log π(chosen|x), log π(rejected|x) in length buckets; `packed` (where `pairs_pack`
-    allows it) runs a pair as one row, its prompt once, else as two rows."""
-    if packed:
+    """(len(pair_ids), 2): log π(chosen|x), log π(rejected|x) in length buckets; a pair in `packed` (`packed_pairs`)
+    runs as one row, its prompt once, the others as two rows."""
+
+    def run_packed(part: list[int]) -> Tensor:
         return per_pair(lambda batch: pair_logprob_sums(
             model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.segments, batch.sources,
-            batch.targets, batch.target_sides).float(), encoded, pair_ids, pad_id=pad_id, device=device)
-    return per_row(lambda batch: completion_logprob_sums(
-        model, batch.input_ids, batch.attention_mask, batch.completion_mask).float(),
-        encoded, pair_rows(pair_ids), pad_id=pad_id, device=device).view(-1, 2)
+            batch.targets, batch.target_sides).float(), encoded, part, pad_id=pad_id, device=device)
+
+    def run_rows(part: list[int]) -> Tensor:
+        return per_row(lambda batch: completion_logprob_sums(
+            model, batch.input_ids, batch.attention_mask, batch.completion_mask).float(),
+            encoded, pair_rows(part), pad_id=pad_id, device=device).view(-1, 2)
+
+    return by_layout(pair_ids, packed, run_packed, run_rows)
 
 
 @torch.no_grad()
-def logprob_sums(model: nn.Module, encoded: Encoded, pair_ids: list[int], *, packed: bool, pad_id: int,
+def logprob_sums(model: nn.Module, encoded: Encoded, pair_ids: list[int], *, packed: Collection[int], pad_id: int,
                  device: torch.device, batch_size: int) -> Tensor:
     """`pair_logps` without gradients (dropout off), over pairs sorted by length (little padding), batch_size rows
     (a pair counting as two) per forward."""
@@ -123,19 +130,22 @@ def logprob_sums(model: nn.Module, encoded: Encoded, pair_ids: list[int], *, pac
     return out
 
 
-def pairs_pack(model: nn.Module, encoded: Encoded, *, pad_id: int, device: torch.device, pairs: int = 8) -> bool:
-    """Whether this model's pairs run packed: where it saves compute (`packing_saves`) and `packing_holds` on the
-    `pairs` widest pairs' log-prob sums."""
+def packed_pairs(model: nn.Module, encoded: Encoded, *, pad_id: int, device: torch.device,
+                 pairs: int = 8) -> frozenset[int]:
+    """The pairs that run packed: those where it saves compute (`packing_saves`), if `packing_holds` on the `pairs`
+    widest of them; none otherwise."""
     widths = [packed_width(encoded, i) for i in range(len(encoded) // 2)]
     rows = [[len(encoded.prompt_ids[r]) + len(encoded.completion_ids[r]) for r in (2 * i, 2 * i + 1)]
             for i in range(len(widths))]
-    if not packing_saves(transformers_model(model).config, rows, widths):
-        return False
-    widest = sorted(range(len(widths)), key=lambda i: -widths[i])[:pairs]
-    return packing_holds(model, transformers_model(model), packed_width(encoded, widest[0]),
-                         lambda packed: pair_logps(model, encoded, widest, packed=packed, pad_id=pad_id,
-                                                   device=device),
-                         checked=f"the {len(widest)} widest pairs", fallback="each pair runs as two rows")
+    saving = [i for i, saves in enumerate(packing_saves(transformers_model(model).config, rows, widths)) if saves]
+    if not saving:
+        return frozenset()
+    widest = sorted(saving, key=lambda i: -widths[i])[:pairs]
+    holds = packing_holds(model, transformers_model(model), widths[widest[0]],
+                          lambda packed: pair_logps(model, encoded, widest, packed=widest if packed else (),
+                                                    pad_id=pad_id, device=device),
+                          checked=f"the {len(widest)} widest pairs", fallback="each pair runs as two rows")
+    return frozenset(saving) if holds else frozenset()
 
 
 def weights_fingerprint(model_path: str | Path) -> str:
@@ -146,17 +156,17 @@ def weights_fingerprint(model_path: str | Path) -> str:
     return content_id(*(f"{file.relative_to(model_dir)}:{fingerprint_path(file)}" for file in files))
 
 
-def reference_logps(model: nn.Module, encoded: Encoded, *, packed: bool, policy_path: str, cache_dir: Path,
+def reference_logps(model: nn.Module, encoded: Encoded, *, packed: Collection[int], policy_path: str, cache_dir: Path,
                     pad_id: int, device: torch.device, batch_size: int, ctx: Dist) -> Tensor:
     """log π_ref(y|x) of every row, computed once and cached at cache_dir/ref_logps/<key>.safetensors.
 
-    The key hashes the reference weights, the tokenized data, the numeric setting (device type, dtype, packed pairs
-    or rows: the float sums differ in their last bits) and the code, so a rerun, a resumed run or another stage on
+    The key hashes the reference weights, the tokenized data, the numeric setting (device type, dtype, which pairs
+    run packed: the float sums differ in their last bits) and the code, so a rerun, a resumed run or another stage on
     the same data reuses the file. Rank 0 computes and writes (atomically); every rank then reads the same file. A
     peft model is evaluated with its adapters disabled: that is the reference, without a second copy of the
     weights."""
     dtype = "bf16" if device.type == "cuda" else "fp32"
-    layout = "packed" if packed else "rows"
+    layout = content_id(*map(str, sorted(packed)))
     key = content_id(weights_fingerprint(policy_path), encoded.fingerprint(), device.type, dtype, layout,
                      code_version())
     path = Path(cache_dir) / "ref_logps" / f"{key[:32]}.safetensors"
@@ -174,7 +184,7 @@ def reference_logps(model: nn.Module, encoded: Encoded, *, packed: bool, policy_
 
 
 def preference_eval(model: nn.Module, encoded: Encoded, ref: Tensor, pair_ids: list[int], *, beta: float,
-                    packed: bool, pad_id: int, device: torch.device, batch_size: int) -> dict[str, float]:
+                    packed: Collection[int], pad_id: int, device: torch.device, batch_size: int) -> dict[str, float]:
     """Held-out pairs: how often the policy prefers chosen (log π(y_w) > log π(y_l)), by how much, the DPO loss."""
     logps = logprob_sums(model, encoded, pair_ids, packed=packed, pad_id=pad_id, device=device,
                          batch_size=batch_size)  # (P, 2)
@@ -230,7 +240,8 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     train_ids, eval_ids = holdout_split(pairs["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)
     pad_id = tokenizer.pad_token_id
-    packed = ctx.all_true(pairs_pack(model, encoded, pad_id=pad_id, device=device), device)  # one layout
+    packed = packed_pairs(model, encoded, pad_id=pad_id, device=device)
+    packed = packed if ctx.all_true(bool(packed), device) else frozenset()  # every rank, one layout
     ref = reference_logps(model, encoded, packed=packed, policy_path=cfg.policy_path,
                           cache_dir=Path(cache_dir or out_dir / "cache"), pad_id=pad_id, device=device,
                           batch_size=cfg.ref_batch_size, ctx=ctx)  # (2N,)

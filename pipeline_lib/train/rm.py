@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Collection
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from pipeline_lib.config import RMConfig
 from pipeline_lib.logfns import LogFn, no_log
@@ -44,6 +45,7 @@ from pipeline_lib.train.common import (
 from pipeline_lib.train.data import (
     Encoded,
     TrainDataError,
+    by_layout,
     encode_texts,
     group_width,
     holdout_split,
@@ -115,41 +117,52 @@ def load_rm_data(store: Store, cfg: RMConfig) -> pl.DataFrame:
 PAIR_STATS = ("rewards/accuracies", "rewards/margins")
 
 
-def group_scores(model: torch.nn.Module, groups: Groups, ids: list[int], *, packed: bool, pad_id: int,
+def group_scores(model: torch.nn.Module, groups: Groups, ids: list[int], *, packed: Collection[int], pad_id: int,
                  device: torch.device) -> tuple[Tensor, Tensor]:
-    """r(x, y) of every response of groups `ids` in one forward: scores (B, K) best first, and their mask. `packed`
-    (where `groups_pack` allows it) runs a group as one row, the tokens its responses share once."""
+    """r(x, y) of every response of groups `ids`: scores (B, K) best first, and their mask. The groups in `packed`
+    (`packed_groups`) run a group per row, the tokens its responses share once; the others a response per row."""
     width = max(groups.sizes[g] for g in ids)
     sizes = torch.tensor([groups.sizes[g] for g in ids], device=device)
     mask = torch.arange(width, device=device).unsqueeze(0) < sizes.unsqueeze(1)  # (B, K) valid prefix
-    if packed:
+
+    def run_packed(part: list[int]) -> Tensor:  # (P, width)
         scores = per_group(lambda batch: model(batch.input_ids, batch.attention_mask, batch.packed).float(),
-                           groups.encoded, [groups.rows([g]) for g in ids], pad_id=pad_id, device=device)
-        return torch.where(mask, scores, torch.zeros_like(scores)), mask  # (B, K)
-    flat = per_row(lambda batch: model(batch.input_ids, batch.attention_mask).float(), groups.encoded,
-                   groups.rows(ids), pad_id=pad_id, device=device)  # (R,)
-    scores = torch.zeros(mask.shape, device=device, dtype=flat.dtype).masked_scatter(mask, flat)  # (B, K)
-    return scores, mask
+                           groups.encoded, [groups.rows([g]) for g in part], pad_id=pad_id, device=device)
+        return nn.functional.pad(scores, (0, width - scores.shape[1]))
+
+    def run_rows(part: list[int]) -> Tensor:  # (P, width)
+        flat = per_row(lambda batch: model(batch.input_ids, batch.attention_mask).float(), groups.encoded,
+                       groups.rows(part), pad_id=pad_id, device=device)  # (R,)
+        valid = torch.arange(width, device=device) < torch.tensor([groups.sizes[g] for g in part],
+                                                                  device=device).unsqueeze(1)
+        return torch.zeros(valid.shape, device=device, dtype=flat.dtype).masked_scatter(valid, flat)
+
+    scores = by_layout(ids, packed, run_packed, run_rows)  # (B, K)
+    return torch.where(mask, scores, torch.zeros_like(scores)), mask
 
 
-def groups_pack(model: RewardModel, groups: Groups, *, pad_id: int, device: torch.device, widest: int = 8) -> bool:
-    """Whether this model's groups run packed: where it saves compute (`packing_saves`) and `packing_holds` on the
-    `widest` widest groups' scores."""
+def packed_groups(model: RewardModel, groups: Groups, *, pad_id: int, device: torch.device,
+                  widest: int = 8) -> frozenset[int]:
+    """The groups that run packed: those where it saves compute (`packing_saves`: texts sharing enough of their
+    start), if `packing_holds` on the scores of the `widest` widest of them; none otherwise."""
     widths = [group_width(groups.encoded, groups.rows([g])) for g in range(len(groups))]
     rows = [[len(groups.encoded.prompt_ids[r]) for r in groups.rows([g])] for g in range(len(groups))]
-    if not packing_saves(model.backbone.config, rows, widths):
-        return False
-    checked = sorted(range(len(groups)), key=lambda g: -widths[g])[:widest]
-    return packing_holds(model, model.backbone, widths[checked[0]],
-                         lambda packed: group_scores(model, groups, checked, packed=packed, pad_id=pad_id,
-                                                     device=device)[0],
-                         checked=f"the {len(checked)} widest groups", fallback="each response runs as its own row")
+    saving = [g for g, saves in enumerate(packing_saves(model.backbone.config, rows, widths)) if saves]
+    if not saving:
+        return frozenset()
+    checked = sorted(saving, key=lambda g: -widths[g])[:widest]
+    holds = packing_holds(model, model.backbone, widths[checked[0]],
+                          lambda packed: group_scores(model, groups, checked, packed=checked if packed else (),
+                                                      pad_id=pad_id, device=device)[0],
+                          checked=f"the {len(checked)} widest groups", fallback="each response runs as its own row")
+    return frozenset(saving) if holds else frozenset()
 
 
 @torch.no_grad()
-def pairwise_accuracy(model: torch.nn.Module, groups: Groups, ids: list[int], *, packed: bool, pad_id: int,
-                      device: torch.device, batch_size: int = 128) -> dict[str, float]:
+def pairwise_accuracy(model: torch.nn.Module, groups: Groups, ids: list[int], *, packed: Collection[int],
+                      pad_id: int, device: torch.device, batch_size: int = 128) -> dict[str, float]:
     """Share of response pairs (i ranked above j) scored r_i > r_j, and the mean r_i - r_j."""
+    training = model.training
     model.eval()
     correct, margin, count = 0.0, 0.0, 0
     for start in range(0, len(ids), batch_size):
@@ -161,7 +174,7 @@ def pairwise_accuracy(model: torch.nn.Module, groups: Groups, ids: list[int], *,
         correct += float((gaps[better] > 0).sum())
         margin += float(gaps[better].sum())
         count += int(better.sum())
-    model.train()
+    model.train(training)
     return {"eval/rm_accuracy": correct / max(count, 1), "eval/rm_margin": margin / max(count, 1)}
 
 
@@ -182,13 +195,14 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
     tokenizer = load_tokenizer(cfg.model_path, trust_remote_code=cfg.trust_remote_code)
     model = RewardModel.from_policy(cfg.model_path, pooling=cfg.pooling, dtype="float32", device=device,
                                     trust_remote_code=cfg.trust_remote_code, seed=cfg.seed)
-    model.train()
+    model.train(not cfg.disable_dropout)  # eval mode: dropout off
     groups = build_groups(tokenizer, data, cfg.loss, max_length=cfg.max_length)
     model.chat_prompts = groups.chat_prompts
     train_ids, eval_ids = holdout_split(data["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)
     pad_id = tokenizer.pad_token_id
-    packed = ctx.all_true(groups_pack(model, groups, pad_id=pad_id, device=device), device)  # one layout
+    packed = packed_groups(model, groups, pad_id=pad_id, device=device)
+    packed = packed if ctx.all_true(bool(packed), device) else frozenset()  # every rank, one layout
     optimizer = make_optimizer(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
                                kind=cfg.lr_schedule)

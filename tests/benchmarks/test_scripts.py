@@ -64,10 +64,11 @@ def test_sampling_prints_hf_throughput_without_the_vllm_env():
     assert [int(row[3]) for row in rows] == [4, 8]  # every prompt runs to max_new_tokens on the random-init model
 
 
-def test_rm_packing_times_both_layouts_and_says_which_the_loop_picks():
+def test_rm_packing_times_the_layouts_and_says_how_many_groups_the_loop_packs():
     done = bench("rm_packing.py", "--data", "rankings", "hh", "--groups", "4", "--repeats", "1")
     rankings, hh = table(done.stdout)
-    assert rankings[0] == "rankings" and rankings[4] == "packed"  # short prompts, 2-4 answers: fewer positions
-    assert float(rankings[3]) < float(rankings[2])
-    assert hh[0] == "hh" and hh[4] == "rows"  # cut from the left to 256 characters, the replies share little
+    assert rankings[:3] == ["rankings", "600", "600"]  # short prompts, 2-4 answers: every ranking saves positions
+    assert float(rankings[4]) < float(rankings[3])
+    assert hh[:2] == ["hh", "2308"] and 0 < int(hh[2]) < 2308 / 2  # most are cut from the left to 256 characters
+    # by their own lengths: those pairs share little and run as rows
     assert all(float(cell) > 0 for cell in rankings[5:] + hh[5:])

@@ -23,7 +23,7 @@ from pipeline_lib.config import DPOConfig, SFTConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.models import build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.train.common import Dist, NonFiniteLossError, final_metrics
-from pipeline_lib.train.dpo import encode_pairs, logprob_sums, pairs_pack, reference_logps, train_dpo
+from pipeline_lib.train.dpo import encode_pairs, logprob_sums, packed_pairs, reference_logps, train_dpo
 from pipeline_lib.train.sft import sft_rows, train_sft
 
 DEMO = Path(__file__).resolve().parents[2] / "data" / "demo"
@@ -107,12 +107,12 @@ def test_a_long_pair_keeps_one_prompt_for_chosen_and_rejected(tiny):
 def test_reference_logps_are_cached_by_weights_and_data(tiny, tmp_path):
     tokenizer, model = load_tokenizer(tiny), load_policy(tiny, device="cpu")
     encoded = encode_pairs(tokenizer, toy_pairs(6), max_length=64)
-    kwargs = dict(packed=True, policy_path=str(tiny), cache_dir=tmp_path, pad_id=tokenizer.pad_token_id,
+    kwargs = dict(packed=frozenset(range(6)), policy_path=str(tiny), cache_dir=tmp_path, pad_id=tokenizer.pad_token_id,
                   device=torch.device("cpu"), batch_size=4, ctx=Dist())
     ref = reference_logps(model, encoded, **kwargs)
     files = list((tmp_path / "ref_logps").glob("*.safetensors"))
     assert len(files) == 1 and ref.shape == (12,)
-    for packed in (True, False):  # rows 2i, 2i + 1: pair i's chosen and rejected, whichever way it ran
+    for packed in (range(6), (), (1, 4)):  # rows 2i, 2i + 1: pair i's chosen and rejected, whichever way it ran
         direct = logprob_sums(model, encoded, list(range(6)), packed=packed, pad_id=tokenizer.pad_token_id,
                               device=torch.device("cpu"), batch_size=12)
         assert direct.shape == (6, 2) and torch.allclose(ref, direct.flatten(), atol=1e-5) and bool((ref < 0).all())
@@ -124,8 +124,10 @@ def test_reference_logps_are_cached_by_weights_and_data(tiny, tmp_path):
     other = encode_pairs(tokenizer, toy_pairs(6, seed=1), max_length=64)
     reference_logps(model, other, **kwargs)
     assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 2
-    reference_logps(model, encoded, **{**kwargs, "packed": False})  # the other layout, other last bits: its own file
+    reference_logps(model, encoded, **{**kwargs, "packed": ()})  # another layout, other last bits: its own file
     assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 3
+    reference_logps(model, encoded, **{**kwargs, "packed": {0, 5}})  # and another
+    assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 4
 
 
 class _DropsPositions(transformers.LlamaForCausalLM):
@@ -177,21 +179,24 @@ def test_packed_pairs_are_checked_against_the_two_rows_on_the_widest_pairs(tiny,
     encoded = encode_pairs(tokenizer, pl.concat([toy_pairs(12), long_pairs]), max_length=64)
     cpu = torch.device("cpu")
     capsys.readouterr()  # the loading progress bar
-    assert pairs_pack(model, encoded, pad_id=tokenizer.pad_token_id, device=cpu)
+    assert packed_pairs(model, encoded, pad_id=tokenizer.pad_token_id, device=cpu) == frozenset(range(14))
     assert "note:" not in capsys.readouterr().err
     for cls in (_DropsPositions, _DropsMask, _DropsWideMasks):
         quirky = cls(model.config).eval()
         quirky.load_state_dict(model.state_dict())
-        assert not pairs_pack(quirky, encoded, pad_id=tokenizer.pad_token_id, device=cpu)
+        assert not packed_pairs(quirky, encoded, pad_id=tokenizer.pad_token_id, device=cpu)
         assert re.fullmatch(rf"note: {cls.__name__}'s packed rows do not give the rows' values \(max "
                             r"difference [0-9.e+-]+ on the 8 widest pairs\): each pair runs as two rows\n",
                             capsys.readouterr().err)
-    refuses = _RefusesMasks(model.config).train()
+    refuses = _RefusesMasks(model.config).eval()
     refuses.load_state_dict(model.state_dict())
-    assert not pairs_pack(refuses, encoded, pad_id=tokenizer.pad_token_id, device=cpu)
+    assert not packed_pairs(refuses, encoded, pad_id=tokenizer.pad_token_id, device=cpu)
     assert capsys.readouterr().err == ("note: _RefusesMasks's forward refuses packed rows (ValueError: too many "
                                        "values to unpack (expected 2) second line): each pair runs as two rows\n")
-    assert refuses.training  # the check leaves the model's mode as it found it
+    assert not refuses.training  # the check leaves the model's mode as it found it
+    # dropout on (disable_dropout false): packed, chosen and rejected would share one dropout draw over the prompt
+    assert not packed_pairs(model.train(), encoded, pad_id=tokenizer.pad_token_id, device=cpu)
+    assert model.training and capsys.readouterr().err == ""
 
 
 def test_lora_reference_disables_adapters_and_final_is_merged(tiny, tmp_path, collect):

@@ -22,9 +22,9 @@ from pipeline_lib.config import RMConfig, SFTConfig
 from pipeline_lib.models import RewardModel, build_tiny_model, load_tokenizer
 from pipeline_lib.rewards.registry import build_reward
 from pipeline_lib.train.common import NonFiniteLossError, batches, final_metrics
-from pipeline_lib.train.data import TrainDataError, holdout_split
+from pipeline_lib.train.data import TrainDataError, group_width, holdout_split
 from pipeline_lib.train import rm
-from pipeline_lib.train.rm import build_groups, group_scores, groups_pack, pairwise_accuracy, train_rm
+from pipeline_lib.train.rm import build_groups, group_scores, packed_groups, pairwise_accuracy, train_rm
 from pipeline_lib.train.sft import sft_rows, train_sft
 
 DEMO = Path(__file__).resolve().parents[2] / "data" / "demo"
@@ -81,12 +81,12 @@ def test_pairwise_accuracy_counts_every_ordered_pair(tiny):
     ranking 1: '2', '3', 'no idea!' (7, 7, 14): 2>3 tie, 2>no-idea gap -7, 3>no-idea gap -7; ranking 2: tie.
     Nothing is right: accuracy 0, margin (0 + 0 - 7 - 7 + 0) / 5 = -2.8."""
     groups = build_groups(load_tokenizer(tiny), toy_rankings(3), "plackett_luce", max_length=64)
-    result = pairwise_accuracy(LengthScorer(), groups, [0, 1, 2], packed=False, pad_id=0, device=torch.device("cpu"))
+    result = pairwise_accuracy(LengthScorer(), groups, [0, 1, 2], packed=(), pad_id=0, device=torch.device("cpu"))
     assert result == {"eval/rm_accuracy": 0.0, "eval/rm_margin": pytest.approx(-2.8)}
     pairs = build_groups(load_tokenizer(tiny), toy_pairs(4), "bradley_terry", max_length=64)
-    scores, mask = group_scores(LengthScorer(), pairs, [0, 1], packed=False, pad_id=0, device=torch.device("cpu"))
+    scores, mask = group_scores(LengthScorer(), pairs, [0, 1], packed=(), pad_id=0, device=torch.device("cpu"))
     assert mask.all() and scores[0, 1] == 14  # "no idea!" after a 6-token prompt
-    odd = pairwise_accuracy(LengthScorer(), pairs, [1, 3], packed=False, pad_id=0, device=torch.device("cpu"))
+    odd = pairwise_accuracy(LengthScorer(), pairs, [1, 3], packed=(), pad_id=0, device=torch.device("cpu"))
     assert odd["eval/rm_accuracy"] == 0.0  # '+1' answers have the same length: ties
 
 
@@ -101,24 +101,62 @@ class _DropsMask(transformers.LlamaModel):
 
 def test_groups_run_packed_where_that_saves_compute_and_gives_each_responses_own_score(tiny, capsys):
     tokenizer, cpu = load_tokenizer(tiny), torch.device("cpu")
-    model = RewardModel.from_policy(tiny, device="cpu")
+    model = RewardModel.from_policy(tiny, device="cpu").eval()  # as train_rm sets it: dropout off
     rankings = build_groups(tokenizer, toy_rankings(12), "plackett_luce", max_length=64)
     capsys.readouterr()
-    assert groups_pack(model, rankings, pad_id=tokenizer.pad_token_id, device=cpu)
+    assert packed_groups(model, rankings, pad_id=tokenizer.pad_token_id, device=cpu) == frozenset(range(12))
     assert capsys.readouterr().err == ""
-    quirky = RewardModel(_DropsMask(model.backbone.config), model.head, "mean")
+    # any mix of packed groups and rows gives each response its own row's score, in the groups' order
+    ids = [5, 0, 11, 2, 7]
+    rows, mask = group_scores(model, rankings, ids, packed=(), pad_id=tokenizer.pad_token_id, device=cpu)
+    mixed, _ = group_scores(model, rankings, ids, packed={0, 2, 7}, pad_id=tokenizer.pad_token_id, device=cpu)
+    assert mask.sum() == sum(rankings.sizes[g] for g in ids)
+    torch.testing.assert_close(mixed, rows, atol=1e-5, rtol=0)
+    # dropout on (disable_dropout false): packed, a group's texts would share one draw over their prefix
+    assert packed_groups(model.train(), rankings, pad_id=tokenizer.pad_token_id, device=cpu) == frozenset()
+    assert model.training and capsys.readouterr().err == ""
+    quirky = RewardModel(_DropsMask(model.backbone.config), model.head, "mean").eval()
     quirky.backbone.load_state_dict(model.backbone.state_dict())
-    assert not groups_pack(quirky, rankings, pad_id=tokenizer.pad_token_id, device=cpu)
+    assert packed_groups(quirky, rankings, pad_id=tokenizer.pad_token_id, device=cpu) == frozenset()
     assert re.fullmatch(r"note: _DropsMask's packed rows do not give the rows' values \(max difference [0-9.e+-]+ on "
                         r"the 8 widest groups\): each response runs as its own row\n", capsys.readouterr().err)
-    assert quirky.training  # as it was
-    # cut from the left to 12 tokens, a short and a long response keep no common first token: packing would only
-    # lengthen the attention, so the pairs run as rows, without a note
-    cut = build_groups(tokenizer, pl.DataFrame({"prompt": ["12+34+56+78+90="] * 4, "chosen": ["270"] * 4,
-                                                "rejected": ["no idea!"] * 4}), "bradley_terry", max_length=12)
+    assert not quirky.training  # as it was
+    # cut from the left to 12 tokens, a short and a long response keep no common first token: packing them would
+    # only lengthen the attention, so they run as rows (as do the toy pairs rejecting with "no idea!", cut too);
+    # the uncut pairs beside them still pack
+    cut = build_groups(tokenizer, pl.concat([toy_pairs(4), pl.DataFrame(
+        {"prompt": ["12+34+56+78+90="] * 4, "chosen": ["270"] * 4, "rejected": ["no idea!"] * 4})]),
+        "bradley_terry", max_length=12)
     capsys.readouterr()
-    assert not groups_pack(model, cut, pad_id=tokenizer.pad_token_id, device=cpu)
+    assert packed_groups(model.eval(), cut, pad_id=tokenizer.pad_token_id, device=cpu) == {1, 3}
     assert capsys.readouterr().err == ""
+
+
+class _DropsPositions(transformers.LlamaModel):
+    """A backbone that reads column distances instead of the position ids it is given (as ALiBi's biases do):
+    right on a packed row whose texts share no prefix, wrong where the later texts sit behind the earlier ones."""
+
+    __module__ = "transformers.models.llama.modeling_llama"
+
+    def forward(self, *args, position_ids=None, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+def test_the_packing_check_holds_groups_sharing_a_prefix_when_the_widest_share_none(tiny, capsys):
+    tokenizer, cpu = load_tokenizer(tiny), torch.device("cpu")
+    long_cut = pl.DataFrame({"prompt": ["12+34+56+78+90=" * 3] * 8, "chosen": ["1"] * 8,
+                             "rejected": ["no idea! no idea!"] * 8})  # cut from the left at different offsets
+    pairs = pl.concat([toy_pairs(40), long_cut])
+    groups = build_groups(tokenizer, pairs, "bradley_terry", max_length=24)
+    model = RewardModel.from_policy(tiny, device="cpu").eval()
+    quirky = RewardModel(_DropsPositions(model.backbone.config), model.head, "last_token").eval()
+    quirky.backbone.load_state_dict(model.backbone.state_dict())
+    capsys.readouterr()
+    assert packed_groups(model, groups, pad_id=tokenizer.pad_token_id, device=cpu) == frozenset(range(40))
+    widest = sorted(range(len(groups)), key=lambda g: -group_width(groups.encoded, groups.rows([g])))[:8]
+    assert sorted(widest) == list(range(40, 48))  # the cut pairs, which share no first token
+    assert packed_groups(quirky, groups, pad_id=tokenizer.pad_token_id, device=cpu) == frozenset()
+    assert "note: _DropsPositions's packed rows do not give the rows' values" in capsys.readouterr().err
 
 
 def test_packed_groups_train_the_weights_their_rows_train(tiny, tmp_path, monkeypatch):
@@ -126,7 +164,7 @@ def test_packed_groups_train_the_weights_their_rows_train(tiny, tmp_path, monkey
                    device="cpu")
     logged = {}
     packed = train_rm(cfg, toy_rankings(24), tmp_path / "packed", log=lambda m, s: logged.setdefault("packed", m))
-    monkeypatch.setattr(rm, "groups_pack", lambda *args, **kwargs: False)
+    monkeypatch.setattr(rm, "packed_groups", lambda *args, **kwargs: frozenset())
     rows = train_rm(cfg, toy_rankings(24), tmp_path / "rows", log=lambda m, s: logged.setdefault("rows", m))
     assert logged["packed"]["eval/rm_margin"] == pytest.approx(logged["rows"]["eval/rm_margin"], abs=1e-5)
     before, after = load_file(str(rows / "model.safetensors")), load_file(str(packed / "model.safetensors"))
@@ -150,7 +188,7 @@ def test_bradley_terry_two_steps_with_margin(tiny, tmp_path):
     train_ids, eval_ids = holdout_split(data["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     _, first = next(batches(len(train_ids), 8, seed=cfg.seed))
     with torch.no_grad():
-        scores, _ = group_scores(start, groups, [train_ids[p] for p in first], packed=False, pad_id=0,
+        scores, _ = group_scores(start, groups, [train_ids[p] for p in first], packed=(), pad_id=0,
                                  device=torch.device("cpu"))
     expected = float(-F.logsigmoid(scores[:, 0] - scores[:, 1] - 0.5).mean())
     assert logged[1][1]["train/loss"] == pytest.approx(expected, rel=1e-5)
