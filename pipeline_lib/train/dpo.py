@@ -1,7 +1,7 @@
 """Direct Preference Optimization: reference log-probs computed once per dataset (batched, cached on disk by
 reference weights + data fingerprint), an explicit loop over pairs (each packed in one row behind its prompt where
-the model allows it), optional LoRA policy through peft whose reference is the same model with its adapters
-disabled; eval on held-out pairs before and after."""
+that saves compute and the model allows it), optional LoRA policy through peft whose reference is the same model with
+its adapters disabled; eval on held-out pairs before and after."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Reward-model training: Bradley-Terry on preference pairs or Plackett-Luce on rankings, a scalar head on a
-causal-LM backbone (pooling from the config), pairwise accuracy on a seeded held-out split."""
+causal-LM backbone (pooling from the config), a group's responses packed in one row behind the tokens they share
+where that saves compute, pairwise accuracy on a seeded held-out split."""
 
 from __future__ import annotations
 
