@@ -161,14 +161,18 @@ def test_the_packing_check_holds_groups_sharing_a_prefix_when_the_widest_share_n
 
 def test_packed_groups_train_the_weights_their_rows_train(tiny, tmp_path, monkeypatch):
     cfg = RMConfig(model_path=str(tiny), loss="plackett_luce", pooling="mean", max_steps=3, batch_size=4, lr=1e-3,
-                   device="cpu")
-    logged = {}
-    packed = train_rm(cfg, toy_rankings(24), tmp_path / "packed", log=lambda m, s: logged.setdefault("packed", m))
+                   log_every=1, device="cpu")
+    logged: dict[str, list[dict]] = {"packed": [], "rows": []}
+    packed = train_rm(cfg, toy_rankings(24), tmp_path / "packed", log=lambda m, s: logged["packed"].append(dict(m)))
     monkeypatch.setattr(rm, "packed_groups", lambda *args, **kwargs: frozenset())
-    rows = train_rm(cfg, toy_rankings(24), tmp_path / "rows", log=lambda m, s: logged.setdefault("rows", m))
-    assert logged["packed"]["eval/rm_margin"] == pytest.approx(logged["rows"]["eval/rm_margin"], abs=1e-5)
+    rows = train_rm(cfg, toy_rankings(24), tmp_path / "rows", log=lambda m, s: logged["rows"].append(dict(m)))
+    assert [sorted(m) for m in logged["packed"]] == [sorted(m) for m in logged["rows"]]
+    for ours, theirs in zip(logged["packed"], logged["rows"]):  # every step's loss and the held-out evaluations
+        for key in ("train/loss", "eval/rm_margin"):
+            assert ours.get(key) == pytest.approx(theirs.get(key), abs=1e-5)
+    # AdamW steps every weight by about lr whatever its gradient's size, so the tolerance is far below one step
     before, after = load_file(str(rows / "model.safetensors")), load_file(str(packed / "model.safetensors"))
-    assert all(torch.allclose(after[name], weights, atol=1e-5) for name, weights in before.items())
+    assert all(torch.allclose(after[name], weights, atol=1e-4) for name, weights in before.items())
     assert not torch.equal(load_file(str(rows / "reward_head.safetensors"))["weight"],
                            RewardModel.from_policy(tiny, seed=cfg.seed).head.weight.detach())  # they trained
 
