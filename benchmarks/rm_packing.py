@@ -55,7 +55,7 @@ def measure(name: str, args: argparse.Namespace, scratch: Path) -> dict:
     chosen = packed_groups(model, groups, pad_id=tokenizer.pad_token_id, device=cpu)
     timed = list(range(min(args.groups, len(groups))))
     layouts = {"rows": (), "all packed": timed, "mix": chosen}
-    times: dict[str, list[float]] = {name: [] for name in layouts}
+    times: dict[str, list[float]] = {layout: [] for layout in layouts}
     for repeat in range(args.repeats + 1):
         for layout, packed in layouts.items():
             started = time.perf_counter()
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {r['data']} | {r['groups']} | {r['chosen']} | {r['rows']:.1f} | {r['packed_tokens']:.1f} | "
                   f"{r['rows ms']:.1f} | {r['all packed ms']:.1f} | {r['mix ms']:.1f} | "
                   f"{r['mix ms'] / r['rows ms']:.2f} |", flush=True)
+
 
 if __name__ == "__main__":
     main()

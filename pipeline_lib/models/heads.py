@@ -228,7 +228,8 @@ class RewardModel(nn.Module):
         hidden = _hidden_states(self.backbone, input_ids, attention_mask, norm_name=self.norm_name, packed=packed)
         mask = attention_mask.bool()  # (B, T)
         if packed is not None:
-            return self.head(self._pooled_groups(hidden, mask, packed)).squeeze(-1)  # (B, K)
+            scores = self.head(self._pooled_groups(hidden, mask, packed)).squeeze(-1)  # (B, K)
+            return torch.where(packed.lengths > 0, scores, torch.zeros_like(scores))
         if self.pooling == "mean":
             # where, not multiply: a pad position's state must not leak in even if it is inf/nan.
             valid = torch.where(mask.unsqueeze(-1), hidden[-1], torch.zeros_like(hidden[-1]))  # (B, T, H)

@@ -293,7 +293,7 @@ def packs_pairs(model: nn.Module, width: int) -> bool:
     takes none), whose layers are all attention (a recurrent or linear-attention layer reads every earlier column,
     mask or not), with no attention window narrower than the row (the one 4D mask would stand for the windowed
     layers' too: `sliding_window`, GPT-Neo's `window_size`) and the row within its positions (GPT-Neo indexes
-    buffers by column). `packing_holds` then checks the values themselves."""
+    buffers by column). `train.common.choose_packed` then checks the values themselves."""
     inner = transformers_model(model)
     config = inner.config
     limits = [getattr(config, name, None) for name in ("sliding_window", "window_size", "max_position_embeddings")]

@@ -1,5 +1,6 @@
-"""What every training loop shares: seeding, deterministic kernels, device/dtype, optimizer and schedule, DDP,
-seeded data order, atomic checkpoint save/resume, the NaN guard and the final atomic model save.
+"""What every training loop shares: seeding, deterministic kernels, device/dtype, which groups run packed (DPO's
+pairs, a reward model's pairs and rankings), optimizer and schedule, DDP, seeded data order, atomic checkpoint
+save/resume, the NaN guard and the final atomic model save.
 
 Loops stay explicit, one per algorithm; these helpers only remove copies of the same plumbing."""
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
 from torch import Tensor, nn
+from transformers import PretrainedConfig, PreTrainedModel
 
 from pipeline_lib.config import ConfigError
 from pipeline_lib.errors import AlignflowError, one_line
@@ -95,49 +97,56 @@ def autocast(device: torch.device):
     return nullcontext()
 
 
-def packing_saves(config, rows: Sequence[Sequence[int]], widths: Sequence[int]) -> list[bool]:
+def packing_saves(config: PretrainedConfig, rows: Sequence[Sequence[int]], widths: Sequence[int]) -> list[bool]:
     """For each group of `rows` (token counts of its rows): whether packing it into one row of `widths[g]` columns
     costs fewer multiply-adds. Per layer, a row of L tokens costs about L (4h^2 + 3hi) in its projections and MLP (h
-    `hidden_size`, i `intermediate_size`) and 2 L^2 h in its attention scores and sums, of which a causal kernel
-    computes about half; a packed row's explicit mask has them all computed, masked or not. So where the shared
-    prefix is short next to the texts (long answers; texts cut from the left differently), the packed row's attention
-    costs more than the prefix saves."""
-    hidden = config.hidden_size
-    per_token = 4 * hidden ** 2 + 3 * hidden * (getattr(config, "intermediate_size", None) or 4 * hidden)
+    `hidden_size`, i `intermediate_size` of the text model) and 2 L^2 h in its attention scores and sums, of which a
+    causal kernel computes about half; a packed row's explicit mask has them all computed, masked or not. So where the
+    shared prefix is short next to the texts (long answers; texts cut from the left differently), the packed row's
+    attention costs more than the prefix saves. A config without a hidden size packs nothing."""
+    text = config.get_text_config()
+    hidden = getattr(text, "hidden_size", None)
+    if not hidden:
+        return [False] * len(widths)
+    inner = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
+    per_token = 4 * hidden ** 2 + 3 * hidden * inner
     return [width * per_token + 2 * width ** 2 * hidden < sum(length * per_token + length ** 2 * hidden
                                                                for length in group)
             for group, width in zip(rows, widths)]
 
 
-def packing_holds(model: nn.Module, inner: nn.Module, width: int, values: Callable[[bool], Tensor], *, checked: str,
-                  fallback: str) -> bool:
-    """Whether `packs_pairs` allows `inner` (the transformers model in `model`) packed rows of `width` columns and
-    `values(packed=True)` are `values(packed=False)` within fp32 rounding (1e-4 + 1e-5 relative) on the `checked`
-    texts (the widest: where windows, positions and lengths bite). Run in eval mode without autocast, so the check
-    is of the layout, not of bf16's rounding. A transformers model whose forward ignores the 4D mask or the position
-    ids (ALiBi's biases, encoder-decoder heads), or refuses the packed row, keeps the rows, with a note saying
-    `fallback`: it would otherwise train on wrong values, silently. A model training with dropout on keeps the rows
-    too: packed, a group's texts would share one dropout draw over their shared prefix."""
-    if model.training or not packs_pairs(inner, width):
-        return False
-    name, training = type(inner).__name__, model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            rows = values(False).cpu()
-            try:
-                packed = values(True).cpu()
-            except Exception as exc:  # noqa: BLE001 - whatever a forward raises on a packed row, the rows ran
-                print(f"note: {name}'s forward refuses packed rows ({one_line(exc)}): {fallback}", file=sys.stderr,
-                      flush=True)
-                return False
-    finally:
-        model.train(training)
-    if torch.allclose(packed, rows, atol=1e-4, rtol=1e-5):
-        return True
+def choose_packed(model: nn.Module, inner: PreTrainedModel, rows: Sequence[Sequence[int]], widths: Sequence[int],
+                  values: Callable[[list[int], bool], Tensor], *, unit: str, fallback: str,
+                  checked: int = 8) -> frozenset[int]:
+    """The groups (DPO's pairs, a reward model's pairs or rankings) that run packed: those where packing saves compute
+    (`packing_saves`), provided that `packs_pairs` allows `inner` (the transformers model in `model`) the widest of
+    them and that on the `checked` widest, `values(groups, True)` (packed) are `values(groups, False)` (rows) within
+    fp32 rounding (1e-4 + 1e-5 relative; run without autocast, so the check is of the layout, not of bf16's
+    rounding); none otherwise. A transformers model whose forward ignores the 4D mask or the position ids (ALiBi's
+    biases, encoder-decoder heads), or refuses the packed row, keeps the rows, with a note saying `fallback`: it would
+    otherwise train on wrong values, silently. A model in train mode (dropout on) keeps the rows, without a check:
+    packed, a group's texts would share one dropout draw over their shared prefix."""
+    saving = [g for g, saves in enumerate(packing_saves(inner.config, rows, widths)) if saves]
+    if model.training or not saving:
+        return frozenset()
+    widest = sorted(saving, key=lambda g: -widths[g])[:checked]
+    if not packs_pairs(inner, widths[widest[0]]):
+        return frozenset()
+    name = type(inner).__name__
+    with torch.no_grad():
+        unpacked = values(widest, False).cpu()
+        try:
+            packed = values(widest, True).cpu()
+        except Exception as exc:  # noqa: BLE001 - whatever a forward raises on a packed row, the rows ran
+            print(f"note: {name}'s forward refuses packed rows ({one_line(exc)}): {fallback}", file=sys.stderr,
+                  flush=True)
+            return frozenset()
+    if torch.allclose(packed, unpacked, atol=1e-4, rtol=1e-5):
+        return frozenset(saving)
     print(f"note: {name}'s packed rows do not give the rows' values (max difference "
-          f"{float((packed - rows).abs().max()):.3g} on {checked}): {fallback}", file=sys.stderr, flush=True)
-    return False
+          f"{float((packed - unpacked).abs().max()):.3g} on the {len(widest)} widest {unit}): {fallback}",
+          file=sys.stderr, flush=True)
+    return frozenset()
 
 
 def make_optimizer(params, *, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999)) -> torch.optim.Optimizer:

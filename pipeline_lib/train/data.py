@@ -1,5 +1,6 @@
 """Rows -> training tensors for the SFT, RM and DPO loops: prompt rendering (raw text or the chat template),
-tokenization once per dataset, left-padded batches with a completion mask, the seeded held-out split, and
+tokenization once per dataset, left-padded batches with a completion mask, DPO's pairs and a reward model's groups
+packed a pair (group) per row, length buckets, the seeded held-out split, and
 the `--config run.json` file that the loop modules' `__main__` read (`torchrun -m pipeline_lib.train.dpo`)."""
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from pipeline_lib.train.common import (
     check_batch_split,
     check_finite,
     check_in_sync,
+    choose_packed,
     clip_gradients,
     finished_final,
     init_distributed,
@@ -42,8 +43,6 @@ from pipeline_lib.train.common import (
     make_optimizer,
     make_scheduler,
     mean_over_ranks,
-    packing_holds,
-    packing_saves,
     save_checkpoint,
     save_final,
     seed_everything,
@@ -130,22 +129,15 @@ def logprob_sums(model: nn.Module, encoded: Encoded, pair_ids: list[int], *, pac
     return out
 
 
-def packed_pairs(model: nn.Module, encoded: Encoded, *, pad_id: int, device: torch.device,
-                 pairs: int = 8) -> frozenset[int]:
-    """The pairs that run packed: those where it saves compute (`packing_saves`), if `packing_holds` on the `pairs`
-    widest of them; none otherwise."""
+def packed_pairs(model: nn.Module, encoded: Encoded, *, pad_id: int, device: torch.device) -> frozenset[int]:
+    """The pairs that run packed (`choose_packed`): where that saves compute and this model's packed sums hold."""
     widths = [packed_width(encoded, i) for i in range(len(encoded) // 2)]
     rows = [[len(encoded.prompt_ids[r]) + len(encoded.completion_ids[r]) for r in (2 * i, 2 * i + 1)]
             for i in range(len(widths))]
-    saving = [i for i, saves in enumerate(packing_saves(transformers_model(model).config, rows, widths)) if saves]
-    if not saving:
-        return frozenset()
-    widest = sorted(saving, key=lambda i: -widths[i])[:pairs]
-    holds = packing_holds(model, transformers_model(model), widths[widest[0]],
-                          lambda packed: pair_logps(model, encoded, widest, packed=widest if packed else (),
-                                                    pad_id=pad_id, device=device),
-                          checked=f"the {len(widest)} widest pairs", fallback="each pair runs as two rows")
-    return frozenset(saving) if holds else frozenset()
+    return choose_packed(model, transformers_model(model), rows, widths,
+                         lambda pairs, packed: pair_logps(model, encoded, pairs, packed=pairs if packed else (),
+                                                          pad_id=pad_id, device=device),
+                         unit="pairs", fallback="each pair runs as two rows")
 
 
 def weights_fingerprint(model_path: str | Path) -> str:
@@ -314,6 +306,7 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
         after = evaluate()
         log(after, cfg.max_steps)
         metrics.update({**after, **{f"{k}_start": v for k, v in before.items()},
+                        "train/packed_pairs": float(len(packed)),  # of all pairs, the others ran as two rows
                         "train/seconds": time.perf_counter() - started})
         policy = unwrap(model)
         final = save_final(policy.merge_and_unload() if cfg.lora_r else policy, tokenizer, out_dir, metrics=metrics,

@@ -27,6 +27,7 @@ from pipeline_lib.train.common import (
     check_batch_split,
     check_finite,
     check_in_sync,
+    choose_packed,
     clip_gradients,
     finished_final,
     init_distributed,
@@ -34,8 +35,6 @@ from pipeline_lib.train.common import (
     make_optimizer,
     make_scheduler,
     mean_over_ranks,
-    packing_holds,
-    packing_saves,
     save_checkpoint,
     save_final,
     seed_everything,
@@ -138,25 +137,18 @@ def group_scores(model: torch.nn.Module, groups: Groups, ids: list[int], *, pack
                                                                   device=device).unsqueeze(1)
         return torch.zeros(valid.shape, device=device, dtype=flat.dtype).masked_scatter(valid, flat)
 
-    scores = by_layout(ids, packed, run_packed, run_rows)  # (B, K)
-    return torch.where(mask, scores, torch.zeros_like(scores)), mask
+    return by_layout(ids, packed, run_packed, run_rows), mask  # (B, K), 0 past a group's size
 
 
-def packed_groups(model: RewardModel, groups: Groups, *, pad_id: int, device: torch.device,
-                  widest: int = 8) -> frozenset[int]:
-    """The groups that run packed: those where it saves compute (`packing_saves`: texts sharing enough of their
-    start), if `packing_holds` on the scores of the `widest` widest of them; none otherwise."""
+def packed_groups(model: RewardModel, groups: Groups, *, pad_id: int, device: torch.device) -> frozenset[int]:
+    """The groups that run packed (`choose_packed`): where their texts share enough of their start to save compute
+    and this model's packed scores hold."""
     widths = [group_width(groups.encoded, groups.rows([g])) for g in range(len(groups))]
     rows = [[len(groups.encoded.prompt_ids[r]) for r in groups.rows([g])] for g in range(len(groups))]
-    saving = [g for g, saves in enumerate(packing_saves(model.backbone.config, rows, widths)) if saves]
-    if not saving:
-        return frozenset()
-    checked = sorted(saving, key=lambda g: -widths[g])[:widest]
-    holds = packing_holds(model, model.backbone, widths[checked[0]],
-                          lambda packed: group_scores(model, groups, checked, packed=checked if packed else (),
-                                                      pad_id=pad_id, device=device)[0],
-                          checked=f"the {len(checked)} widest groups", fallback="each response runs as its own row")
-    return frozenset(saving) if holds else frozenset()
+    return choose_packed(model, model.backbone, rows, widths,
+                         lambda ids, packed: group_scores(model, groups, ids, packed=ids if packed else (),
+                                                          pad_id=pad_id, device=device)[0],
+                         unit="groups", fallback="each response runs as its own row")
 
 
 @torch.no_grad()
@@ -272,6 +264,7 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
         evaluation = pairwise_accuracy(model, groups, eval_ids, packed=packed, pad_id=pad_id, device=device)
         log(evaluation, cfg.max_steps)
         metrics.update({**evaluation, "eval/n_groups": float(len(eval_ids)),
+                        "train/packed_groups": float(len(packed)),  # of len(groups), the others ran as rows
                         "train/seconds": time.perf_counter() - started})
         final = save_final(unwrap(model), tokenizer, out_dir, metrics=metrics, run_key=stage_key)
     ctx.barrier()

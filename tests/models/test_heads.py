@@ -13,6 +13,7 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
 
 from pipeline_lib.models import POOLINGS, RewardModel, ValueModel, build_tiny_model, load_policy
+from pipeline_lib.models.heads import PackedGroups
 from pipeline_lib.models.loading import ModelLoadError
 from pipeline_lib.train.data import Encoded, collate_groups
 
@@ -78,7 +79,7 @@ GROUPS = [[[9, 10, 7, 11, 12], [9, 10, 7, 13, 14, 15], [9, 10, 8]], [[8, 9, 7, 1
           [[11, 12], [5, 6, 7]]]
 
 
-def _packed_groups() -> tuple[torch.Tensor, torch.Tensor, object]:
+def _packed_groups() -> tuple[torch.Tensor, torch.Tensor, PackedGroups]:
     texts = [text for group in GROUPS for text in group]
     rows, start = [], 0
     for group in GROUPS:
@@ -96,6 +97,7 @@ def test_packed_groups_score_each_text_as_its_own_row_does(request, backbone, po
         scores = model(*_packed_groups())  # (3 groups, 3 texts)
     assert scores.shape == (3, 3) and scores.dtype == torch.float32
     valid = torch.tensor([[True, True, True], [True, True, False], [True, True, False]])
+    assert (scores[~valid] == 0).all()  # past a group's size
     expected = _unpadded_reference(model, [text for group in GROUPS for text in group])
     torch.testing.assert_close(scores[valid], expected, atol=ATOL, rtol=0)
 

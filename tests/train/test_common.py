@@ -13,11 +13,11 @@ import random
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 import polars as pl
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
@@ -585,12 +585,16 @@ def test_two_deterministic_sft_runs_on_cuda_give_the_same_weights(tiny_dir, tmp_
 
 
 def test_packing_saves_where_the_shared_prefix_outweighs_the_attention_over_the_packed_row():
-    tiny = SimpleNamespace(hidden_size=64, intermediate_size=128)
-    large = SimpleNamespace(hidden_size=4096, intermediate_size=11008)
+    tiny = transformers.LlamaConfig(hidden_size=64, intermediate_size=128)
+    large = transformers.LlamaConfig(hidden_size=4096, intermediate_size=11008)
     # a 90-token prefix shared by two 10-token answers: 110 columns instead of 2 x 100; and a 100-token prefix with
     # two 300-token texts: 700 columns, whose attention costs a small model more than the 100 tokens it saves
     assert packing_saves(tiny, [[100, 100], [400, 400]], [110, 700]) == [True, False]
     # on a 4096-wide model the projections and MLP dominate: packing saves; sharing nothing, never
     assert packing_saves(large, [[400, 400], [5, 7, 9]], [700, 21]) == [True, False]
-    # GPT-2's config has no intermediate_size (n_inner None: 4 x hidden)
-    assert packing_saves(SimpleNamespace(hidden_size=64), [[100, 100], [12, 30]], [110, 41]) == [True, False]
+    # GPT-2's config names no intermediate_size (n_inner None: 4 x hidden)
+    assert packing_saves(transformers.GPT2Config(n_embd=64), [[100, 100], [12, 30]], [110, 41]) == [True, False]
+    # a multimodal model's config holds its text model's sizes in a sub-config
+    gemma3 = transformers.Gemma3Config(text_config={"hidden_size": 64, "intermediate_size": 128})
+    assert not hasattr(gemma3, "hidden_size")
+    assert packing_saves(gemma3, [[100, 100], [400, 400]], [110, 700]) == [True, False]

@@ -58,6 +58,7 @@ def test_two_steps_start_at_log_2_and_train_every_weight(tiny, tmp_path, collect
     metrics = final_metrics(final)
     assert metrics["eval/pref_accuracy_start"] == start["eval/pref_accuracy"]
     assert {"eval/pref_accuracy", "eval/logp_margin", "eval/logp_margin_start"} <= set(metrics)
+    assert metrics["train/packed_pairs"] == 40  # every pair ran as one row behind its prompt
     before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
     assert all(not torch.equal(before[k], after[k]) for k in before)
 
@@ -69,15 +70,18 @@ def test_dropout_is_off_unless_asked_so_a_dropout_checkpoint_still_starts_at_log
     shutil.copytree(tiny, dropout_dir)
     config = json.loads((dropout_dir / "config.json").read_text())
     (dropout_dir / "config.json").write_text(json.dumps(config | {"attention_dropout": 0.5}))
-    first_losses = {}
+    first_losses, packed = {}, {}
     for disable in (True, False):
         logged, log = collect()
         cfg = DPOConfig(policy_path=str(dropout_dir), max_steps=1, batch_size=8, lr=1e-3, device="cpu",
                         disable_dropout=disable)
-        train_dpo(cfg, toy_pairs(40), tmp_path / f"out-{disable}", log=log)
+        final = train_dpo(cfg, toy_pairs(40), tmp_path / f"out-{disable}", log=log)
         first_losses[disable] = logged[1][1]["train/loss"]
+        packed[disable] = final_metrics(final)["train/packed_pairs"]
     assert first_losses[True] == pytest.approx(math.log(2), abs=1e-5)
     assert abs(first_losses[False] - math.log(2)) > 1e-3  # dropout on: the policy is not the reference
+    # dropout on, a pair runs as two rows: packed, chosen and rejected would share one dropout draw over the prompt
+    assert packed == {True: 40, False: 0}
     with pytest.raises(ValueError, match="lora_dropout 0.1 has no effect while disable_dropout is true"):
         DPOConfig(policy_path="p", lora_r=8, lora_dropout=0.1)
 

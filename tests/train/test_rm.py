@@ -175,6 +175,7 @@ def test_packed_groups_train_the_weights_their_rows_train(tiny, tmp_path, monkey
     assert all(torch.allclose(after[name], weights, atol=1e-4) for name, weights in before.items())
     assert not torch.equal(load_file(str(rows / "reward_head.safetensors"))["weight"],
                            RewardModel.from_policy(tiny, seed=cfg.seed).head.weight.detach())  # they trained
+    assert (final_metrics(packed)["train/packed_groups"], final_metrics(rows)["train/packed_groups"]) == (24, 0)
 
 
 def test_bradley_terry_two_steps_with_margin(tiny, tmp_path):
