@@ -119,19 +119,19 @@ def choose_packed(model: nn.Module, inner: PreTrainedModel, rows: Sequence[Seque
                   values: Callable[[list[int], bool], Tensor], *, unit: str, fallback: str,
                   checked: int = 8) -> frozenset[int]:
     """The groups (DPO's pairs, a reward model's pairs or rankings) that run packed: those where packing saves compute
-    (`packing_saves`), provided that `packs_pairs` allows `inner` (the transformers model in `model`) the widest of
-    them and that on the `checked` widest, `values(groups, True)` (packed) are `values(groups, False)` (rows) within
+    (`packing_saves`) and whose packed row `packs_pairs` allows `inner` (the transformers model in `model`: a window
+    or a position limit narrower than a row keeps that group's rows), provided that on the `checked` widest of them
+    `values(groups, True)` (packed) are `values(groups, False)` (rows) within
     fp32 rounding (1e-4 + 1e-5 relative; run without autocast, so the check is of the layout, not of bf16's
     rounding); none otherwise. A transformers model whose forward ignores the 4D mask or the position ids (ALiBi's
     biases, encoder-decoder heads), or refuses the packed row, keeps the rows, with a note saying `fallback`: it would
     otherwise train on wrong values, silently. A model in train mode (dropout on) keeps the rows, without a check:
     packed, a group's texts would share one dropout draw over their shared prefix."""
-    saving = [g for g, saves in enumerate(packing_saves(inner.config, rows, widths)) if saves]
+    saving = [g for g, saves in enumerate(packing_saves(inner.config, rows, widths))
+              if saves and packs_pairs(inner, widths[g])]
     if model.training or not saving:
         return frozenset()
     widest = sorted(saving, key=lambda g: -widths[g])[:checked]
-    if not packs_pairs(inner, widths[widest[0]]):
-        return frozenset()
     name = type(inner).__name__
     with torch.no_grad():
         unpacked = values(widest, False).cpu()

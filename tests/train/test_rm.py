@@ -159,6 +159,16 @@ def test_the_packing_check_holds_groups_sharing_a_prefix_when_the_widest_share_n
     assert "note: _DropsPositions's packed rows do not give the rows' values" in capsys.readouterr().err
 
 
+def test_a_group_wider_than_the_models_positions_runs_as_rows_and_the_others_pack(tiny):
+    tokenizer, cpu = load_tokenizer(tiny), torch.device("cpu")
+    model = RewardModel.from_policy(tiny, device="cpu").eval()
+    assert model.backbone.config.max_position_embeddings == 256
+    wide = pl.DataFrame({"prompt": ["12+34=" * 30], "chosen": ["1" * 50], "rejected": ["2" * 50]})  # 2 x ~231 tokens
+    groups = build_groups(tokenizer, pl.concat([toy_pairs(6), wide]), "bradley_terry", max_length=256)
+    assert group_width(groups.encoded, groups.rows([6])) > 256 >= len(groups.encoded.prompt_ids[12])
+    assert packed_groups(model, groups, pad_id=tokenizer.pad_token_id, device=cpu) == frozenset(range(6))
+
+
 def test_packed_groups_train_the_weights_their_rows_train(tiny, tmp_path, monkeypatch):
     cfg = RMConfig(model_path=str(tiny), loss="plackett_luce", pooling="mean", max_steps=3, batch_size=4, lr=1e-3,
                    log_every=1, device="cpu")
