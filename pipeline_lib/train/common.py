@@ -116,21 +116,28 @@ def packing_saves(config: PretrainedConfig, rows: Sequence[Sequence[int]], width
 
 
 def choose_packed(model: nn.Module, inner: PreTrainedModel, rows: Sequence[Sequence[int]], widths: Sequence[int],
-                  values: Callable[[list[int], bool], Tensor], *, unit: str, fallback: str,
+                  values: Callable[[list[int], bool], Tensor], *, unit: str, fallback: str, ctx: Dist | None = None,
                   checked: int = 8) -> frozenset[int]:
     """The groups (DPO's pairs, a reward model's pairs or rankings) that run packed: those where packing saves compute
     (`packing_saves`) and whose packed row `packs_pairs` allows `inner` (the transformers model in `model`: a window
     or a position limit narrower than a row keeps that group's rows), provided that on the `checked` widest of them
-    `values(groups, True)` (packed) are `values(groups, False)` (rows) within
-    fp32 rounding (1e-4 + 1e-5 relative; run without autocast, so the check is of the layout, not of bf16's
-    rounding); none otherwise. A transformers model whose forward ignores the 4D mask or the position ids (ALiBi's
-    biases, encoder-decoder heads), or refuses the packed row, keeps the rows, with a note saying `fallback`: it would
+    `values(groups, True)` (packed) are `values(groups, False)` (rows) within fp32 rounding (1e-4 + 1e-5 relative;
+    run without autocast, so the check is of the layout, not of bf16's rounding), on every rank of `ctx`; none
+    otherwise. A transformers model whose forward ignores the 4D mask or the position ids (ALiBi's biases,
+    encoder-decoder heads), or refuses the packed row, keeps the rows, with a note saying `fallback`: it would
     otherwise train on wrong values, silently. A model in train mode (dropout on) keeps the rows, without a check:
     packed, a group's texts would share one dropout draw over their shared prefix."""
     saving = [g for g, saves in enumerate(packing_saves(inner.config, rows, widths))
               if saves and packs_pairs(inner, widths[g])]
-    if model.training or not saving:
-        return frozenset()
+    holds = not model.training and bool(saving) and _packed_values_hold(inner, saving, widths, values, unit=unit,
+                                                                        fallback=fallback, checked=checked)
+    # the same on every rank (the set is the data's; the check could differ), so the ranks read one reference file
+    return frozenset(saving) if (ctx or Dist()).all_true(holds, inner.device) else frozenset()
+
+
+def _packed_values_hold(inner: PreTrainedModel, saving: list[int], widths: Sequence[int],
+                        values: Callable[[list[int], bool], Tensor], *, unit: str, fallback: str, checked: int) -> bool:
+    """`choose_packed`'s check on the `checked` widest of the `saving` groups, with its note where it fails."""
     widest = sorted(saving, key=lambda g: -widths[g])[:checked]
     name = type(inner).__name__
     with torch.no_grad():
@@ -140,13 +147,13 @@ def choose_packed(model: nn.Module, inner: PreTrainedModel, rows: Sequence[Seque
         except Exception as exc:  # noqa: BLE001 - whatever a forward raises on a packed row, the rows ran
             print(f"note: {name}'s forward refuses packed rows ({one_line(exc)}): {fallback}", file=sys.stderr,
                   flush=True)
-            return frozenset()
+            return False
     if torch.allclose(packed, unpacked, atol=1e-4, rtol=1e-5):
-        return frozenset(saving)
+        return True
     print(f"note: {name}'s packed rows do not give the rows' values (max difference "
           f"{float((packed - unpacked).abs().max()):.3g} on the {len(widest)} widest {unit}): {fallback}",
           file=sys.stderr, flush=True)
-    return frozenset()
+    return False
 
 
 def make_optimizer(params, *, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999)) -> torch.optim.Optimizer:

@@ -292,27 +292,27 @@ class GroupBatch:
         return GroupBatch(self.input_ids.to(device), self.attention_mask.to(device), self.packed.to(device))
 
 
-def _shared_prefix(texts: Sequence[list[int]]) -> int:
-    """Tokens every text of a group begins with, leaving each text at least its last token of its own."""
-    return min(len(os.path.commonprefix(list(texts))), min(len(text) for text in texts) - 1)
+def _group_texts(encoded: Encoded, group: Sequence[int]) -> tuple[list[list[int]], int]:
+    """Rows `group`'s texts and the tokens they all begin with, leaving each text at least its last token."""
+    texts = [encoded.prompt_ids[r] + encoded.completion_ids[r] for r in group]
+    return texts, min(len(os.path.commonprefix(texts)), min(len(text) for text in texts) - 1)
 
 
 def group_width(encoded: Encoded, group: Sequence[int]) -> int:
     """Columns of rows `group`'s packed row: their shared prefix once, then each one's own tokens."""
-    texts = [encoded.prompt_ids[r] + encoded.completion_ids[r] for r in group]
-    shared = _shared_prefix(texts)
+    texts, shared = _group_texts(encoded, group)
     return shared + sum(len(text) - shared for text in texts)
 
 
 def collate_groups(encoded: Encoded, groups: Sequence[Sequence[int]], *, pad_id: int, texts: int) -> GroupBatch:
     """Left-padded rows holding each group's shared prefix, then each text's own tokens (at the positions they have
     in the text); `texts` (>= every group's size) is the width of the per-text tensors."""
-    width = max(group_width(encoded, group) for group in groups)
+    layouts = [_group_texts(encoded, group) for group in groups]
+    widths = [shared + sum(len(row) - shared for row in rows) for rows, shared in layouts]
     input_ids, attention_mask, position_ids, segments, ends, lengths = [], [], [], [], [], []
-    for group in groups:
-        rows = [encoded.prompt_ids[r] + encoded.completion_ids[r] for r in group]
-        shared = _shared_prefix(rows)
-        pad = width - group_width(encoded, group)
+    width = max(widths)
+    for (rows, shared), own_width in zip(layouts, widths):
+        pad = width - own_width
         input_ids.append([pad_id] * pad + rows[0][:shared] + [t for row in rows for t in row[shared:]])
         attention_mask.append([0] * pad + [1] * (width - pad))
         position_ids.append([0] * pad + list(range(shared)) + [p for row in rows for p in range(shared, len(row))])
@@ -340,13 +340,16 @@ def length_buckets(lengths: Sequence[int], *, ratio: float = 1.5) -> list[list[i
     return buckets
 
 
+def _in_order(outputs: list[Tensor], positions: Sequence[int]) -> Tensor:
+    """`outputs` concatenated (their entries are at `positions`, in that order), put back in position order."""
+    return torch.cat(outputs)[torch.argsort(torch.tensor(positions, device=outputs[0].device))]
+
+
 def _in_buckets(fn: Callable[[B], Tensor], lengths: Sequence[int], batch_of: Callable[[list[int]], B],
                 device: torch.device) -> Tensor:
     """`fn(batch_of(positions).to(device))` over `length_buckets(lengths)`, concatenated back in position order."""
     buckets = length_buckets(lengths)
-    outputs = [fn(batch_of(bucket).to(device)) for bucket in buckets]
-    order = torch.tensor([k for bucket in buckets for k in bucket], device=device)
-    return torch.cat(outputs)[torch.argsort(order)]
+    return _in_order([fn(batch_of(bucket).to(device)) for bucket in buckets], [k for bucket in buckets for k in bucket])
 
 
 def per_row(fn: Callable[[Batch], Tensor], encoded: Encoded, rows: Sequence[int], *, pad_id: int,
@@ -382,10 +385,14 @@ def by_layout(ids: Sequence[int], packed: Collection[int], run_packed: Callable[
               run_rows: Callable[[list[int]], Tensor]) -> Tensor:
     """Values of `ids` in their order: those in `packed` from `run_packed`, the others from `run_rows` (each gives one
     entry per id it gets, in its order, and the same trailing shape); gradients flow."""
-    in_packs, in_rows = [i for i in ids if i in packed], [i for i in ids if i not in packed]
-    parts = ([run_packed(in_packs)] if in_packs else []) + ([run_rows(in_rows)] if in_rows else [])
-    order = [k for k, i in enumerate(ids) if i in packed] + [k for k, i in enumerate(ids) if i not in packed]
-    return torch.cat(parts)[torch.argsort(torch.tensor(order, device=parts[0].device))]
+    in_packs = [k for k, i in enumerate(ids) if i in packed]
+    in_rows = [k for k, i in enumerate(ids) if i not in packed]
+    parts = []
+    if in_packs:
+        parts.append(run_packed([ids[k] for k in in_packs]))
+    if in_rows:
+        parts.append(run_rows([ids[k] for k in in_rows]))
+    return _in_order(parts, in_packs + in_rows)
 
 
 def micro_batches(indices: Sequence[int], n_micro: int) -> list[list[int]]:

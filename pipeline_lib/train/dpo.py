@@ -129,7 +129,8 @@ def logprob_sums(model: nn.Module, encoded: Encoded, pair_ids: list[int], *, pac
     return out
 
 
-def packed_pairs(model: nn.Module, encoded: Encoded, *, pad_id: int, device: torch.device) -> frozenset[int]:
+def packed_pairs(model: nn.Module, encoded: Encoded, *, pad_id: int, device: torch.device,
+                 ctx: Dist | None = None) -> frozenset[int]:
     """The pairs that run packed (`choose_packed`): where that saves compute and this model's packed sums hold."""
     widths = [packed_width(encoded, i) for i in range(len(encoded) // 2)]
     rows = [[len(encoded.prompt_ids[r]) + len(encoded.completion_ids[r]) for r in (2 * i, 2 * i + 1)]
@@ -137,7 +138,7 @@ def packed_pairs(model: nn.Module, encoded: Encoded, *, pad_id: int, device: tor
     return choose_packed(model, transformers_model(model), rows, widths,
                          lambda pairs, packed: pair_logps(model, encoded, pairs, packed=pairs if packed else (),
                                                           pad_id=pad_id, device=device),
-                         unit="pairs", fallback="each pair runs as two rows")
+                         unit="pairs", fallback="each pair runs as two rows", ctx=ctx)
 
 
 def weights_fingerprint(model_path: str | Path) -> str:
@@ -232,8 +233,7 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     train_ids, eval_ids = holdout_split(pairs["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)
     pad_id = tokenizer.pad_token_id
-    packed = packed_pairs(model, encoded, pad_id=pad_id, device=device)
-    packed = packed if ctx.all_true(bool(packed), device) else frozenset()  # every rank, one layout
+    packed = packed_pairs(model, encoded, pad_id=pad_id, device=device, ctx=ctx)
     ref = reference_logps(model, encoded, packed=packed, policy_path=cfg.policy_path,
                           cache_dir=Path(cache_dir or out_dir / "cache"), pad_id=pad_id, device=device,
                           batch_size=cfg.ref_batch_size, ctx=ctx)  # (2N,)

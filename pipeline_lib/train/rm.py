@@ -22,6 +22,7 @@ from pipeline_lib.models import RewardModel, load_tokenizer
 from pipeline_lib.models.loading import resolve_device
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
+    Dist,
     autocast,
     batches,
     check_batch_split,
@@ -122,8 +123,10 @@ def group_scores(model: torch.nn.Module, groups: Groups, ids: list[int], *, pack
     """r(x, y) of every response of groups `ids`: scores (B, K) best first, and their mask. The groups in `packed`
     (`packed_groups`) run a group per row, the tokens its responses share once; the others a response per row."""
     width = max(groups.sizes[g] for g in ids)
-    sizes = torch.tensor([groups.sizes[g] for g in ids], device=device)
-    mask = torch.arange(width, device=device).unsqueeze(0) < sizes.unsqueeze(1)  # (B, K) valid prefix
+
+    def valid(part: list[int]) -> Tensor:  # (P, width): each group's responses, a prefix of the K columns
+        return torch.arange(width, device=device) < torch.tensor([groups.sizes[g] for g in part],
+                                                                 device=device).unsqueeze(1)
 
     def run_packed(part: list[int]) -> Tensor:  # (P, width)
         scores = per_group(lambda batch: model(batch.input_ids, batch.attention_mask, batch.packed).float(),
@@ -133,14 +136,13 @@ def group_scores(model: torch.nn.Module, groups: Groups, ids: list[int], *, pack
     def run_rows(part: list[int]) -> Tensor:  # (P, width)
         flat = per_row(lambda batch: model(batch.input_ids, batch.attention_mask).float(), groups.encoded,
                        groups.rows(part), pad_id=pad_id, device=device)  # (R,)
-        valid = torch.arange(width, device=device) < torch.tensor([groups.sizes[g] for g in part],
-                                                                  device=device).unsqueeze(1)
-        return torch.zeros(valid.shape, device=device, dtype=flat.dtype).masked_scatter(valid, flat)
+        return torch.zeros((len(part), width), device=device, dtype=flat.dtype).masked_scatter(valid(part), flat)
 
-    return by_layout(ids, packed, run_packed, run_rows), mask  # (B, K), 0 past a group's size
+    return by_layout(ids, packed, run_packed, run_rows), valid(ids)  # (B, K), 0 past a group's size
 
 
-def packed_groups(model: RewardModel, groups: Groups, *, pad_id: int, device: torch.device) -> frozenset[int]:
+def packed_groups(model: RewardModel, groups: Groups, *, pad_id: int, device: torch.device,
+                  ctx: Dist | None = None) -> frozenset[int]:
     """The groups that run packed (`choose_packed`): where their texts share enough of their start to save compute
     and this model's packed scores hold."""
     widths = [group_width(groups.encoded, groups.rows([g])) for g in range(len(groups))]
@@ -148,7 +150,7 @@ def packed_groups(model: RewardModel, groups: Groups, *, pad_id: int, device: to
     return choose_packed(model, model.backbone, rows, widths,
                          lambda ids, packed: group_scores(model, groups, ids, packed=ids if packed else (),
                                                           pad_id=pad_id, device=device)[0],
-                         unit="groups", fallback="each response runs as its own row")
+                         unit="groups", fallback="each response runs as its own row", ctx=ctx)
 
 
 @torch.no_grad()
@@ -194,8 +196,7 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
     train_ids, eval_ids = holdout_split(data["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)
     pad_id = tokenizer.pad_token_id
-    packed = packed_groups(model, groups, pad_id=pad_id, device=device)
-    packed = packed if ctx.all_true(bool(packed), device) else frozenset()  # every rank, one layout
+    packed = packed_groups(model, groups, pad_id=pad_id, device=device, ctx=ctx)
     optimizer = make_optimizer(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = make_scheduler(optimizer, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
                                kind=cfg.lr_schedule)
