@@ -1,9 +1,11 @@
 """Reward-model training step: each response as its own row vs a group's responses packed in one row behind the
 tokens they share, and the mix the training loop runs (`pipeline_lib.train.rm.packed_groups`: the groups where
 packing saves compute). The layouts give the same scores and gradients (tests/models/test_heads.py); this times them.
+Then scoring (`RewardModelScorer`, as Best-of-N and the RL stages call it): `--samples` answers to each of `--groups`
+prompts, each answer a response of the data set drawn at random, scored with and without packing.
 
     .venv/bin/python benchmarks/rm_packing.py [--model demo|large] [--data pairs rankings hh] [--groups 32]
-                                              [--max-length 256] [--repeats 6] [--threads 1]
+                                              [--samples 8] [--max-length 256] [--repeats 6] [--threads 1]
 
 Data, ingested into a scratch DuckDB store as `alignflow ingest` stores them: `pairs` (data/demo/pairs.jsonl,
 Bradley-Terry), `rankings` (data/demo/rankings.jsonl, Plackett-Luce), `hh` (the shipped HH-RLHF harmless-base test
@@ -16,6 +18,7 @@ The model is the tiny offline one built on the data (a character tokenizer, so a
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import tempfile
@@ -34,6 +37,7 @@ def measure(name: str, args: argparse.Namespace, scratch: Path) -> dict:
     import torch
 
     from pipeline_lib.models import RewardModel, build_tiny_model, load_tokenizer
+    from pipeline_lib.rewards.model import RewardModelScorer
     from pipeline_lib.store.db import open_store
     from pipeline_lib.store.ingest import ingest_file
     from pipeline_lib.train.data import group_width
@@ -67,8 +71,22 @@ def measure(name: str, args: argparse.Namespace, scratch: Path) -> dict:
                 times[layout].append(time.perf_counter() - started)
     rows = sum(len(groups.encoded.prompt_ids[r]) for r in groups.rows(timed)) / len(timed)
     width = sum(group_width(groups.encoded, groups.rows([g])) for g in timed) / len(timed)
+    rng = random.Random(0)
+    samples = [prompt + rng.choice(responses) for prompt in data["prompt"].to_list()[:args.groups]
+               for _ in range(args.samples)]
+    scorers = {pack: RewardModelScorer(model, tokenizer, max_length=args.max_length, pack=pack) for pack in (False, True)}
+    scoring: dict[bool, list[float]] = {pack: [] for pack in scorers}
+    for repeat in range(args.repeats + 1):
+        for pack, scorer in scorers.items():
+            started = time.perf_counter()
+            scorer(samples)
+            if repeat:
+                scoring[pack].append(time.perf_counter() - started)
     return {"data": name, "groups": len(groups), "chosen": len(chosen), "rows": rows, "packed_tokens": width,
-            **{f"{layout} ms": 1e3 * statistics.mean(values) for layout, values in times.items()}}
+            **{f"{layout} ms": 1e3 * statistics.mean(values) for layout, values in times.items()},
+            "samples": len(samples), "packed_samples": scorers[True].packed_texts // (args.repeats + 1),
+            "scoring rows ms": 1e3 * statistics.mean(scoring[False]),
+            "scoring packed ms": 1e3 * statistics.mean(scoring[True])}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", choices=sorted(SIZES), default="demo")
     parser.add_argument("--data", nargs="+", choices=sorted(FILES), default=["pairs", "rankings", "hh"])
     parser.add_argument("--groups", type=positive_int, default=32, help="groups in the timed batch")
+    parser.add_argument("--samples", type=positive_int, default=8, help="answers scored per prompt")
     parser.add_argument("--max-length", type=positive_int, default=256, help="RMConfig.max_length (its default)")
     parser.add_argument("--repeats", type=positive_int, default=6)
     parser.add_argument("--threads", type=positive_int, default=1)
@@ -88,12 +107,19 @@ def main(argv: list[str] | None = None) -> None:
     print("| data | groups | packed by the loop | tokens a group, rows | all packed | step ms, rows | all packed | "
           "the loop's mix | mix/rows |")
     print("|---|---|---|---|---|---|---|---|---|")
+    results = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.data:
             r = measure(name, args, Path(scratch))
+            results.append(r)
             print(f"| {r['data']} | {r['groups']} | {r['chosen']} | {r['rows']:.1f} | {r['packed_tokens']:.1f} | "
                   f"{r['rows ms']:.1f} | {r['all packed ms']:.1f} | {r['mix ms']:.1f} | "
                   f"{r['mix ms'] / r['rows ms']:.2f} |", flush=True)
+    print("\n| data | texts scored | scored packed | scoring ms, rows | packed | packed/rows |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['data']} | {r['samples']} | {r['packed_samples']} | {r['scoring rows ms']:.1f} | "
+              f"{r['scoring packed ms']:.1f} | {r['scoring packed ms'] / r['scoring rows ms']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -3,29 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
-
-def text_ids(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids of whole texts (prompt + response) as a reward model reads them, in training and scoring: with
-    the tokenizer's own special tokens, once: where the tokenizer adds a bos, a chat-rendered prompt that
-    already starts with it (Llama, Mistral and Gemma templates write it) does not get a second one."""
-    ids = tokenizer(list(texts))["input_ids"]
-    bos = tokenizer.bos_token_id
-    if bos is None or tokenizer("")["input_ids"][:1] != [bos]:  # GPT-2 adds none: its text keeps every token
-        return ids
-    return [row[1:] if row[:2] == [bos, bos] else row for row in ids]
+from pipeline_lib.models.heads import RewardModel
+from pipeline_lib.train.common import packable, packed_values_hold, packing_costs
+from pipeline_lib.train.data import Encoded, collate_groups, group_width, text_ids
 
 
 class RewardModelScorer:
     """Scores texts with `model(input_ids, attention_mask) -> (B,)` (e.g. models.heads.RewardModel).
 
-    Texts are tokenized by `text_ids`, truncated from the LEFT to `max_length`
-    (the end of the completion is what last-token pooling reads), sorted by length so each batch pads
-    little, left-padded, and scored under no_grad in eval mode; scores come back in input order."""
+    Texts are tokenized by `text_ids`, truncated from the LEFT to `max_length` (the end of the completion is what
+    last-token pooling reads), left-padded, at most `batch_size` texts a forward, scored under no_grad in eval mode;
+    scores come back in input order. With a RewardModel and `pack` on, texts that begin with the same tokens (the
+    samples of one prompt) are packed into one row behind their shared start, as `train_rm` packs a pair's texts
+    (`RewardModel.forward(..., packed)`), where that costs fewer multiply-adds than their own rows
+    (`packing_costs`); the first time groups pack, their packed scores are checked against the rows'
+    (`packed_values_hold`), and a model that fails keeps the rows, with a note. The others run as rows, sorted by
+    length so each batch pads little."""
 
     def __init__(
         self,
@@ -33,6 +32,7 @@ class RewardModelScorer:
         tokenizer: PreTrainedTokenizerBase,
         batch_size: int = 16,
         max_length: int | None = None,
+        pack: bool = True,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
@@ -43,6 +43,9 @@ class RewardModelScorer:
             raise ValueError("tokenizer: expected a pad_token_id or eos_token_id to pad batches with")
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.max_length, self.pad_id = batch_size, max_length, pad_id
+        self.pack = pack and isinstance(model, RewardModel)
+        self.packing_holds: bool | None = None  # checked the first time groups pack
+        self.packed_texts = 0  # texts scored packed so far
 
     def _batch(self, ids: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(row) for row in ids)
@@ -63,23 +66,82 @@ class RewardModelScorer:
         empty = next((i for i, row in enumerate(ids) if not row), None)
         if empty is not None:
             raise ValueError(f"texts[{empty}]: tokenizes to no tokens; a reward model needs at least one")
-        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-        device = next(self.model.parameters()).device
+        encoded = Encoded(ids, [[] for _ in ids])
         scores = [0.0] * len(ids)
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.no_grad():
-                for start in range(0, len(order), self.batch_size):
-                    chunk = order[start:start + self.batch_size]
-                    input_ids, attention_mask = self._batch([ids[i] for i in chunk], device)
-                    out = self.model(input_ids=input_ids, attention_mask=attention_mask)  # (B,)
-                    if out.dim() == 2 and out.shape[-1] == 1:
-                        out = out.squeeze(-1)
-                    if out.shape != (len(chunk),):
-                        raise ValueError(f"model: expected scores of shape ({len(chunk)},), got {tuple(out.shape)}")
-                    for i, score in zip(chunk, out.float().cpu().tolist()):
-                        scores[i] = score
+                packed = self._packed(encoded)
+                in_packs = {i for group in packed for i in group}
+                rows = sorted((i for i in range(len(ids)) if i not in in_packs), key=lambda i: len(ids[i]))
+                batches = [(False, [[i] for i in rows[start:start + self.batch_size]])
+                           for start in range(0, len(rows), self.batch_size)]
+                batches += [(True, groups) for groups in self._fill(encoded, packed)]
+                for is_packed, groups in batches:
+                    for group, values in zip(groups, self._scores(encoded, groups, is_packed).cpu().tolist()):
+                        for i, score in zip(group, values):
+                            scores[i] = score
         finally:
             self.model.train(was_training)
+        self.packed_texts += len(in_packs)
         return scores
+
+    def _scores(self, encoded: Encoded, groups: list[list[int]], packed: bool) -> Tensor:
+        """(G, K) float32 scores of `groups`' texts (K the largest group's size; 0 past a group's size): a group per
+        row, or a text per row."""
+        device = next(self.model.parameters()).device
+        width = max(len(group) for group in groups)
+        if packed:
+            batch = collate_groups(encoded, groups, pad_id=self.pad_id, texts=width).to(device)
+            return self.model(batch.input_ids, batch.attention_mask, batch.packed).float()  # (G, K)
+        texts = [i for group in groups for i in group]
+        out = self.model(*self._batch([encoded.prompt_ids[i] for i in texts], device))  # (B,)
+        if out.dim() == 2 and out.shape[-1] == 1:
+            out = out.squeeze(-1)
+        if out.shape != (len(texts),):
+            raise ValueError(f"model: expected scores of shape ({len(texts)},), got {tuple(out.shape)}")
+        valid = torch.arange(width, device=device) < torch.tensor([len(group) for group in groups],
+                                                                 device=device).unsqueeze(1)  # (G, K)
+        return torch.zeros(valid.shape, device=device).masked_scatter(valid, out.float())
+
+    def _packed(self, encoded: Encoded) -> list[list[int]]:
+        """The groups of texts that run packed: neighbours in token order (texts sharing a start sort together),
+        a text joining its group where the grown group packed costs less than the group and the text apart, at most
+        `batch_size` texts a group; of those, the ones `packable` allows, if this model's packed scores hold."""
+        if not self.pack:
+            return []
+        config = self.model.backbone.config
+        lengths = [len(row) for row in encoded.prompt_ids]
+
+        def cost(group: list[int]) -> float:
+            unpacked, packed = packing_costs(config, [lengths[i] for i in group], group_width(encoded, group))
+            return unpacked if len(group) == 1 else packed
+
+        groups: list[list[int]] = []
+        for i in sorted(range(len(lengths)), key=lambda i: encoded.prompt_ids[i]):
+            group = groups[-1] if groups else []
+            if group and len(group) < self.batch_size and cost([*group, i]) < cost(group) + cost([i]):
+                group.append(i)
+            else:
+                groups.append([i])
+        groups = [group for group in groups if len(group) > 1]
+        widths = [group_width(encoded, group) for group in groups]
+        chosen = packable(self.model.backbone, [[lengths[i] for i in group] for group in groups], widths)
+        if chosen and self.packing_holds is None:  # on the widest groups that fit one batch
+            fit = accumulate(len(groups[g]) for g in sorted(chosen, key=lambda g: -widths[g]))
+            self.packing_holds = packed_values_hold(
+                self.model.backbone, chosen, widths,
+                lambda ids, packed: self._scores(encoded, [groups[g] for g in ids], packed),
+                unit="groups of texts", fallback="each text is scored as its own row",
+                checked=max(1, sum(texts <= self.batch_size for texts in fit)))
+        return [groups[g] for g in chosen] if self.packing_holds else []
+
+    def _fill(self, encoded: Encoded, groups: list[list[int]]) -> list[list[list[int]]]:
+        """Packed groups in batches of at most `batch_size` texts, by packed width so each batch pads little."""
+        batches: list[list[list[int]]] = []
+        for group in sorted(groups, key=lambda group: group_width(encoded, group)):
+            if not batches or sum(map(len, batches[-1])) + len(group) > self.batch_size:
+                batches.append([])
+            batches[-1].append(group)
+        return batches

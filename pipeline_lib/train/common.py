@@ -97,47 +97,58 @@ def autocast(device: torch.device):
     return nullcontext()
 
 
-def packing_saves(config: PretrainedConfig, rows: Sequence[Sequence[int]], widths: Sequence[int]) -> list[bool]:
-    """For each group of `rows` (token counts of its rows): whether packing it into one row of `widths[g]` columns
-    costs fewer multiply-adds. Per layer, a row of L tokens costs about L (4h^2 + 3hi) in its projections and MLP (h
-    `hidden_size`, i `intermediate_size` of the text model) and 2 L^2 h in its attention scores and sums, of which a
-    causal kernel computes about half; a packed row's explicit mask has them all computed, masked or not. So where the
-    shared prefix is short next to the texts (long answers; texts cut from the left differently), the packed row's
-    attention costs more than the prefix saves. A config without a hidden size packs nothing."""
+def packing_costs(config: PretrainedConfig, rows: Sequence[int], width: int) -> tuple[float, float]:
+    """Multiply-adds per layer of texts of `rows` tokens each run as its own row, and packed into one row of `width`
+    columns. A row of L tokens costs about L (4h^2 + 3hi) in its projections and MLP (h `hidden_size`, i
+    `intermediate_size` of the text model) and 2 L^2 h in its attention scores and sums, of which a causal kernel
+    computes about half; a packed row's explicit mask has them all computed, masked or not. So where the shared
+    prefix is short next to the texts (long answers; texts cut from the left differently), the packed row's attention
+    costs more than the prefix saves. A config without a hidden size: packing costs infinitely much."""
     text = config.get_text_config()
     hidden = getattr(text, "hidden_size", None)
     if not hidden:
-        return [False] * len(widths)
+        return 0.0, math.inf
     inner = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
     per_token = 4 * hidden ** 2 + 3 * hidden * inner
-    return [width * per_token + 2 * width ** 2 * hidden < sum(length * per_token + length ** 2 * hidden
-                                                               for length in group)
-            for group, width in zip(rows, widths)]
+    return (sum(length * per_token + length ** 2 * hidden for length in rows),
+            width * per_token + 2 * width ** 2 * hidden)
+
+
+def packing_saves(config: PretrainedConfig, rows: Sequence[Sequence[int]], widths: Sequence[int]) -> list[bool]:
+    """For each group of `rows` (token counts of its rows): whether packing it into one row of `widths[g]` columns
+    costs fewer multiply-adds (`packing_costs`)."""
+    return [packed < unpacked for unpacked, packed in (packing_costs(config, group, width)
+                                                        for group, width in zip(rows, widths))]
+
+
+def packable(inner: PreTrainedModel, rows: Sequence[Sequence[int]], widths: Sequence[int]) -> list[int]:
+    """The groups whose packing saves compute (`packing_saves`) and whose packed row `packs_pairs` allows `inner`
+    (a window or a position limit narrower than the row keeps that group's rows)."""
+    return [g for g, saves in enumerate(packing_saves(inner.config, rows, widths))
+            if saves and packs_pairs(inner, widths[g])]
 
 
 def choose_packed(model: nn.Module, inner: PreTrainedModel, rows: Sequence[Sequence[int]], widths: Sequence[int],
                   values: Callable[[list[int], bool], Tensor], *, unit: str, fallback: str, ctx: Dist | None = None,
                   checked: int = 8) -> frozenset[int]:
-    """The groups (DPO's pairs, a reward model's pairs or rankings) that run packed: those where packing saves compute
-    (`packing_saves`) and whose packed row `packs_pairs` allows `inner` (the transformers model in `model`: a window
-    or a position limit narrower than a row keeps that group's rows), provided that on the `checked` widest of them
-    `values(groups, True)` (packed) are `values(groups, False)` (rows) within fp32 rounding (1e-4 + 1e-5 relative;
-    run without autocast, so the check is of the layout, not of bf16's rounding), on every rank of `ctx`; none
-    otherwise. A transformers model whose forward ignores the 4D mask or the position ids (ALiBi's biases,
-    encoder-decoder heads), or refuses the packed row, keeps the rows, with a note saying `fallback`: it would
-    otherwise train on wrong values, silently. A model in train mode (dropout on) keeps the rows, without a check:
-    packed, a group's texts would share one dropout draw over their shared prefix."""
-    saving = [g for g, saves in enumerate(packing_saves(inner.config, rows, widths))
-              if saves and packs_pairs(inner, widths[g])]
-    holds = not model.training and bool(saving) and _packed_values_hold(inner, saving, widths, values, unit=unit,
-                                                                        fallback=fallback, checked=checked)
+    """The groups (DPO's pairs, a reward model's pairs or rankings) that run packed: the `packable` ones (`inner` is
+    the transformers model in `model`), provided `packed_values_hold` on every rank of `ctx`; none otherwise. A model
+    in train mode (dropout on) keeps the rows, without a check: packed, a group's texts would share one dropout draw
+    over their shared prefix."""
+    saving = packable(inner, rows, widths)
+    holds = not model.training and bool(saving) and packed_values_hold(inner, saving, widths, values, unit=unit,
+                                                                       fallback=fallback, checked=checked)
     # the same on every rank (the set is the data's; the check could differ), so the ranks read one reference file
     return frozenset(saving) if (ctx or Dist()).all_true(holds, inner.device) else frozenset()
 
 
-def _packed_values_hold(inner: PreTrainedModel, saving: list[int], widths: Sequence[int],
-                        values: Callable[[list[int], bool], Tensor], *, unit: str, fallback: str, checked: int) -> bool:
-    """`choose_packed`'s check on the `checked` widest of the `saving` groups, with its note where it fails."""
+def packed_values_hold(inner: PreTrainedModel, saving: Sequence[int], widths: Sequence[int],
+                       values: Callable[[list[int], bool], Tensor], *, unit: str, fallback: str, checked: int = 8) -> bool:
+    """Whether on the `checked` widest of the `saving` groups `values(groups, True)` (packed) are `values(groups,
+    False)` (rows) within fp32 rounding (1e-4 + 1e-5 relative; run without autocast, so the check is of the layout,
+    not of bf16's rounding). A transformers model whose forward ignores the 4D mask or the position ids (ALiBi's
+    biases, encoder-decoder heads), or refuses the packed row, keeps the rows, with a note saying `fallback`: it
+    would otherwise train on or score with wrong values, silently."""
     widest = sorted(saving, key=lambda g: -widths[g])[:checked]
     name = type(inner).__name__
     with torch.no_grad():

@@ -32,7 +32,6 @@ from pipeline_lib.logfns import print_log
 from pipeline_lib.model_dirs import resolve_model_dir
 from pipeline_lib.models.heads import PackedGroups
 from pipeline_lib.models.logprobs import CHOSEN, REJECTED
-from pipeline_lib.rewards.model import text_ids
 from pipeline_lib.train import LAUNCH_PARENT
 
 C = TypeVar("C", bound=BaseModel)
@@ -166,6 +165,17 @@ def encode(
               "tokens beside their completion and lost their first tokens; raise max_length to keep them whole",
               file=sys.stderr, flush=True)
     return Encoded(out_prompts, out_completions)
+
+
+def text_ids(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of whole texts (prompt + response) as a reward model reads them, in training and scoring: with
+    the tokenizer's own special tokens, once: where the tokenizer adds a bos, a chat-rendered prompt that
+    already starts with it (Llama, Mistral and Gemma templates write it) does not get a second one."""
+    ids = tokenizer(list(texts))["input_ids"]
+    bos = tokenizer.bos_token_id
+    if bos is None or tokenizer("")["input_ids"][:1] != [bos]:  # GPT-2 adds none: its text keeps every token
+        return ids
+    return [row[1:] if row[:2] == [bos, bos] else row for row in ids]
 
 
 def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, max_length: int) -> Encoded:

@@ -20,10 +20,11 @@ def bench(script: str, *args: str, check: bool = True) -> subprocess.CompletedPr
                           timeout=300)
 
 
-def table(out: str) -> list[list[str]]:
-    """The data rows of the last markdown table in `out` (the rows after its `|---` line), cells stripped."""
+def table(out: str, which: int = -1) -> list[list[str]]:
+    """The data rows of markdown table `which` in `out` (the last by default; the rows after its `|---` line), cells
+    stripped."""
     lines = out.splitlines()
-    start = max(i for i, line in enumerate(lines) if line.startswith("|---")) + 1
+    start = [i for i, line in enumerate(lines) if line.startswith("|---")][which] + 1
     end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[start:end]]
 
@@ -64,11 +65,15 @@ def test_sampling_prints_hf_throughput_without_the_vllm_env():
     assert [int(row[3]) for row in rows] == [4, 8]  # every prompt runs to max_new_tokens on the random-init model
 
 
-def test_rm_packing_times_the_layouts_and_says_how_many_groups_the_loop_packs():
+def test_rm_packing_times_the_layouts_and_scoring_and_says_how_many_groups_pack():
     done = bench("rm_packing.py", "--data", "rankings", "hh", "--groups", "4", "--repeats", "1")
-    rankings, hh = table(done.stdout)
+    rankings, hh = table(done.stdout, 0)
     assert rankings[:3] == ["rankings", "600", "600"]  # short prompts, 2-4 answers: every ranking saves positions
     assert float(rankings[4]) < float(rankings[3])
     assert hh[:2] == ["hh", "2308"] and 0 < int(hh[2]) < 2308 / 2  # most are cut from the left to 256 characters
     # by their own lengths: those pairs share little and run as rows
     assert all(float(cell) > 0 for cell in rankings[5:] + hh[5:])
+    scored_rankings, scored_hh = table(done.stdout)  # 8 answers to each of 4 prompts, scored
+    assert scored_rankings[:2] == ["rankings", "32"] and int(scored_rankings[2]) > 16  # the answers share the prompt
+    assert scored_hh[:2] == ["hh", "32"] and int(scored_hh[2]) < 16  # cut from the left by their own lengths
+    assert all(float(cell) > 0 for cell in scored_rankings[3:] + scored_hh[3:])

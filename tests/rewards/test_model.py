@@ -1,13 +1,21 @@
-"""RewardModelScorer with a tiny stand-in reward model: left padding, batching, order, truncation, no_grad."""
+"""RewardModelScorer with a tiny stand-in reward model (left padding, batching, order, truncation, no_grad) and with a
+tiny Llama reward model (texts sharing their start packed in one row)."""
 
 from __future__ import annotations
 
+import random
+import re
+from pathlib import Path
+
 import pytest
 import torch
+import transformers
 from torch import Tensor, nn
 
+from pipeline_lib.models import RewardModel, build_tiny_model, load_tokenizer
 from pipeline_lib.models.tiny import build_tokenizer
 from pipeline_lib.rewards.model import RewardModelScorer
+from pipeline_lib.train.common import packing_saves
 
 TEXTS = ["12+34=46", "7+1=8", "99+99=198", "0+0=0", "5+5=10"]
 
@@ -79,7 +87,7 @@ def test_a_text_that_starts_with_the_bos_token_gets_no_second_one():
     is read with one bos, in reward-model training (encode_texts) as in scoring."""
     from tokenizers.processors import TemplateProcessing
 
-    from pipeline_lib.rewards.model import text_ids
+    from pipeline_lib.train.data import text_ids
     from pipeline_lib.train.data import encode_texts
 
     tokenizer = build_tokenizer(["0123456789+="])
@@ -93,3 +101,96 @@ def test_a_text_that_starts_with_the_bos_token_gets_no_second_one():
     assert RewardModelScorer(model, tokenizer)(["<s>12"]) == [expected(tokenizer, "12")]
     plain = build_tokenizer(["0123456789+="])  # adds no bos: a text's own leading bos tokens are all kept
     assert text_ids(plain, ["<s><s>12"]) == [[bos, bos, *plain("12")["input_ids"]]]
+
+
+# ---- a reward model's texts packed behind the start they share (the samples of one prompt)
+
+
+class _DropsPositions(transformers.LlamaModel):
+    """A backbone that reads column distances instead of the position ids it is given (as ALiBi's biases do): wrong
+    on packed rows, whose later texts sit behind the earlier ones."""
+
+    __module__ = "transformers.models.llama.modeling_llama"
+
+    def forward(self, *args, position_ids=None, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny_rm(tmp_path_factory) -> Path:
+    corpus = ["0123456789+=?. abcdefghijklmnopqrstuvwxyz"]
+    return build_tiny_model(tmp_path_factory.mktemp("rm") / "policy", corpus, max_position_embeddings=512)
+
+
+def _samples(prompts: int, per_prompt: int, *, prompt_chars: int, answer_chars: tuple[int, int], seed: int = 0):
+    """`per_prompt` answers of each of `prompts` prompts (prompt + answer), shuffled."""
+    rng = random.Random(seed)
+    texts = []
+    for p in range(prompts):
+        prompt = "".join(rng.choice("abcdefghij +=") for _ in range(prompt_chars)) + f" {p}?"
+        texts += [prompt + "".join(rng.choice("0123456789.") for _ in range(rng.randint(*answer_chars)))
+                  for _ in range(per_prompt)]
+    rng.shuffle(texts)
+    return texts
+
+
+def _texts_per_forward(model: nn.Module) -> list[int]:
+    seen: list[int] = []
+
+    def hook(module, args, out):
+        seen.append(int((args[2].lengths > 0).sum()) if len(args) > 2 and args[2] is not None else out.shape[0])
+
+    model.register_forward_hook(hook)
+    return seen
+
+
+@pytest.mark.parametrize("pooling", ["last_token", "mean", "last_two_layers"])
+def test_samples_of_one_prompt_are_scored_packed_as_their_own_rows_score_them(tiny_rm, pooling):
+    tokenizer = load_tokenizer(tiny_rm)
+    model = RewardModel.from_policy(tiny_rm, device="cpu", pooling=pooling)
+    texts = _samples(4, 6, prompt_chars=40, answer_chars=(1, 12)) + ["lone text 1", "another lone one ?"]
+    alone = [RewardModelScorer(model, tokenizer)([text])[0] for text in texts]
+    seen = _texts_per_forward(model)
+    scorer = RewardModelScorer(model, tokenizer, batch_size=4)
+    scores = scorer(texts)
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor(alone), atol=1e-5, rtol=0)
+    assert torch.tensor(alone).std() > 1e-3  # the texts' scores differ
+    assert scorer.packing_holds and scorer.packed_texts == 24  # the lone texts run as rows
+    assert max(seen) <= 4 and sum(seen) == len(texts) + 2 * 4  # + the check: the widest group, packed and as rows
+    seen.clear()
+    unpacked = RewardModelScorer(model, tokenizer, batch_size=4, pack=False)
+    torch.testing.assert_close(torch.tensor(unpacked(texts)), torch.tensor(alone), atol=1e-5, rtol=0)
+    assert unpacked.packed_texts == 0 and max(seen) <= 4 and sum(seen) == len(texts)
+
+
+def test_a_model_whose_packed_scores_do_not_hold_scores_rows_with_one_note(tiny_rm, capsys):
+    tokenizer = load_tokenizer(tiny_rm)
+    model = RewardModel.from_policy(tiny_rm, device="cpu")
+    quirky = RewardModel(_DropsPositions(model.backbone.config), model.head, "last_token")
+    quirky.backbone.load_state_dict(model.backbone.state_dict())
+    texts = _samples(3, 5, prompt_chars=30, answer_chars=(2, 8))
+    alone = [RewardModelScorer(quirky, tokenizer)([text])[0] for text in texts]
+    scorer = RewardModelScorer(quirky, tokenizer)
+    capsys.readouterr()
+    for _ in range(2):
+        torch.testing.assert_close(torch.tensor(scorer(texts)), torch.tensor(alone), atol=1e-5, rtol=0)
+    assert scorer.packing_holds is False and scorer.packed_texts == 0
+    assert re.fullmatch(r"note: _DropsPositions's packed rows do not give the rows' values \(max difference "
+                        r"[0-9.e+-]+ on the 3 widest groups of texts\): each text is scored as its own row\n",
+                        capsys.readouterr().err)  # once: the check is not repeated
+
+
+def test_texts_pack_only_where_it_saves_compute_and_fits_the_models_positions(tiny_rm):
+    tokenizer = load_tokenizer(tiny_rm)
+    model = RewardModel.from_policy(tiny_rm, device="cpu")
+    scorer = RewardModelScorer(model, tokenizer)
+    short_start = _samples(2, 4, prompt_chars=1, answer_chars=(150, 200))  # a few shared tokens, long answers
+    texts = _samples(1, 4, prompt_chars=150, answer_chars=(100, 100))  # 4 x ~255 tokens, ~555 packed
+    config = model.backbone.config
+    widths = [len(tokenizer(texts[0])["input_ids"]) + 3 * 100]
+    assert packing_saves(config, [[len(tokenizer(t)["input_ids"]) for t in texts]], widths) == [True]
+    assert widths[0] > config.max_position_embeddings == 512
+    for case in (short_start, texts):
+        alone = [RewardModelScorer(model, tokenizer)([text])[0] for text in case]
+        torch.testing.assert_close(torch.tensor(scorer(case)), torch.tensor(alone), atol=1e-5, rtol=0)
+    assert scorer.packed_texts == 0 and scorer.packing_holds is None  # nothing came to the check
