@@ -10,7 +10,8 @@ from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from pipeline_lib.models.heads import RewardModel
-from pipeline_lib.train.common import packable, packed_values_hold, packing_costs
+from pipeline_lib.models.logprobs import packs_pairs
+from pipeline_lib.train.common import packed_values_hold, packing_costs
 from pipeline_lib.train.data import Encoded, collate_groups, group_width, text_ids
 
 
@@ -22,7 +23,7 @@ class RewardModelScorer:
     scores come back in input order. With a RewardModel and `pack` on, texts that begin with the same tokens (the
     samples of one prompt) are packed into one row behind their shared start, as `train_rm` packs a pair's texts
     (`RewardModel.forward(..., packed)`), where that costs fewer multiply-adds than their own rows
-    (`packing_costs`); the first time groups pack, their packed scores are checked against the rows'
+    (`packing_costs`) and fits the model's positions and attention window; the first time groups pack, their packed scores are checked against the rows'
     (`packed_values_hold`), and a model that fails keeps the rows, with a note. The others run as rows, sorted by
     length so each batch pads little."""
 
@@ -106,36 +107,37 @@ class RewardModelScorer:
         return torch.zeros(valid.shape, device=device).masked_scatter(valid, out.float())
 
     def _packed(self, encoded: Encoded) -> list[list[int]]:
-        """The groups of texts that run packed: neighbours in token order (texts sharing a start sort together),
-        a text joining its group where the grown group packed costs less than the group and the text apart, at most
-        `batch_size` texts a group; of those, the ones `packable` allows, if this model's packed scores hold."""
+        """The groups of texts that run packed: neighbours in token order (texts sharing a start sort together), a
+        text joining its group where the grown group packed costs less than the group and the text apart
+        (`packing_costs`) and `packs_pairs` allows its width, at most `batch_size` texts a group; none unless this
+        model's packed scores hold."""
         if not self.pack:
             return []
-        config = self.model.backbone.config
+        backbone = self.model.backbone
         lengths = [len(row) for row in encoded.prompt_ids]
 
         def cost(group: list[int]) -> float:
-            unpacked, packed = packing_costs(config, [lengths[i] for i in group], group_width(encoded, group))
+            unpacked, packed = packing_costs(backbone.config, [lengths[i] for i in group], group_width(encoded, group))
             return unpacked if len(group) == 1 else packed
 
         groups: list[list[int]] = []
         for i in sorted(range(len(lengths)), key=lambda i: encoded.prompt_ids[i]):
             group = groups[-1] if groups else []
-            if group and len(group) < self.batch_size and cost([*group, i]) < cost(group) + cost([i]):
+            if (group and len(group) < self.batch_size and cost([*group, i]) < cost(group) + cost([i])
+                    and packs_pairs(backbone, group_width(encoded, [*group, i]))):
                 group.append(i)
             else:
                 groups.append([i])
         groups = [group for group in groups if len(group) > 1]
-        widths = [group_width(encoded, group) for group in groups]
-        chosen = packable(self.model.backbone, [[lengths[i] for i in group] for group in groups], widths)
-        if chosen and self.packing_holds is None:  # on the widest groups that fit one batch
-            fit = accumulate(len(groups[g]) for g in sorted(chosen, key=lambda g: -widths[g]))
+        if groups and self.packing_holds is None:  # checked on the widest groups that fit one batch
+            widths = [group_width(encoded, group) for group in groups]
+            fit = accumulate(len(groups[g]) for g in sorted(range(len(groups)), key=lambda g: -widths[g]))
             self.packing_holds = packed_values_hold(
-                self.model.backbone, chosen, widths,
+                backbone, range(len(groups)), widths,
                 lambda ids, packed: self._scores(encoded, [groups[g] for g in ids], packed),
                 unit="groups of texts", fallback="each text is scored as its own row",
                 checked=max(1, sum(texts <= self.batch_size for texts in fit)))
-        return [groups[g] for g in chosen] if self.packing_holds else []
+        return groups if self.packing_holds else []
 
     def _fill(self, encoded: Encoded, groups: list[list[int]]) -> list[list[list[int]]]:
         """Packed groups in batches of at most `batch_size` texts, by packed width so each batch pads little."""

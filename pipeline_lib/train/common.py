@@ -121,21 +121,16 @@ def packing_saves(config: PretrainedConfig, rows: Sequence[Sequence[int]], width
                                                         for group, width in zip(rows, widths))]
 
 
-def packable(inner: PreTrainedModel, rows: Sequence[Sequence[int]], widths: Sequence[int]) -> list[int]:
-    """The groups whose packing saves compute (`packing_saves`) and whose packed row `packs_pairs` allows `inner`
-    (a window or a position limit narrower than the row keeps that group's rows)."""
-    return [g for g, saves in enumerate(packing_saves(inner.config, rows, widths))
-            if saves and packs_pairs(inner, widths[g])]
-
-
 def choose_packed(model: nn.Module, inner: PreTrainedModel, rows: Sequence[Sequence[int]], widths: Sequence[int],
                   values: Callable[[list[int], bool], Tensor], *, unit: str, fallback: str, ctx: Dist | None = None,
                   checked: int = 8) -> frozenset[int]:
-    """The groups (DPO's pairs, a reward model's pairs or rankings) that run packed: the `packable` ones (`inner` is
-    the transformers model in `model`), provided `packed_values_hold` on every rank of `ctx`; none otherwise. A model
-    in train mode (dropout on) keeps the rows, without a check: packed, a group's texts would share one dropout draw
-    over their shared prefix."""
-    saving = packable(inner, rows, widths)
+    """The groups (DPO's pairs, a reward model's pairs or rankings) that run packed: those where packing saves compute
+    (`packing_saves`) and whose packed row `packs_pairs` allows `inner` (the transformers model in `model`: a window
+    or a position limit narrower than a row keeps that group's rows), provided `packed_values_hold` on every rank of
+    `ctx`; none otherwise. A model in train mode (dropout on) keeps the rows, without a check: packed, a group's texts
+    would share one dropout draw over their shared prefix."""
+    saving = [g for g, saves in enumerate(packing_saves(inner.config, rows, widths))
+              if saves and packs_pairs(inner, widths[g])]
     holds = not model.training and bool(saving) and packed_values_hold(inner, saving, widths, values, unit=unit,
                                                                        fallback=fallback, checked=checked)
     # the same on every rank (the set is the data's; the check could differ), so the ranks read one reference file

@@ -183,14 +183,21 @@ def test_a_model_whose_packed_scores_do_not_hold_scores_rows_with_one_note(tiny_
 def test_texts_pack_only_where_it_saves_compute_and_fits_the_models_positions(tiny_rm):
     tokenizer = load_tokenizer(tiny_rm)
     model = RewardModel.from_policy(tiny_rm, device="cpu")
+    config = model.backbone.config
     scorer = RewardModelScorer(model, tokenizer)
     short_start = _samples(2, 4, prompt_chars=1, answer_chars=(150, 200))  # a few shared tokens, long answers
-    texts = _samples(1, 4, prompt_chars=150, answer_chars=(100, 100))  # 4 x ~255 tokens, ~555 packed
-    config = model.backbone.config
-    widths = [len(tokenizer(texts[0])["input_ids"]) + 3 * 100]
-    assert packing_saves(config, [[len(tokenizer(t)["input_ids"]) for t in texts]], widths) == [True]
-    assert widths[0] > config.max_position_embeddings == 512
-    for case in (short_start, texts):
+    for case in (short_start, _samples(1, 2, prompt_chars=1, answer_chars=(150, 200))):
         alone = [RewardModelScorer(model, tokenizer)([text])[0] for text in case]
         torch.testing.assert_close(torch.tensor(scorer(case)), torch.tensor(alone), atol=1e-5, rtol=0)
     assert scorer.packed_texts == 0 and scorer.packing_holds is None  # nothing came to the check
+    texts = _samples(1, 5, prompt_chars=150, answer_chars=(100, 100))  # 5 x ~255 tokens: ~655 columns packed
+    lengths = [len(tokenizer(text)["input_ids"]) for text in texts]
+    shared = lengths[0] - 100
+    assert packing_saves(config, [lengths], [shared + 500]) == [True] and config.max_position_embeddings == 512
+    alone = [RewardModelScorer(model, tokenizer)([text])[0] for text in texts]
+    packed_shapes: list[tuple[int, int]] = []
+    model.register_forward_hook(lambda module, args, out: packed_shapes.append(tuple(args[0].shape))
+                                if len(args) > 2 else None)
+    torch.testing.assert_close(torch.tensor(scorer(texts)), torch.tensor(alone), atol=1e-5, rtol=0)
+    # 3 in a row of ~455 columns (a fourth would pass the model's 512 positions), then the other 2
+    assert scorer.packed_texts == 5 and packed_shapes[-1] == (2, shared + 300)
