@@ -74,7 +74,8 @@ def measure(name: str, args: argparse.Namespace, scratch: Path) -> dict:
     rng = random.Random(0)
     samples = [prompt + rng.choice(responses) for prompt in data["prompt"].to_list()[:args.groups]
                for _ in range(args.samples)]
-    scorers = {pack: RewardModelScorer(model, tokenizer, max_length=args.max_length, pack=pack) for pack in (False, True)}
+    scorers = {pack: RewardModelScorer(model, tokenizer, max_length=args.max_length, pack=pack)
+               for pack in (False, True)}
     scoring: dict[bool, list[float]] = {pack: [] for pack in scorers}
     for repeat in range(args.repeats + 1):
         for pack, scorer in scorers.items():

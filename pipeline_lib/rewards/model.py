@@ -23,9 +23,9 @@ class RewardModelScorer:
     scores come back in input order. With a RewardModel and `pack` on, texts that begin with the same tokens (the
     samples of one prompt) are packed into one row behind their shared start, as `train_rm` packs a pair's texts
     (`RewardModel.forward(..., packed)`), where that costs fewer multiply-adds than their own rows
-    (`packing_costs`) and fits the model's positions and attention window; the first time groups pack, their packed scores are checked against the rows'
-    (`packed_values_hold`), and a model that fails keeps the rows, with a note. The others run as rows, sorted by
-    length so each batch pads little."""
+    (`packing_costs`) and fits the model's positions and attention window; the first time groups pack, their packed
+    scores are checked against the rows' (`packed_values_hold`), and a model that fails keeps the rows, with a
+    note. The others run as rows, sorted by length so each batch pads little."""
 
     def __init__(
         self,

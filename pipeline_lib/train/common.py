@@ -138,7 +138,8 @@ def choose_packed(model: nn.Module, inner: PreTrainedModel, rows: Sequence[Seque
 
 
 def packed_values_hold(inner: PreTrainedModel, saving: Sequence[int], widths: Sequence[int],
-                       values: Callable[[list[int], bool], Tensor], *, unit: str, fallback: str, checked: int = 8) -> bool:
+                       values: Callable[[list[int], bool], Tensor], *, unit: str, fallback: str,
+                       checked: int = 8) -> bool:
     """Whether on the `checked` widest of the `saving` groups `values(groups, True)` (packed) are `values(groups,
     False)` (rows) within fp32 rounding (1e-4 + 1e-5 relative; run without autocast, so the check is of the layout,
     not of bf16's rounding). A transformers model whose forward ignores the 4D mask or the position ids (ALiBi's
