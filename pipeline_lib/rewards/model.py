@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from itertools import accumulate
 
@@ -19,7 +20,8 @@ class RewardModelScorer:
     """Scores texts with `model(input_ids, attention_mask) -> (B,)` (e.g. models.heads.RewardModel).
 
     Texts are tokenized by `text_ids`, truncated from the LEFT to `max_length` (the end of the completion is what
-    last-token pooling reads), left-padded, at most `batch_size` texts a forward, scored under no_grad in eval mode;
+    last-token pooling reads; by default a RewardModel's positions, `max_position_embeddings`, with a note the first
+    time a text is cut), left-padded, at most `batch_size` texts a forward, scored under no_grad in eval mode;
     scores come back in input order. With a RewardModel and `pack` on, texts that begin with the same tokens (the
     samples of one prompt) are packed into one row behind their shared start, as `train_rm` packs a pair's texts
     (`RewardModel.forward(..., packed)`), where that costs fewer multiply-adds than their own rows
@@ -42,6 +44,10 @@ class RewardModelScorer:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_id is None:
             raise ValueError("tokenizer: expected a pad_token_id or eos_token_id to pad batches with")
+        self.positions_note = False  # once, where texts are cut to the model's positions
+        if max_length is None and isinstance(model, RewardModel):  # absolute positions past these raise IndexError
+            max_length = getattr(model.backbone.config.get_text_config(), "max_position_embeddings", None)
+            self.positions_note = max_length is not None
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.max_length, self.pad_id = batch_size, max_length, pad_id
         self.pack = pack and isinstance(model, RewardModel)
@@ -63,6 +69,11 @@ class RewardModelScorer:
             return []
         ids = text_ids(self.tokenizer, texts)
         if self.max_length is not None:
+            cut = sum(len(row) > self.max_length for row in ids)
+            if cut and self.positions_note:
+                print(f"note: {cut} of {len(ids)} texts are longer than the reward model's {self.max_length} positions: "
+                      "they are scored on their last tokens", file=sys.stderr, flush=True)
+                self.positions_note = False
             ids = [row[-self.max_length:] for row in ids]
         empty = next((i for i, row in enumerate(ids) if not row), None)
         if empty is not None:

@@ -201,3 +201,45 @@ def test_texts_pack_only_where_it_saves_compute_and_fits_the_models_positions(ti
     torch.testing.assert_close(torch.tensor(scorer(texts)), torch.tensor(alone), atol=1e-5, rtol=0)
     # 3 in a row of ~455 columns (a fourth would pass the model's 512 positions), then the other 2
     assert scorer.packed_texts == 5 and packed_shapes[-1] == (2, shared + 300)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_reward_model_packs_within_its_own_rounding(tiny_rm, dtype, capsys):
+    """On CUDA a reward model loads in bf16 (`dtype: auto`): the check compares packed and rows within 4 eps of the
+    dtype (a correct layout measured within 1.5 eps), so packing holds there and still fails a wrong layout."""
+    tokenizer = load_tokenizer(tiny_rm)
+    model = RewardModel.from_policy(tiny_rm, device="cpu", dtype=dtype)
+    texts = _samples(4, 8, prompt_chars=60, answer_chars=(2, 30))
+    rows = torch.tensor(RewardModelScorer(model, tokenizer, pack=False)(texts))
+    scorer = RewardModelScorer(model, tokenizer)
+    capsys.readouterr()
+    packed = torch.tensor(scorer(texts))
+    assert scorer.packing_holds and scorer.packed_texts == 32 and capsys.readouterr().err == ""
+    eps = torch.finfo(dtype).eps
+    assert ((packed - rows).abs() <= 4 * eps * (1 + rows.abs())).all()
+    quirky = RewardModel(_DropsPositions(model.backbone.config), model.head, "last_token")
+    quirky.backbone.load_state_dict(model.backbone.state_dict())
+    with torch.no_grad():  # larger weights, so positions move the scores as in a trained model (the random tiny
+        for weight in quirky.backbone.parameters():  # one's scores move ~0.03: within bf16's 4 eps)
+            weight.mul_(3.0 if weight.dim() >= 2 else 1.0)
+    scorer = RewardModelScorer(quirky, tokenizer)
+    quirky.backbone.to(dtype)
+    scorer(texts)
+    assert scorer.packing_holds is False and "do not give the rows' values" in capsys.readouterr().err
+
+
+def test_texts_past_the_models_positions_are_cut_to_them_with_one_note(tokenizer, tmp_path, capsys):
+    """GPT-2's absolute positions raise IndexError past `n_positions`: by default a reward model scores a longer text
+    on its last `max_position_embeddings` tokens, as `max_length` would cut it, and says so once."""
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    model = RewardModel.from_policy(tmp_path / "gpt2", device="cpu")
+    texts = ["12+34=46" * 4, "1+1=2", "99+99=198" * 3]
+    capsys.readouterr()
+    scorer = RewardModelScorer(model, tokenizer)
+    scores = scorer(texts)
+    assert capsys.readouterr().err == ("note: 2 of 3 texts are longer than the reward model's 16 positions: they are "
+                                       "scored on their last tokens\n")
+    assert scores == pytest.approx(RewardModelScorer(model, tokenizer, max_length=16)(texts), abs=1e-6)
+    scorer(texts)
+    assert capsys.readouterr().err == ""  # once
