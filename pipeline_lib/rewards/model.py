@@ -71,8 +71,8 @@ class RewardModelScorer:
         if self.max_length is not None:
             cut = sum(len(row) > self.max_length for row in ids)
             if cut and self.positions_note:
-                print(f"note: {cut} of {len(ids)} texts are longer than the reward model's {self.max_length} positions: "
-                      "they are scored on their last tokens", file=sys.stderr, flush=True)
+                print(f"note: {cut} of {len(ids)} texts are longer than the reward model's {self.max_length} "
+                      "positions: they are scored on their last tokens", file=sys.stderr, flush=True)
                 self.positions_note = False
             ids = [row[-self.max_length:] for row in ids]
         empty = next((i for i, row in enumerate(ids) if not row), None)

@@ -144,9 +144,9 @@ def packed_values_hold(inner: PreTrainedModel, saving: Sequence[int], widths: Se
     False)` (rows) within the rounding of `inner`'s dtype: fp32's 1e-4 + 1e-5 relative (run without autocast, so the
     check is of the layout, not of bf16 autocast's rounding); for weights held in half precision (a reward model
     scoring in bf16), 4 eps of that dtype, absolute and relative (a correct layout measured within 1.5 eps; MPT's
-    ALiBi off by ~0.7 of the scores; a layout error below 4 eps goes unseen). A transformers model whose forward ignores the 4D mask or the
-    position ids (ALiBi's biases, encoder-decoder heads), or refuses the packed row, keeps the rows, with a note
-    saying `fallback`: it would otherwise train on or score with wrong values, silently."""
+    ALiBi off by ~0.7 of the scores; a layout error below 4 eps goes unseen). A transformers model whose forward
+    ignores the 4D mask or the position ids (ALiBi's biases, encoder-decoder heads), or refuses the packed row, keeps
+    the rows, with a note saying `fallback`: it would otherwise train on or score with wrong values, silently."""
     widest = sorted(saving, key=lambda g: -widths[g])[:checked]
     tolerance = 4 * torch.finfo(inner.dtype).eps if torch.finfo(inner.dtype).bits < 32 else None
     name = type(inner).__name__
