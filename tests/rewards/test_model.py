@@ -87,8 +87,7 @@ def test_a_text_that_starts_with_the_bos_token_gets_no_second_one():
     is read with one bos, in reward-model training (encode_texts) as in scoring."""
     from tokenizers.processors import TemplateProcessing
 
-    from pipeline_lib.train.data import text_ids
-    from pipeline_lib.train.data import encode_texts
+    from pipeline_lib.train.data import encode_texts, text_ids
 
     tokenizer = build_tokenizer(["0123456789+="])
     bos = tokenizer.bos_token_id
