@@ -524,11 +524,14 @@ def _check_vllm_settings(backend: str, **settings: object) -> None:
 
 
 def _check_reward_specs(rewards: tuple[dict, ...], reward_model_path: str | None) -> None:
-    """The registry's checks of every spec (name, weight, options), now rather than when the stage starts;
-    `reward_model` also needs the RM dir."""
+    """The registry's checks of every spec (name, weight, options), now rather than when the stage starts; one
+    weight at least is not 0; `reward_model` also needs the RM dir."""
     from pipeline_lib.rewards.registry import check_reward_specs  # imports torch: only when validating
 
     check_reward_specs(rewards)
+    if all(float(spec.get("weight", 1.0)) == 0 for spec in rewards):
+        raise ValueError("rewards: every weight is 0, so every sample's reward would be 0 (no learning signal, nothing "
+                         "to rank); give one reward a nonzero weight")
     if any(spec["name"] == "reward_model" for spec in rewards) and not reward_model_path:
         raise ValueError("rewards name 'reward_model' but reward_model_path is not set")
 

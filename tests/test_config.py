@@ -360,6 +360,10 @@ def test_numbers_written_as_strings_are_still_read():
     ([{"name": "overlong", "max_len": 8, "cache_len": True}], "rewards[0].cache_len: expected an integer, got True"),
     ([{"name": "verifier", "incorrect": 1}], "verifier incorrect=1: expected a score below a correct answer's 1"),
     ([{"name": "verifier", "incorrect": "low"}], "rewards[0].incorrect: expected a finite number, got 'low'"),
+    # all weights 0: every reward 0, GRPO/PPO would update on zero advantages, silently
+    ([{"name": "verifier", "weight": 0}], "rewards: every weight is 0"),
+    ([{"name": "verifier", "weight": "0.0"}, {"name": "overlong", "max_len": 8, "cache_len": 2, "weight": -0.0}],
+     "rewards: every weight is 0"),
 ])
 @pytest.mark.parametrize("model", [SampleConfig, GRPOConfig, PPOConfig])
 def test_reward_specs_are_checked_when_the_config_loads(model, rewards, message):
