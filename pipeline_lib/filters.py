@@ -27,16 +27,19 @@ def _require(samples: pl.DataFrame, columns: Sequence[str]) -> None:
 
 
 def _scored(samples: pl.DataFrame) -> pl.DataFrame:
-    """Rows that can win or lose a group: scored (null and NaN rewards are unscored samples) and with text (an
-    empty or whitespace-only completion is no response to train on; the store refuses such pairs at ingest)."""
+    """Rows that can win or lose a group: scored (null and NaN rewards are unscored samples), with text (an
+    empty or whitespace-only completion is no response to train on; the store refuses such pairs at ingest) and
+    whole: a sample cut at max_new_tokens (finish_reason `length`) is no response either, and SFT and DPO end
+    every completion they train on with eos, which would teach the model to stop where the cut fell."""
     _require(samples, ("prompt_id", "sample_idx", "prompt", "completion", "reward"))
     reward = pl.col("reward").cast(pl.Float64)
     has_text = pl.col("completion").str.strip_chars() != ""
-    return samples.with_columns(reward).filter(reward.is_not_null() & reward.is_not_nan() & has_text)
+    whole = (pl.col("finish_reason") != "length").fill_null(True) if "finish_reason" in samples.columns else True
+    return samples.with_columns(reward).filter(reward.is_not_null() & reward.is_not_nan() & has_text & whole)
 
 
 def best_of_n(samples: pl.DataFrame) -> pl.DataFrame:
-    """The top-reward completion of each prompt (ties: the lowest sample_idx), as an SFT dataset.
+    """The top-reward whole completion of each prompt (ties: the lowest sample_idx), as an SFT dataset.
 
     Returns columns prompt_id, prompt, completion, reward; one row per prompt with a scored sample,
     sorted by prompt_id."""
@@ -49,10 +52,10 @@ def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n", chat_template
               ) -> tuple[pl.DataFrame, int]:
     """Per prompt, the best and the worst completion as a synthetic preference pair (West-of-N).
 
-    Candidates are the distinct completion texts, compared without their surrounding whitespace as ingest
-    compares a pair's sides (a text sampled several times counts once, with its mean reward and its first sample's
-    idx and text: a reward model may score one text slightly differently in two batches), so chosen and rejected
-    always differ. Ties pick the lowest sample_idx on both ends. Prompts whose best and
+    Candidates are the distinct completion texts of whole scored samples (`_scored`), compared without their
+    surrounding whitespace as ingest compares a pair's sides (a text sampled several times counts once, with its
+    mean reward and its first sample's idx and text: a reward model may score one text slightly differently in two
+    batches), so chosen and rejected always differ. Ties pick the lowest sample_idx on both ends. Prompts whose best and
     worst rewards are equal (all samples tie, a single distinct text) give no pair and are counted. Returns
     (pairs, n_skipped); pairs have the preference_pairs columns pair_id (store.shapes.pair_id, as ingest keys
     the same pair), source, prompt, chosen, rejected, prompt_messages (with `chat_template`, the samples' prompts
@@ -196,7 +199,7 @@ def west_of_n_of_run(store: Store, run_id: str, source: str = "west_of_n") -> tu
     chat_template = sampled_with_chat_template(samples, run_id)
     pairs, skipped = west_of_n(samples, source=source, chat_template=chat_template)
     prompts = samples["prompt_id"].n_unique()
-    # prompts = pairs + ties + prompts without a scored sample with text (no candidate at all)
+    # prompts = pairs + ties + prompts without a whole, scored sample with text (no candidate at all)
     return pairs, {"filter/prompts": prompts, "filter/pairs": pairs.height, "filter/skipped_ties": skipped,
                    "filter/skipped_unscored": prompts - pairs.height - skipped,
                    "filter/chat_template": int(chat_template)}

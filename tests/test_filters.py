@@ -62,6 +62,18 @@ def test_best_of_n_ignores_unscored_samples():
     assert best["completion"].to_list() == ["p-2"]  # NaN would sort above every number if kept
 
 
+def test_samples_cut_at_max_new_tokens_neither_win_nor_lose_a_group():
+    """A sample cut at max_new_tokens (finish_reason `length`) is no whole response: SFT and DPO would train it with
+    eos appended, teaching the model to stop where the cut fell."""
+    frame = samples_frame({"p": [(0.9, False), (0.5, True), (0.1, False), (-0.4, False)],
+                           "cut": [(0.3, False), (0.2, False)]})
+    frame = frame.with_columns(pl.Series("finish_reason", ["length", "stop", "stop", "length", "length", None]))
+    assert best_of_n(frame)["completion"].to_list() == ["cut-1", "p-1"]  # finish_reason unknown (null): kept
+    pairs, skipped = west_of_n(frame)
+    assert (pairs["chosen"].to_list(), pairs["rejected"].to_list(), skipped) == (["p-1"], ["p-2"], 1)
+    assert best_of_n(frame.drop("finish_reason"))["completion"].to_list() == ["cut-0", "p-0"]
+
+
 def test_west_of_n_pairs_best_with_worst_and_skips_flat_groups():
     pairs, skipped = west_of_n(samples_frame(GROUPS), source="bon_test")
     assert skipped == 1  # all_correct: best reward == worst reward

@@ -95,7 +95,7 @@ def load_sft_data(store: Store, cfg: SFTConfig) -> tuple[pl.DataFrame, pl.DataFr
     if selected.height == 0:
         threshold = "" if cfg.min_reward is None else f", or none with reward >= {cfg.min_reward}"
         raise TrainDataError(f"samples run {cfg.samples_run_id!r}: no Best-of-N rows to train on "
-                             f"(no such run, no scored samples{threshold})")
+                             f"(no such run, no whole scored samples{threshold})")
     return sft_rows(selected, "best_of_n", chat_template=cfg.chat_template), None
 
 

@@ -258,8 +258,8 @@ def test_rejection_sampling_sft_raises_pass_at_1(tmp_path):
 
 
 @pytest.mark.parametrize(("min_reward", "reason"), [
-    (None, "(no such run, no scored samples)"),
-    (0.5, "(no such run, no scored samples, or none with reward >= 0.5)"),
+    (None, "(no such run, no whole scored samples)"),
+    (0.5, "(no such run, no whole scored samples, or none with reward >= 0.5)"),
 ])
 def test_best_of_n_data_of_an_unknown_run_is_one_line_naming_what_was_asked(tmp_path, min_reward, reason):
     from pipeline_lib.store.db import open_store
