@@ -88,7 +88,8 @@ def render_prompts(tokenizer: PreTrainedTokenizerBase, frame: pl.DataFrame) -> t
 
 @dataclass(frozen=True)
 class Encoded:
-    """Token ids of (prompt, completion) rows; completions end with eos unless they were cut."""
+    """Token ids of (prompt, completion) rows; completions end with eos (chat-template rows: the template's end of
+    an assistant turn, `turn_end_ids`) unless they were cut."""
 
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
@@ -107,6 +108,27 @@ class Encoded:
         return digest.hexdigest()
 
 
+_REPLY_MARK = "alignflowreplymark"
+
+
+def turn_end_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The tokens that end an assistant reply of the tokenizer's chat template, up to and including the first special
+    token after it (ChatML's `<|im_end|>`, Llama 3's `<|eot_id|>`, Gemma's `<end_of_turn>`, eos in templates that
+    end turns with it): what a chat model emits to stop, so chat rows teach it rather than an eos the template never
+    writes there. A template without a special token after the reply, or whose probe fails: [eos]."""
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": _REPLY_MARK}], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template refusing the probe: rows end with eos, as without one
+        return [tokenizer.eos_token_id]
+    if _REPLY_MARK not in text:
+        return [tokenizer.eos_token_id]
+    after = tokenizer(text[text.rindex(_REPLY_MARK) + len(_REPLY_MARK):], add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}  # unk: text the vocabulary lacks
+    end = next((i for i, token in enumerate(after) if token in special), None)
+    return [tokenizer.eos_token_id] if end is None else after[:end + 1]
+
+
 def encode(
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[str],
@@ -116,7 +138,8 @@ def encode(
     templated: Sequence[bool] | None = None,
     group_size: int = 1,
 ) -> Encoded:
-    """Tokenize prompts and completions separately (the completion mask is exact) and append eos.
+    """Tokenize prompts and completions separately (the completion mask is exact) and append eos (to a row whose
+    prompt came from the chat template: the template's end of turn, `turn_end_ids`).
 
     Raw prompts get the tokenizer's special tokens (bos for most LMs), as the samplers do; chat-template
     prompts already hold them. Rows over `max_length` lose prompt tokens from the left, then (a completion
@@ -144,12 +167,14 @@ def encode(
     completion_ids = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
     if group_size < 1 or len(prompts) % group_size:
         raise TrainDataError(f"group_size {group_size}: expected a positive divisor of {len(prompts)} rows")
-    eos = tokenizer.eos_token_id
-    ends = [completion + [eos] for completion in completion_ids]
+    eos = [tokenizer.eos_token_id]
+    turn_end = turn_end_ids(tokenizer) if any(templated) else eos
+    ends = [completion + (turn_end if from_template else eos)
+            for completion, from_template in zip(completion_ids, templated)]
     cut = sum(len(end) > max_length - 1 for end in ends)
     if cut:
         print(f"warning: {cut} of {len(ends)} completions are longer than max_length - 1 = {max_length - 1} "
-              f"tokens and were cut from the right, eos included; raise max_length to keep them whole",
+              f"tokens and were cut from the right, their end (eos) included; raise max_length to keep them whole",
               file=sys.stderr, flush=True)
     out_prompts, out_completions = [], []
     prompts_cut = 0
