@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from itertools import accumulate
@@ -120,8 +121,9 @@ class RewardModelScorer:
     def _packed(self, encoded: Encoded) -> list[list[int]]:
         """The groups of texts that run packed: neighbours in token order (texts sharing a start sort together), a
         text joining its group where the grown group packed costs less than the group and the text apart
-        (`packing_costs`) and `packs_pairs` allows its width, at most `batch_size` texts a group; none unless this
-        model's packed scores hold."""
+        (`packing_costs`) and `packs_pairs` allows its width, at most `batch_size` texts a group; then two
+        neighbouring groups of one prompt split again where they cost least; none unless this model's packed
+        scores hold."""
         if not self.pack:
             return []
         backbone = self.model.backbone
@@ -131,14 +133,27 @@ class RewardModelScorer:
             unpacked, packed = packing_costs(backbone.config, [lengths[i] for i in group], group_width(encoded, group))
             return unpacked if len(group) == 1 else packed
 
+        def fits(group: list[int]) -> bool:
+            return len(group) <= self.batch_size and packs_pairs(backbone, group_width(encoded, group))
+
         groups: list[list[int]] = []
         for i in sorted(range(len(lengths)), key=lambda i: encoded.prompt_ids[i]):
             group = groups[-1] if groups else []
-            if (group and len(group) < self.batch_size and cost([*group, i]) < cost(group) + cost([i])
-                    and packs_pairs(backbone, group_width(encoded, [*group, i]))):
+            if group and cost([*group, i]) < cost(group) + cost([i]) and fits([*group, i]):
                 group.append(i)
             else:
                 groups.append([i])
+        # a group closed for its cost, size or width leaves the next one the rest of its prompt's texts (8 samples:
+        # 6 + 2, padded to the 6's width in a batch): the two neighbours are split again where they cost least
+        for g in range(len(groups) - 1):
+            pair = groups[g] + groups[g + 1]
+            edge = [groups[g][-1], groups[g + 1][0]]
+            if cost(edge) >= cost(edge[:1]) + cost(edge[1:]):  # they share too little: another prompt's texts
+                continue
+            best, cut = min(((cost(pair[:k]) + cost(pair[k:]), k) for k in range(1, len(pair))
+                             if fits(pair[:k]) and fits(pair[k:])), default=(math.inf, 0))
+            if best < cost(groups[g]) + cost(groups[g + 1]):
+                groups[g], groups[g + 1] = pair[:cut], pair[cut:]
         groups = [group for group in groups if len(group) > 1]
         if groups and self.packing_holds is None:  # checked on the widest groups that fit one batch
             widths = [group_width(encoded, group) for group in groups]

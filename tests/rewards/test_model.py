@@ -200,6 +200,12 @@ def test_texts_pack_only_where_it_saves_compute_and_fits_the_models_positions(ti
     torch.testing.assert_close(torch.tensor(scorer(texts)), torch.tensor(alone), atol=1e-5, rtol=0)
     # 3 in a row of ~455 columns (a fourth would pass the model's 512 positions), then the other 2
     assert scorer.packed_texts == 5 and packed_shapes[-1] == (2, shared + 300)
+    texts = _samples(1, 8, prompt_chars=145, answer_chars=(60, 60))  # 6 fit 512 positions: 4 + 4, not 6 + 2
+    shared = len(tokenizer(texts[0])["input_ids"]) - 60
+    assert shared + 6 * 60 <= 512 < shared + 7 * 60
+    alone = [RewardModelScorer(model, tokenizer)([text])[0] for text in texts]
+    torch.testing.assert_close(torch.tensor(scorer(texts)), torch.tensor(alone), atol=1e-5, rtol=0)
+    assert scorer.packed_texts == 13 and packed_shapes[-1] == (2, shared + 4 * 60)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
