@@ -33,6 +33,10 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
 }
 TABLE_OF = {"pairs": "preference_pairs", "hh": "preference_pairs", "chat": "preference_pairs",
             "ranking": "rankings", "problem": "problems"}
+# the roles a stored prompt's messages may have: what HF chat templates know (a reply's is `assistant`, split_chat).
+# OpenAI's `developer` (its newer name for `system`) is refused with that hint: most open models' templates would
+# render it as a role the model never saw, and Gemma's and Mistral's raise on it
+PROMPT_ROLES = ("system", "user", "assistant", "tool")
 HH_TURN = "\n\nAssistant:"
 HH_HUMAN_TURN = "\n\nHuman:"
 MAX_DEPTH = 254  # levels of nesting orjson writes (it reads 1024): a deeper record cannot be stored
@@ -203,7 +207,8 @@ def split_chat(record: dict) -> str | tuple[str, str, str, str]:
     it is the conversation) or begins with the prompt's last ones (they are joined there: a `prompt` with a
     system message and conversations that start at the user turn). The prompt is the two conversations'
     longest common message prefix; after it each side must be exactly one assistant reply: a pair whose sides
-    differ at an earlier turn has no one prompt to train on and is quarantined, not cut to its last reply."""
+    differ at an earlier turn has no one prompt to train on and is quarantined, not cut to its last reply. The
+    prompt's messages must have a role of PROMPT_ROLES."""
     prompt = record.get("prompt")
     given = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     conversations = {name: _conversation(given, record[name]) for name in ("chosen", "rejected")}
@@ -219,6 +224,11 @@ def split_chat(record: dict) -> str | tuple[str, str, str, str]:
         return f"no prompt: 'chosen' and 'rejected' share no first message{missing}"
     prompt_messages = [_message(m) for m in chosen[:n]]
     completions = {"chosen": [_message(m) for m in chosen[n:]], "rejected": [_message(m) for m in rejected[n:]]}
+    unknown = next((j for j, m in enumerate(prompt_messages) if m["role"] not in PROMPT_ROLES), None)
+    if unknown is not None:
+        role = prompt_messages[unknown]["role"]
+        hint = " (OpenAI's newer name for 'system': rename it 'system')" if role == "developer" else ""
+        return f"prompt message {unknown} has role {role!r}{hint}; expected one of {', '.join(PROMPT_ROLES)}"
     if not any(m["content"].strip() for m in prompt_messages):
         return "empty field 'prompt'"
     for name, messages in completions.items():

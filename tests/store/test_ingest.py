@@ -617,6 +617,37 @@ def test_chat_bad_rows(tmp_path, store):
     }
 
 
+def test_chat_prompt_roles_are_checked_as_reply_roles_are(tmp_path, store):
+    """A prompt message whose role no chat template knows is quarantined naming it, as a reply not from the assistant
+    is; `tool` turns (a tool call's result) are kept, `developer` (OpenAI's system) is refused with the rename."""
+    reply, other = [{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": "b"}]
+    tool = [{"role": "user", "content": "q3"}, {"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]},
+            {"role": "tool", "content": "7"}]
+    lines = [
+        {"prompt": [{"role": "bogus", "content": "hi"}, {"role": "user", "content": "q1"}], "chosen": reply,
+         "rejected": other},
+        {"prompt": [{"role": "user", "content": "q2"}], "chosen": [{"role": "bot", "content": "a"}], "rejected": other},
+        {"prompt": tool, "chosen": reply, "rejected": other},
+        {"prompt": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "q4"}],
+         "chosen": reply, "rejected": other},
+        {"chosen": [{"role": "User", "content": "q5"}, *reply],
+         "rejected": [{"role": "User", "content": "q5"}, *other]},
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q6"}], "chosen": reply,
+         "rejected": other},
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "roles.jsonl", lines), store)
+    check_invariant(report)
+    roles = "expected one of system, user, assistant, tool"
+    assert quarantine(store) == {
+        1: f"prompt message 0 has role 'bogus'; {roles}",
+        2: "'chosen' does not end with an assistant message (role 'bot')",
+        4: f"prompt message 0 has role 'developer' (OpenAI's newer name for 'system': rename it 'system'); {roles}",
+        5: f"prompt message 0 has role 'User'; {roles}",
+    }
+    stored = [json.loads(m)["prompt"] for m in store.read("preference_pairs").sort("prompt")["prompt_messages"]]
+    assert [[m["role"] for m in messages] for messages in stored] == [["system", "user"], ["user", "assistant", "tool"]]
+
+
 def test_chat_pairs_that_differ_before_their_last_reply_are_quarantined_not_cut(tmp_path, store):
     """Conversations branching at an earlier user turn have no one prompt: keeping only their last replies
     would train on the wrong context (and make two different conversations one pair)."""

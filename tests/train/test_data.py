@@ -53,6 +53,28 @@ def test_plain_prompts_stay_raw_and_messages_use_the_chat_template(tokenizer):
         render_prompts(tokenizer, pl.DataFrame({"prompt": ["x"], "prompt_messages": ['{"prompt": "hi"}']}))
 
 
+STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+                   "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}"
+                   "{{ '<|' + m['role'] + '|>' + m['content'] + eos_token }}{% endfor %}"
+                   "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+def test_a_chat_template_refusing_a_conversation_is_one_line_naming_the_row(tokenizer):
+    """Gemma's and Mistral's templates raise on a system turn (jinja2 TemplateError): one line, not a traceback."""
+    strict = load_tokenizer(tokenizer.name_or_path)
+    strict.chat_template = STRICT_TEMPLATE
+    system = json.dumps({"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]})
+    frame = pl.DataFrame({"prompt": ["1+1=", "system: Be brief.\n\nuser: 2+2?"],
+                          "prompt_messages": [json.dumps([{"role": "user", "content": "1+1="}]), system]})
+    with pytest.raises(TrainDataError) as raised:
+        render_prompts(strict, frame)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("prompt_messages[1] (prompt 'system: Be brief.")
+    assert "roles system, user" in message
+    assert "TemplateError: Only user and assistant roles are supported!" in message
+    assert render_prompts(strict, frame[:1])[0] == ["<|user|>1+1=</s><|assistant|>"]
+
+
 def test_encode_appends_eos_and_masks_only_the_completion(tokenizer):
     """Char-level ids: '12+34=' is 6 tokens, '46' 2 + eos; '9+9=' 4, '18' 2 + eos -> widths 9 and 7."""
     encoded = encode(tokenizer, ["12+34=", "9+9="], ["46", "18"], max_length=64)
