@@ -208,18 +208,24 @@ def run_west_of_n_stage(store: Store, *, run_id: str, source: str = "west_of_n")
     return stats | {"filter/pairs_inserted": store.insert_new("preference_pairs", pairs)}
 
 
-def sampled_with_chat_template(samples: pl.DataFrame, run_id: str) -> bool:
-    """Whether a sampling run's prompts went through the chat template, as its rows record. A run sampled before
-    schema v2 has no record until its sampling stage runs again (which records it): read as plain prompts, with a
-    warning."""
+def recorded_chat_template(samples: pl.DataFrame, run_id: str) -> bool | None:
+    """Whether a sampling run's prompts went through the chat template, as its rows record; None where they record
+    nothing (a run sampled before schema v2, or no rows)."""
     flags = set(samples["chat_template"].drop_nulls()) if "chat_template" in samples.columns else set()
     if len(flags) > 1:
         raise SamplesError(f"samples: run_id {run_id!r} has rows sampled with and without the chat template "
                            "(a run_id reused with another chat_template); sample into a new run_id")
-    if not flags:
+    return flags.pop() if flags else None
+
+
+def sampled_with_chat_template(samples: pl.DataFrame, run_id: str) -> bool:
+    """`recorded_chat_template`, for West-of-N. A run sampled before schema v2 has no record until its sampling
+    stage runs again (which records it): read as plain prompts, with a warning."""
+    recorded = recorded_chat_template(samples, run_id)
+    if recorded is None:
         warnings.warn(f"samples: run_id {run_id!r} was sampled before alignflow recorded the chat template; its "
                       "West-of-N pairs are plain prompts (rerun its sampling stage to record it)", stacklevel=2)
-    return flags == {True}
+    return recorded is True
 
 
 def run_best_of_n_stage(store: Store, *, run_id: str) -> dict[str, float]:
