@@ -66,12 +66,19 @@ def require_chat_template(tokenizer: PreTrainedTokenizerBase, model_path: str, c
 def render_prompts(tokenizer: PreTrainedTokenizerBase, frame: pl.DataFrame) -> tuple[list[str], list[bool]]:
     """Prompt text per row and whether it came from the chat template.
 
-    A row with `prompt_messages` is rendered with the tokenizer's chat template (assistant turn opened)
-    when the tokenizer has one; other rows keep their raw `prompt` (`12+34=`). A template that refuses a
-    conversation (Gemma's and Mistral's raise on a `system` turn) is a one-line TrainDataError naming the row."""
+    A row with `prompt_messages` is rendered with the tokenizer's chat template (assistant turn opened);
+    a tokenizer without one is a one-line TrainDataError. Other rows keep their raw `prompt` (`12+34=`). A
+    template that refuses a conversation (Gemma's and Mistral's raise on a `system` turn) is a one-line
+    TrainDataError naming the row."""
     prompts = frame["prompt"].to_list()
     messages = frame["prompt_messages"].to_list() if "prompt_messages" in frame.columns else [None] * len(prompts)
     use_template = getattr(tokenizer, "chat_template", None) is not None
+    chats = sum(raw is not None for raw in messages)
+    if chats and not use_template:  # its display text (`user: ...`) is no prompt the model was made to read
+        raise TrainDataError(f"{chats} of {len(prompts)} rows are chat conversations (prompt_messages), but the "
+                             f"tokenizer of {tokenizer.name_or_path} has no chat template to render them: use a model "
+                             "whose tokenizer has one (or set its chat_template), or ingest them as plain text "
+                             "(prompt/chosen/rejected strings)")
     texts, templated = [], []
     for row, (prompt, raw) in enumerate(zip(prompts, messages)):
         if raw is not None and use_template:
