@@ -648,6 +648,39 @@ def test_chat_prompt_roles_are_checked_as_reply_roles_are(tmp_path, store):
     assert [[m["role"] for m in messages] for messages in stored] == [["system", "user"], ["user", "assistant", "tool"]]
 
 
+def test_text_blank_to_pythons_strip_is_empty_in_every_record_shape(tmp_path, store):
+    """U+001C..U+001F are whitespace to str.strip() (the chat and HH checks) but not to polars' strip_chars and
+    regex `\\s`: the polars-checked shapes now refuse them as empty or identical as the chat shape does."""
+    sep = "\x1c\x1d \x1e\x1f"
+    lines = [
+        {"prompt": "p1", "chosen": "a", "rejected": sep},
+        {"prompt": "\x1f", "chosen": "a", "rejected": "b"},
+        {"prompt": "p3", "chosen": "a\x1c", "rejected": "a"},
+        {"prompt": "p4", "chosen": "a", "rejected": "b"},
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "pairs.jsonl", lines), store, source="pairs")
+    check_invariant(report)
+    chat = [{"prompt": "p5", "chosen": [{"role": "assistant", "content": "a"}],
+             "rejected": [{"role": "assistant", "content": "\x1c"}]}]
+    ingest_file(write_jsonl(tmp_path / "chat.jsonl", chat), store, source="chat")
+    rankings = [{"prompt": "p6", "responses": ["a", "\x1d"]}, {"prompt": "p7", "responses": ["a", "a\x1e"]}]
+    ingest_file(write_jsonl(tmp_path / "rankings.jsonl", rankings), store, source="rankings")
+    problems = [{"question": "\x1f", "answer": "1"}, {"question": "q", "answer": "x #### \x1c"},
+                {"question": "q2", "answer": "2", "split": "test\x1f"}]
+    ingest_file(write_jsonl(tmp_path / "problems.jsonl", problems), store, source="problems")
+    assert {(row["source"], row["line_no"]): row["reason"] for row in store.read("quarantine").to_dicts()} == {
+        ("pairs", 1): "empty field 'rejected'",
+        ("pairs", 2): "empty field 'prompt'",
+        ("pairs", 3): "chosen identical to rejected",
+        ("chat", 1): "empty response after prompt extraction (rejected)",
+        ("rankings", 1): "empty response in 'responses'",
+        ("rankings", 2): "ranking has identical responses",
+        ("problems", 1): "empty field 'question'",
+        ("problems", 2): "empty answer after '####'",
+    }
+    assert store.read("problems")["split"].to_list() == ["test"]
+
+
 def test_chat_pairs_that_differ_before_their_last_reply_are_quarantined_not_cut(tmp_path, store):
     """Conversations branching at an earlier user turn have no one prompt: keeping only their last replies
     would train on the wrong context (and make two different conversations one pair)."""
