@@ -11,9 +11,9 @@ import polars as pl
 import torch
 from torch import Tensor
 
-from pipeline_lib.errors import AlignflowError
+from pipeline_lib.errors import AlignflowError, text_start
 from pipeline_lib.store.db import Store
-from pipeline_lib.store.shapes import pair_id, split_chat
+from pipeline_lib.store.shapes import BLANK, WHITESPACE, pair_id, split_chat
 
 
 class SamplesError(AlignflowError, ValueError):
@@ -38,12 +38,18 @@ def _scored(samples: pl.DataFrame) -> pl.DataFrame:
     return samples.with_columns(reward).filter(reward.is_not_null() & reward.is_not_nan() & has_text & whole)
 
 
+def _with_text(scored: pl.DataFrame) -> pl.DataFrame:
+    """Rows whose completion is text to Python's str.strip() too, as ingest and split_chat test it (shapes.BLANK):
+    polars' strip_chars keeps the separators U+001C..U+001F, so a completion of "\\x1c" passed `_scored`."""
+    return scored.filter(~pl.col("completion").str.contains(BLANK))
+
+
 def best_of_n(samples: pl.DataFrame) -> pl.DataFrame:
     """The top-reward whole completion of each prompt (ties: the lowest sample_idx), as an SFT dataset.
 
     Returns columns prompt_id, prompt, completion, reward; one row per prompt with a scored sample,
     sorted by prompt_id."""
-    ranked = _scored(samples).sort(["prompt_id", "reward", "sample_idx"], descending=[False, True, False])
+    ranked = _with_text(_scored(samples)).sort(["prompt_id", "reward", "sample_idx"], descending=[False, True, False])
     best = ranked.unique(subset="prompt_id", keep="first", maintain_order=True)
     return best.select("prompt_id", "prompt", "completion", "reward")
 
@@ -62,9 +68,9 @@ def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n", chat_template
     were user turns of the chat template: the pair is that conversation, which DPO and RM training render
     alike; else null), meta (JSON: prompt_id, both sample_idx and rewards), sorted by prompt_id."""
     scored = (
-        _scored(samples)
+        _with_text(_scored(samples))
         .sort("sample_idx")
-        .group_by("prompt_id", "prompt", pl.col("completion").str.strip_chars().alias("text"))
+        .group_by("prompt_id", "prompt", pl.col("completion").str.strip_chars(WHITESPACE).alias("text"))
         .agg(pl.col("completion").first(), pl.col("reward").mean(), pl.col("sample_idx").first())
     )
     best = (
@@ -109,10 +115,17 @@ def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n", chat_template
 
 def _chat_form(pair: dict) -> tuple[str, str]:
     """(prompt text, prompt_messages JSON) of a pair whose prompt was one user turn and whose completions are
-    assistant replies, exactly as ingest stores such a conversation (store.shapes.split_chat)."""
-    prompt_text, _, _, messages = split_chat({"prompt": pair["prompt"],
-                                              "chosen": [{"role": "assistant", "content": pair["chosen"]}],
-                                              "rejected": [{"role": "assistant", "content": pair["rejected"]}]})
+    assistant replies, exactly as ingest stores such a conversation (store.shapes.split_chat). The candidates have
+    text and differ as split_chat compares them, so only a blank prompt (a problem stored before ingest refused
+    it) is refused: a one-line SamplesError."""
+    result = split_chat({"prompt": pair["prompt"], "chosen": [{"role": "assistant", "content": pair["chosen"]}],
+                         "rejected": [{"role": "assistant", "content": pair["rejected"]}]})
+    if isinstance(result, str):
+        raise SamplesError(f"samples: prompt_id {pair['prompt_id']!r} (prompt {text_start(pair['prompt'])}): its "
+                           f"West-of-N pair is no conversation ingest would store ({result}); ingest its problems "
+                           "again (`alignflow data delete --source`, then ingest: such a prompt is quarantined now) "
+                           "and filter again")
+    prompt_text, _, _, messages = result
     return prompt_text, messages
 
 
@@ -211,18 +224,24 @@ def run_west_of_n_stage(store: Store, *, run_id: str, source: str = "west_of_n")
     return stats | {"filter/pairs_inserted": store.insert_new("preference_pairs", pairs)}
 
 
-def sampled_with_chat_template(samples: pl.DataFrame, run_id: str) -> bool:
-    """Whether a sampling run's prompts went through the chat template, as its rows record. A run sampled before
-    schema v2 has no record until its sampling stage runs again (which records it): read as plain prompts, with a
-    warning."""
+def recorded_chat_template(samples: pl.DataFrame, run_id: str) -> bool | None:
+    """Whether a sampling run's prompts went through the chat template, as its rows record; None where they record
+    nothing (a run sampled before schema v2, or no rows)."""
     flags = set(samples["chat_template"].drop_nulls()) if "chat_template" in samples.columns else set()
     if len(flags) > 1:
         raise SamplesError(f"samples: run_id {run_id!r} has rows sampled with and without the chat template "
                            "(a run_id reused with another chat_template); sample into a new run_id")
-    if not flags:
+    return flags.pop() if flags else None
+
+
+def sampled_with_chat_template(samples: pl.DataFrame, run_id: str) -> bool:
+    """`recorded_chat_template`, for West-of-N. A run sampled before schema v2 has no record until its sampling
+    stage runs again (which records it): read as plain prompts, with a warning."""
+    recorded = recorded_chat_template(samples, run_id)
+    if recorded is None:
         warnings.warn(f"samples: run_id {run_id!r} was sampled before alignflow recorded the chat template; its "
                       "West-of-N pairs are plain prompts (rerun its sampling stage to record it)", stacklevel=2)
-    return flags == {True}
+    return recorded is True
 
 
 def run_best_of_n_stage(store: Store, *, run_id: str) -> dict[str, float]:

@@ -11,7 +11,14 @@ import polars as pl
 import pytest
 import torch
 
-from pipeline_lib.filters import best_of_n, dynamic_sampling, informative_groups, sampled_with_chat_template, west_of_n
+from pipeline_lib.filters import (
+    SamplesError,
+    best_of_n,
+    dynamic_sampling,
+    informative_groups,
+    sampled_with_chat_template,
+    west_of_n,
+)
 from pipeline_lib.fingerprint import content_id
 from pipeline_lib.store.db import open_store
 from pipeline_lib.store.ingest import ingest_file
@@ -190,3 +197,23 @@ def test_dynamic_sampling_rejects_bad_groups():
         informative_groups(torch.ones(6, dtype=torch.bool), 4)
     with pytest.raises(ValueError, match=r"missing column\(s\) \['is_correct'\]"):
         dynamic_sampling(samples_frame(GROUPS).drop("is_correct"), 4)
+
+
+@pytest.mark.parametrize("chat_template", [False, True])
+def test_text_blank_or_alike_to_pythons_strip_is_no_candidate_and_no_crash(chat_template):
+    """U+001C..U+001F are whitespace to str.strip() (split_chat, ingest) but not to polars' strip_chars: a "\\x1c"
+    completion was a candidate and "4\\x1f" differed from "4", so the chat form of the pair (split_chat refusing it)
+    crashed West-of-N with `too many values to unpack`."""
+    frame = pl.DataFrame({"prompt_id": ["a"] * 3 + ["b"] * 2, "sample_idx": [0, 1, 2, 0, 1],
+                          "prompt": ["What is 2+2?"] * 5, "completion": ["4", "\x1c", "5", "4\x1f", "4"],
+                          "reward": [1.0, -1.0, 0.0, 1.0, 0.0]})
+    pairs, skipped = west_of_n(frame, chat_template=chat_template)
+    assert pairs.select("chosen", "rejected").rows() == [("4", "5")] and skipped == 1  # b: one text, no pair
+    assert best_of_n(frame.with_columns(reward=pl.Series([0.0, 1.0, 0.5, 1.0, 0.0]))).select(
+        "prompt_id", "completion").rows() == [("a", "5"), ("b", "4\x1f")]
+    blank_prompt = frame.head(3).with_columns(prompt=pl.lit("\x1f"))  # a problem stored before ingest refused it
+    if chat_template:
+        with pytest.raises(SamplesError) as raised:
+            west_of_n(blank_prompt, chat_template=True)
+        assert str(raised.value).startswith("samples: prompt_id 'a' (prompt '\\x1f'): its West-of-N pair is no "
+                                            "conversation ingest would store (empty field 'prompt'); ")

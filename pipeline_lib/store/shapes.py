@@ -33,6 +33,16 @@ SCHEMAS: dict[str, dict[str, pl.DataType]] = {
 }
 TABLE_OF = {"pairs": "preference_pairs", "hh": "preference_pairs", "chat": "preference_pairs",
             "ranking": "rankings", "problem": "problems"}
+# the roles a stored prompt's messages may have: what HF chat templates know (a reply's is `assistant`, split_chat).
+# OpenAI's `developer` (its newer name for `system`) is refused with that hint: most open models' templates would
+# render it as a role the model never saw, and Gemma's and Mistral's raise on it
+PROMPT_ROLES = ("system", "user", "assistant", "tool")
+# What Python's str.strip() strips (str.isspace): Unicode White_Space, which polars' strip_chars() and the regex `\s`
+# take, and the separators U+001C..U+001F, which they do not. Every emptiness and sameness test takes this one set
+# (the chat checks are Python's): a reply of "\x1c" is empty in every record shape and to the filters.
+WHITESPACE = ("\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200b)))
+              + "\u2028\u2029\u202f\u205f\u3000")
+BLANK = r"^[\s\x1c-\x1f]*$"  # anchored: stops at the first non-space character, no copy of the text
 HH_TURN = "\n\nAssistant:"
 HH_HUMAN_TURN = "\n\nHuman:"
 MAX_DEPTH = 254  # levels of nesting orjson writes (it reads 1024): a deeper record cannot be stored
@@ -68,8 +78,7 @@ def shape_records(fmt: str, rows: Rows, *, split: str) -> tuple[pl.DataFrame, li
 
 
 def _blank(column: str) -> pl.Expr:
-    # anchored regex: stops at the first non-space character, no copy of the text
-    return pl.col(column).str.contains(r"^\s*$")
+    return pl.col(column).str.contains(BLANK)
 
 
 def _split_off(frame: pl.DataFrame, reason: pl.Expr) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
@@ -89,7 +98,7 @@ def _empty_fields(*columns: str) -> pl.Expr:
 def _stripped(expr: pl.Expr) -> pl.Expr:
     """Text without its surrounding whitespace: two responses that differ only there are identical (a pair of them
     holds no preference), in every record shape (chat turns compare so too)."""
-    return expr.str.strip_chars()
+    return expr.str.strip_chars(WHITESPACE)
 
 
 def _pairs(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
@@ -203,7 +212,8 @@ def split_chat(record: dict) -> str | tuple[str, str, str, str]:
     it is the conversation) or begins with the prompt's last ones (they are joined there: a `prompt` with a
     system message and conversations that start at the user turn). The prompt is the two conversations'
     longest common message prefix; after it each side must be exactly one assistant reply: a pair whose sides
-    differ at an earlier turn has no one prompt to train on and is quarantined, not cut to its last reply."""
+    differ at an earlier turn has no one prompt to train on and is quarantined, not cut to its last reply. The
+    prompt's messages must have a role of PROMPT_ROLES."""
     prompt = record.get("prompt")
     given = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     conversations = {name: _conversation(given, record[name]) for name in ("chosen", "rejected")}
@@ -219,6 +229,11 @@ def split_chat(record: dict) -> str | tuple[str, str, str, str]:
         return f"no prompt: 'chosen' and 'rejected' share no first message{missing}"
     prompt_messages = [_message(m) for m in chosen[:n]]
     completions = {"chosen": [_message(m) for m in chosen[n:]], "rejected": [_message(m) for m in rejected[n:]]}
+    unknown = next((j for j, m in enumerate(prompt_messages) if m["role"] not in PROMPT_ROLES), None)
+    if unknown is not None:
+        role = prompt_messages[unknown]["role"]
+        hint = " (OpenAI's newer name for 'system': rename it 'system')" if role == "developer" else ""
+        return f"prompt message {unknown} has role {role!r}{hint}; expected one of {', '.join(PROMPT_ROLES)}"
     if not any(m["content"].strip() for m in prompt_messages):
         return "empty field 'prompt'"
     for name, messages in completions.items():
@@ -271,7 +286,7 @@ def _ranking(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
         _empty_fields("prompt")
         .when(k < 2)
         .then(pl.format("ranking has {} response(s), needs at least 2", k))
-        .when(pl.col("responses").list.eval(pl.element().str.contains(r"^\s*$")).list.any())
+        .when(pl.col("responses").list.eval(pl.element().str.contains(BLANK)).list.any())
         .then(pl.lit("empty response in 'responses'"))
         .when(ranks.is_not_null() & (ranks.list.len() != k))
         .then(pl.format("{} ranks for {} responses", ranks.list.len(), k))
@@ -300,7 +315,7 @@ def _problem(frame: pl.DataFrame, split: str) -> tuple[pl.DataFrame, list[tuple[
     from_solution = pl.col("answer").is_null()
     # only the rows without an answer: boxed_content runs in Python, once a row
     boxed = pl.when(from_solution).then(pl.col("solution")) \
-        .map_elements(boxed_content, return_dtype=pl.String, skip_nulls=True).str.strip_chars()
+        .map_elements(boxed_content, return_dtype=pl.String, skip_nulls=True).str.strip_chars(WHITESPACE)
     frame = frame.with_columns(
         pl.coalesce("question", "prompt", "problem").alias("_prompt"),
         pl.when(pl.col("question").is_not_null()).then(pl.lit("question"))
@@ -308,12 +323,12 @@ def _problem(frame: pl.DataFrame, split: str) -> tuple[pl.DataFrame, list[tuple[
         .otherwise(pl.lit("problem")).alias("_name"),
         pl.when(from_solution).then(boxed)
         .when(pl.col("answer").str.contains("####", literal=True))
-        .then(pl.col("answer").str.split("####").list.last().str.strip_chars())
+        .then(pl.col("answer").str.split("####").list.last().str.strip_chars(WHITESPACE))
         .otherwise(pl.col("answer"))
         .alias("_final"),
     )
     reason = (
-        pl.when(pl.col("_prompt").str.contains(r"^\s*$"))
+        pl.when(pl.col("_prompt").str.contains(BLANK))
         .then(pl.format("empty field '{}'", pl.col("_name")))
         .when(from_solution & pl.col("_final").is_null())
         .then(pl.lit("no 'answer' field, and field 'solution' has no \\boxed{} answer"))
@@ -341,7 +356,7 @@ def _problem(frame: pl.DataFrame, split: str) -> tuple[pl.DataFrame, list[tuple[
     return ok.select(
         pl.when(pl.col("split").is_null() | _blank("split"))
         .then(pl.lit(split))
-        .otherwise(pl.col("split").str.strip_chars())  # `test ` is the test split, not one of its own
+        .otherwise(_stripped(pl.col("split")))  # `test ` is the test split, not one of its own
         .alias("split"),
         pl.col("_prompt").alias("prompt"),
         pl.col("_final").alias("answer"),

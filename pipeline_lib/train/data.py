@@ -20,13 +20,14 @@ from typing import TypeVar
 import polars as pl
 import torch
 import torch.distributed as dist
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from pipeline_lib import code_version
 from pipeline_lib.config import config_key, model_paths, validate_config
-from pipeline_lib.errors import AlignflowError
+from pipeline_lib.errors import AlignflowError, one_line, text_start
 from pipeline_lib.fingerprint import content_id, frame_fingerprint, keyed_dir, model_fingerprint
 from pipeline_lib.logfns import print_log
 from pipeline_lib.model_dirs import resolve_model_dir
@@ -65,16 +66,31 @@ def require_chat_template(tokenizer: PreTrainedTokenizerBase, model_path: str, c
 def render_prompts(tokenizer: PreTrainedTokenizerBase, frame: pl.DataFrame) -> tuple[list[str], list[bool]]:
     """Prompt text per row and whether it came from the chat template.
 
-    A row with `prompt_messages` is rendered with the tokenizer's chat template (assistant turn opened)
-    when the tokenizer has one; other rows keep their raw `prompt` (`12+34=`)."""
+    A row with `prompt_messages` is rendered with the tokenizer's chat template (assistant turn opened);
+    a tokenizer without one is a one-line TrainDataError. Other rows keep their raw `prompt` (`12+34=`). A
+    template that refuses a conversation (Gemma's and Mistral's raise on a `system` turn) is a one-line
+    TrainDataError naming the row."""
     prompts = frame["prompt"].to_list()
     messages = frame["prompt_messages"].to_list() if "prompt_messages" in frame.columns else [None] * len(prompts)
     use_template = getattr(tokenizer, "chat_template", None) is not None
+    chats = sum(raw is not None for raw in messages)
+    if chats and not use_template:  # its display text (`user: ...`) is no prompt the model was made to read
+        raise TrainDataError(f"{chats} of {len(prompts)} rows are chat conversations (prompt_messages), but the "
+                             f"tokenizer of {tokenizer.name_or_path} has no chat template to render them: use a model "
+                             "whose tokenizer has one (or set its chat_template), or ingest them as plain text "
+                             "(prompt/chosen/rejected strings)")
     texts, templated = [], []
     for row, (prompt, raw) in enumerate(zip(prompts, messages)):
         if raw is not None and use_template:
-            rendered = tokenizer.apply_chat_template(_prompt_messages(raw, row), add_generation_prompt=True,
-                                                     tokenize=False)
+            conversation = _prompt_messages(raw, row)
+            try:
+                rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            except (TemplateError, TypeError, ValueError) as exc:  # Gemma, Mistral: `raise_exception` on a role
+                roles = ", ".join(m["role"] for m in conversation)
+                raise TrainDataError(f"prompt_messages[{row}] (prompt {text_start(prompt)}, roles {roles}): the "
+                                     f"chat template of {tokenizer.name_or_path} refuses it ({one_line(exc)}); "
+                                     "use a model whose template takes these roles, or fix or drop the row"
+                                     ) from None
             texts.append(rendered)
             templated.append(True)
         else:

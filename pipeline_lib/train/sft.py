@@ -12,7 +12,7 @@ import polars as pl
 import torch
 
 from pipeline_lib.config import SFTConfig
-from pipeline_lib.filters import best_of_n
+from pipeline_lib.filters import best_of_n, recorded_chat_template
 from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.models import load_policy, load_tokenizer, sequence_logprobs
 from pipeline_lib.models.loading import resolve_device
@@ -89,7 +89,15 @@ def load_sft_data(store: Store, cfg: SFTConfig) -> tuple[pl.DataFrame, pl.DataFr
     if cfg.data == "pairs":
         return sft_rows(store.read_selected("preference_pairs", source=cfg.source), "pairs",
                         chat_template=cfg.chat_template), None
-    selected = best_of_n(store.run_samples(cfg.samples_run_id))
+    samples = store.run_samples(cfg.samples_run_id)
+    # the prompts must be rendered as they were sampled (as DPO's West-of-N pairs of the run are): an error, not the
+    # run's flag silently overriding the config's (SFT's default false would train a chat run on raw prompts)
+    sampled = recorded_chat_template(samples, cfg.samples_run_id)
+    if sampled is not None and sampled != cfg.chat_template:
+        raise TrainDataError(f"samples run {cfg.samples_run_id!r} was sampled with chat_template={sampled}, but this "
+                             f"SFT config has chat_template={cfg.chat_template}: Best-of-N rows would train on other "
+                             f"prompts than their completions answered; set chat_template: {str(sampled).lower()}")
+    selected = best_of_n(samples)
     if cfg.min_reward is not None:
         selected = selected.filter(pl.col("reward") >= cfg.min_reward)
     if selected.height == 0:

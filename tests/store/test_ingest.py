@@ -617,6 +617,70 @@ def test_chat_bad_rows(tmp_path, store):
     }
 
 
+def test_chat_prompt_roles_are_checked_as_reply_roles_are(tmp_path, store):
+    """A prompt message whose role no chat template knows is quarantined naming it, as a reply not from the assistant
+    is; `tool` turns (a tool call's result) are kept, `developer` (OpenAI's system) is refused with the rename."""
+    reply, other = [{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": "b"}]
+    tool = [{"role": "user", "content": "q3"}, {"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]},
+            {"role": "tool", "content": "7"}]
+    lines = [
+        {"prompt": [{"role": "bogus", "content": "hi"}, {"role": "user", "content": "q1"}], "chosen": reply,
+         "rejected": other},
+        {"prompt": [{"role": "user", "content": "q2"}], "chosen": [{"role": "bot", "content": "a"}], "rejected": other},
+        {"prompt": tool, "chosen": reply, "rejected": other},
+        {"prompt": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "q4"}],
+         "chosen": reply, "rejected": other},
+        {"chosen": [{"role": "User", "content": "q5"}, *reply],
+         "rejected": [{"role": "User", "content": "q5"}, *other]},
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q6"}], "chosen": reply,
+         "rejected": other},
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "roles.jsonl", lines), store)
+    check_invariant(report)
+    roles = "expected one of system, user, assistant, tool"
+    assert quarantine(store) == {
+        1: f"prompt message 0 has role 'bogus'; {roles}",
+        2: "'chosen' does not end with an assistant message (role 'bot')",
+        4: f"prompt message 0 has role 'developer' (OpenAI's newer name for 'system': rename it 'system'); {roles}",
+        5: f"prompt message 0 has role 'User'; {roles}",
+    }
+    stored = [json.loads(m)["prompt"] for m in store.read("preference_pairs").sort("prompt")["prompt_messages"]]
+    assert [[m["role"] for m in messages] for messages in stored] == [["system", "user"], ["user", "assistant", "tool"]]
+
+
+def test_text_blank_to_pythons_strip_is_empty_in_every_record_shape(tmp_path, store):
+    """U+001C..U+001F are whitespace to str.strip() (the chat and HH checks) but not to polars' strip_chars and
+    regex `\\s`: the polars-checked shapes now refuse them as empty or identical as the chat shape does."""
+    sep = "\x1c\x1d \x1e\x1f"
+    lines = [
+        {"prompt": "p1", "chosen": "a", "rejected": sep},
+        {"prompt": "\x1f", "chosen": "a", "rejected": "b"},
+        {"prompt": "p3", "chosen": "a\x1c", "rejected": "a"},
+        {"prompt": "p4", "chosen": "a", "rejected": "b"},
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "pairs.jsonl", lines), store, source="pairs")
+    check_invariant(report)
+    chat = [{"prompt": "p5", "chosen": [{"role": "assistant", "content": "a"}],
+             "rejected": [{"role": "assistant", "content": "\x1c"}]}]
+    ingest_file(write_jsonl(tmp_path / "chat.jsonl", chat), store, source="chat")
+    rankings = [{"prompt": "p6", "responses": ["a", "\x1d"]}, {"prompt": "p7", "responses": ["a", "a\x1e"]}]
+    ingest_file(write_jsonl(tmp_path / "rankings.jsonl", rankings), store, source="rankings")
+    problems = [{"question": "\x1f", "answer": "1"}, {"question": "q", "answer": "x #### \x1c"},
+                {"question": "q2", "answer": "2", "split": "test\x1f"}]
+    ingest_file(write_jsonl(tmp_path / "problems.jsonl", problems), store, source="problems")
+    assert {(row["source"], row["line_no"]): row["reason"] for row in store.read("quarantine").to_dicts()} == {
+        ("pairs", 1): "empty field 'rejected'",
+        ("pairs", 2): "empty field 'prompt'",
+        ("pairs", 3): "chosen identical to rejected",
+        ("chat", 1): "empty response after prompt extraction (rejected)",
+        ("rankings", 1): "empty response in 'responses'",
+        ("rankings", 2): "ranking has identical responses",
+        ("problems", 1): "empty field 'question'",
+        ("problems", 2): "empty answer after '####'",
+    }
+    assert store.read("problems")["split"].to_list() == ["test"]
+
+
 def test_chat_pairs_that_differ_before_their_last_reply_are_quarantined_not_cut(tmp_path, store):
     """Conversations branching at an earlier user turn have no one prompt: keeping only their last replies
     would train on the wrong context (and make two different conversations one pair)."""

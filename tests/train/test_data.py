@@ -53,6 +53,51 @@ def test_plain_prompts_stay_raw_and_messages_use_the_chat_template(tokenizer):
         render_prompts(tokenizer, pl.DataFrame({"prompt": ["x"], "prompt_messages": ['{"prompt": "hi"}']}))
 
 
+STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+                   "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}"
+                   "{{ '<|' + m['role'] + '|>' + m['content'] + eos_token }}{% endfor %}"
+                   "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+def test_a_chat_template_refusing_a_conversation_is_one_line_naming_the_row(tokenizer):
+    """Gemma's and Mistral's templates raise on a system turn (jinja2 TemplateError): one line, not a traceback."""
+    strict = load_tokenizer(tokenizer.name_or_path)
+    strict.chat_template = STRICT_TEMPLATE
+    system = json.dumps({"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]})
+    frame = pl.DataFrame({"prompt": ["1+1=", "system: Be brief.\n\nuser: 2+2?"],
+                          "prompt_messages": [json.dumps([{"role": "user", "content": "1+1="}]), system]})
+    with pytest.raises(TrainDataError) as raised:
+        render_prompts(strict, frame)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("prompt_messages[1] (prompt 'system: Be brief.")
+    assert "roles system, user" in message
+    assert "TemplateError: Only user and assistant roles are supported!" in message
+    assert render_prompts(strict, frame[:1])[0] == ["<|user|>1+1=</s><|assistant|>"]
+
+
+def test_conversations_for_a_tokenizer_without_a_chat_template_are_one_line_not_display_text(tokenizer):
+    """DPO and RM on chat pairs with a template-less tokenizer trained on `system: ...\\n\\nuser: ...`; now they stop,
+    and plain rows (HH-RLHF transcripts and the demo pairs store no messages) still train on their raw prompt."""
+    from pipeline_lib.train.dpo import encode_pairs
+    from pipeline_lib.train.rm import build_groups
+
+    bare = load_tokenizer(tokenizer.name_or_path)
+    bare.chat_template = None
+    chat = json.dumps({"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]})
+    pairs = pl.DataFrame({"prompt": ["\n\nHuman: 1+1=\n\nAssistant:", "system: Be brief.\n\nuser: 2+2?"],
+                          "chosen": ["2", "4"], "rejected": ["3", "5"], "prompt_messages": [None, chat]},
+                         schema_overrides={"prompt_messages": pl.String})
+    for run in (lambda: render_prompts(bare, pairs), lambda: encode_pairs(bare, pairs, max_length=64),
+                lambda: build_groups(bare, pairs, "bradley_terry", max_length=64)):
+        with pytest.raises(TrainDataError) as raised:
+            run()
+        assert str(raised.value).startswith(
+            f"1 of 2 rows are chat conversations (prompt_messages), but the tokenizer of {tokenizer.name_or_path} "
+            "has no chat template to render them")
+    assert render_prompts(bare, pairs[:1]) == (["\n\nHuman: 1+1=\n\nAssistant:"], [False])
+    assert len(encode_pairs(bare, pairs[:1], max_length=64)) == 2
+
+
 def test_encode_appends_eos_and_masks_only_the_completion(tokenizer):
     """Char-level ids: '12+34=' is 6 tokens, '46' 2 + eos; '9+9=' 4, '18' 2 + eos -> widths 9 and 7."""
     encoded = encode(tokenizer, ["12+34=", "9+9="], ["46", "18"], max_length=64)

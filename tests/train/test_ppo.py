@@ -210,3 +210,37 @@ def test_the_logged_learning_rate_is_the_mean_of_the_rates_the_steps_updates_use
               log=log)
     assert [metrics["train/lr"] for _, metrics in logged] == pytest.approx([1e-3 * (1 - 1.5 / 8),
                                                                             1e-3 * (1 - 5.5 / 8)])
+
+
+def test_rollout_prompts_of_pairs_are_one_per_conversation_not_per_display_text(tmp_path):
+    """Conversations that display alike stay two rollout prompts; two pairs on one conversation give one."""
+    import json
+
+    from pipeline_lib.store.db import open_store
+    from pipeline_lib.store.ingest import ingest_file
+    from pipeline_lib.train.ppo import load_ppo_data
+
+    def reply(text):
+        return [{"role": "assistant", "content": text}]
+
+    turns = [{"role": "user", "content": "hi"}, *reply("x"), {"role": "user", "content": "q"}]
+    one_turn = [{"role": "user", "content": "hi\n\nassistant: x\n\nuser: q"}]
+    records = [{"prompt": turns, "chosen": reply("good"), "rejected": reply("bad")},
+               {"prompt": one_turn, "chosen": reply("good"), "rejected": reply("bad")},
+               {"prompt": turns, "chosen": reply("fine"), "rejected": reply("poor")}]
+    plain = [{"prompt": "plain", "chosen": "a", "rejected": "b"}, {"prompt": "plain", "chosen": "c", "rejected": "d"}]
+    with open_store(tmp_path / "s.duckdb") as store:
+        for name, lines in (("chat", records), ("plain", plain)):
+            path = tmp_path / f"{name}.jsonl"
+            path.write_text("".join(json.dumps(record) + "\n" for record in lines))
+            ingest_file(path, store, source="c")
+        assert store.count("preference_pairs") == 5
+        for chat_template in (False, True):
+            cfg = PPOConfig(policy_path="/m", reward_model_path="/rm", prompts_table="preference_pairs",
+                            problems_source="c", chat_template=chat_template, rewards=[{"name": "reward_model"}])
+            prompts = load_ppo_data(store, cfg)
+            assert sorted(prompts["prompt"].to_list()) == ["plain", *["user: hi\n\nassistant: x\n\nuser: q"] * 2]
+            messages = sorted(json.dumps(json.loads(m)["prompt"] if m.startswith("{") else json.loads(m))
+                              for m in prompts["prompt_messages"].to_list() if m is not None)
+            user_turn = [json.dumps([{"role": "user", "content": "plain"}])] if chat_template else []
+            assert messages == sorted([json.dumps(turns), json.dumps(one_turn), *user_turn])

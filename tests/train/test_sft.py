@@ -270,3 +270,29 @@ def test_best_of_n_data_of_an_unknown_run_is_one_line_naming_what_was_asked(tmp_
         with pytest.raises(TrainDataError) as raised:
             load_sft_data(store, cfg)
     assert str(raised.value) == f"samples run 'sample-nosuch': no Best-of-N rows to train on {reason}"
+
+
+def test_best_of_n_data_with_another_chat_template_than_its_run_is_one_line_naming_both(tmp_path):
+    """RS-SFT renders its prompts as its sampling run did (as DPO's West-of-N pairs of the run do), or says so."""
+    from pipeline_lib.store.db import open_store
+    from pipeline_lib.train.sft import load_sft_data
+
+    problems = pl.DataFrame({"problem_id": ["p"], "source": "s", "split": "train", "prompt": ["1+1="],
+                             "answer": ["2"]})
+    samples = pl.DataFrame({"run_id": ["chat"] * 2 + ["old"], "prompt_id": ["p"] * 3, "sample_idx": [0, 1, 0],
+                            "prompt": ["1+1="] * 3, "completion": ["2", "3", "2"], "reward": [1.0, 0.0, 1.0],
+                            "chat_template": [True, True, None]})
+    with open_store(tmp_path / "store.duckdb") as store:
+        store.insert_new("problems", problems)
+        store.append("samples", samples)
+        with pytest.raises(TrainDataError) as raised:
+            load_sft_data(store, SFTConfig(model_path="/m", data="best_of_n", samples_run_id="chat"))
+        rows, _ = load_sft_data(store, SFTConfig(model_path="/m", data="best_of_n", samples_run_id="chat",
+                                                 chat_template=True))
+        assert json.loads(rows["prompt_messages"][0]) == [{"role": "user", "content": "1+1="}]
+        for chat_template in (False, True):  # a run that recorded nothing: the config decides
+            cfg = SFTConfig(model_path="/m", data="best_of_n", samples_run_id="old", chat_template=chat_template)
+            assert load_sft_data(store, cfg)[0]["completion"].to_list() == ["2"]
+    assert str(raised.value) == (
+        "samples run 'chat' was sampled with chat_template=True, but this SFT config has chat_template=False: "
+        "Best-of-N rows would train on other prompts than their completions answered; set chat_template: true")
