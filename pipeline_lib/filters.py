@@ -28,20 +28,15 @@ def _require(samples: pl.DataFrame, columns: Sequence[str]) -> None:
 
 def _scored(samples: pl.DataFrame) -> pl.DataFrame:
     """Rows that can win or lose a group: scored (null and NaN rewards are unscored samples), with text (an
-    empty or whitespace-only completion is no response to train on; the store refuses such pairs at ingest) and
-    whole: a sample cut at max_new_tokens (finish_reason `length`) is no response either, and SFT and DPO end
-    every completion they train on with eos, which would teach the model to stop where the cut fell."""
+    empty or whitespace-only completion, to Python's str.strip() as ingest tests it (shapes.BLANK), is no response
+    to train on; the store refuses such pairs at ingest) and whole: a sample cut at max_new_tokens (finish_reason
+    `length`) is no response either, and SFT and DPO end every completion they train on with eos, which would
+    teach the model to stop where the cut fell."""
     _require(samples, ("prompt_id", "sample_idx", "prompt", "completion", "reward"))
     reward = pl.col("reward").cast(pl.Float64)
-    has_text = pl.col("completion").str.strip_chars() != ""
+    has_text = ~pl.col("completion").str.contains(BLANK)
     whole = (pl.col("finish_reason") != "length").fill_null(True) if "finish_reason" in samples.columns else True
     return samples.with_columns(reward).filter(reward.is_not_null() & reward.is_not_nan() & has_text & whole)
-
-
-def _with_text(scored: pl.DataFrame) -> pl.DataFrame:
-    """Rows whose completion is text to Python's str.strip() too, as ingest and split_chat test it (shapes.BLANK):
-    polars' strip_chars keeps the separators U+001C..U+001F, so a completion of "\\x1c" passed `_scored`."""
-    return scored.filter(~pl.col("completion").str.contains(BLANK))
 
 
 def best_of_n(samples: pl.DataFrame) -> pl.DataFrame:
@@ -49,7 +44,7 @@ def best_of_n(samples: pl.DataFrame) -> pl.DataFrame:
 
     Returns columns prompt_id, prompt, completion, reward; one row per prompt with a scored sample,
     sorted by prompt_id."""
-    ranked = _with_text(_scored(samples)).sort(["prompt_id", "reward", "sample_idx"], descending=[False, True, False])
+    ranked = _scored(samples).sort(["prompt_id", "reward", "sample_idx"], descending=[False, True, False])
     best = ranked.unique(subset="prompt_id", keep="first", maintain_order=True)
     return best.select("prompt_id", "prompt", "completion", "reward")
 
@@ -68,7 +63,7 @@ def west_of_n(samples: pl.DataFrame, *, source: str = "west_of_n", chat_template
     were user turns of the chat template: the pair is that conversation, which DPO and RM training render
     alike; else null), meta (JSON: prompt_id, both sample_idx and rewards), sorted by prompt_id."""
     scored = (
-        _with_text(_scored(samples))
+        _scored(samples)
         .sort("sample_idx")
         .group_by("prompt_id", "prompt", pl.col("completion").str.strip_chars(WHITESPACE).alias("text"))
         .agg(pl.col("completion").first(), pl.col("reward").mean(), pl.col("sample_idx").first())

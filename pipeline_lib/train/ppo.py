@@ -70,8 +70,8 @@ def load_ppo_data(store: Store, cfg: PPOConfig) -> pl.DataFrame:
     # one rollout prompt per conversation, not per display text: [user "hi", assistant "x", user "q"] and the one
     # user turn "hi\n\nassistant: x\n\nuser: q" display alike. Keyed on the messages' prompt part (the JSON also
     # holds each pair's replies, which differ between pairs on one prompt)
-    turns = pl.coalesce(pl.col("prompt_messages").str.json_path_match("$.prompt"), pl.col("prompt_messages"))
-    prompts = (pairs.with_columns(turns.alias("_turns"))
+    conversation = pl.coalesce(pl.col("prompt_messages").str.json_path_match("$.prompt"), pl.col("prompt_messages"))
+    prompts = (pairs.with_columns(conversation.alias("_turns"))
                .unique(subset=["prompt", "_turns"], keep="first", maintain_order=True)
                .select("prompt", "prompt_messages"))
     if not cfg.chat_template:
