@@ -38,6 +38,16 @@ def transformers_model(model: nn.Module) -> PreTrainedModel:
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
 
 
+def model_positions(model: nn.Module) -> int | None:
+    """The positions `model` can read: `max_position_embeddings` of its text config (GPT-2's `n_positions` answers to
+    that name), through DDP and peft wrappers and a RewardModel's or ValueModel's `backbone`; None where the config
+    names none. Learned absolute positions (GPT-2, OPT) raise IndexError past them, so rows are cut to them and
+    rollouts checked against them: the one place every stage reads this limit from."""
+    inner = transformers_model(model)
+    inner = getattr(inner, "backbone", inner)
+    return getattr(inner.config.get_text_config(), "max_position_embeddings", None)
+
+
 def output_logits(model: PreTrainedModel) -> OutputLogits:
     """Hidden states -> float32 logits as the model's own forward makes them from its output layer: times
     `logit_scale` (Cohere), divided by `logits_scaling` (Granite), soft-capped by `final_logit_softcapping`
@@ -296,7 +306,7 @@ def packs_pairs(model: nn.Module, width: int) -> bool:
     buffers by column). `train.common.choose_packed` then checks the values themselves."""
     inner = transformers_model(model)
     config = inner.config
-    limits = [getattr(config, name, None) for name in ("sliding_window", "window_size", "max_position_embeddings")]
+    limits = [getattr(config, name, None) for name in ("sliding_window", "window_size")] + [model_positions(inner)]
     return (type(inner).__module__.startswith("transformers.models.")
             and config._attn_implementation in ("sdpa", "eager")
             and set(getattr(config, "layer_types", None) or ()) <= {"full_attention", "sliding_attention"}

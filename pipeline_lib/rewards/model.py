@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from pipeline_lib.models.heads import RewardModel
-from pipeline_lib.models.logprobs import packs_pairs
+from pipeline_lib.models.logprobs import model_positions, packs_pairs
 from pipeline_lib.train.common import packed_values_hold, packing_costs
 from pipeline_lib.train.data import Encoded, collate_groups, group_width, text_ids
 
@@ -47,7 +47,7 @@ class RewardModelScorer:
             raise ValueError("tokenizer: expected a pad_token_id or eos_token_id to pad batches with")
         self.positions_note = False  # once, where texts are cut to the model's positions
         if max_length is None and isinstance(model, RewardModel):  # absolute positions past these raise IndexError
-            max_length = getattr(model.backbone.config.get_text_config(), "max_position_embeddings", None)
+            max_length = model_positions(model)
             self.positions_note = max_length is not None
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.max_length, self.pad_id = batch_size, max_length, pad_id

@@ -19,7 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from pipeline_lib.errors import text_start
-from pipeline_lib.models.logprobs import position_ids_from_mask
+from pipeline_lib.models.logprobs import model_positions, position_ids_from_mask
 from pipeline_lib.sampling.base import Completion, SamplingError, check_sampling_args
 
 
@@ -128,7 +128,7 @@ class HFSampler:
         if int(lengths.min()) == 0:
             empty = int((lengths == 0).nonzero()[0])
             raise SamplingError(f"prompts[{empty}]: empty after tokenization; expected at least one token")
-        limit = getattr(self.model.config, "max_position_embeddings", None)
+        limit = model_positions(self.model)
         prompt_len = batch["input_ids"].shape[1]
         if limit is not None and prompt_len + max_new_tokens > limit:
             longest = int(lengths.argmax())

@@ -153,6 +153,7 @@ def encode(
     max_length: int,
     templated: Sequence[bool] | None = None,
     group_size: int = 1,
+    positions: int | None = None,
 ) -> Encoded:
     """Tokenize prompts and completions separately (the completion mask is exact) and append eos (to a row whose
     prompt came from the chat template: the template's end of turn, `turn_end_ids`).
@@ -161,7 +162,9 @@ def encode(
     prompts already hold them. Rows over `max_length` lose prompt tokens from the left, then (a completion
     alone too long) completion tokens from the right, with a warning counting them. Consecutive runs of
     `group_size` rows answer one prompt (a DPO pair's chosen and rejected): the prompt is cut once for the
-    longest of them, so every answer of the group is conditioned on the same tokens."""
+    longest of them, so every answer of the group is conditioned on the same tokens. The model's `positions`
+    (`models.logprobs.model_positions`; learned absolute ones raise IndexError past them), where fewer than
+    `max_length`, stand in for it, and a note counting the rows they cut replaces the warnings."""
     if len(prompts) != len(completions):
         raise TrainDataError(f"{len(prompts)} prompts but {len(completions)} completions")
     if not prompts:
@@ -187,24 +190,32 @@ def encode(
     turn_end = turn_end_ids(tokenizer) if any(templated) else eos
     ends = [completion + (turn_end if from_template else eos)
             for completion, from_template in zip(completion_ids, templated)]
-    cut = sum(len(end) > max_length - 1 for end in ends)
-    if cut:
+    by_positions = positions is not None and positions < max_length  # raising max_length would not help there
+    length = positions if by_positions else max_length
+    cut = sum(len(end) > length - 1 for end in ends)
+    if cut and not by_positions:
         print(f"warning: {cut} of {len(ends)} completions are longer than max_length - 1 = {max_length - 1} "
               f"tokens and were cut from the right, their end (eos) included; raise max_length to keep them whole",
               file=sys.stderr, flush=True)
     out_prompts, out_completions = [], []
     prompts_cut = 0
     for start in range(0, len(ends), group_size):
-        group = [end[: max_length - 1] for end in ends[start:start + group_size]]
-        room = max_length - max(len(completion) for completion in group)  # >= 1: never the whole row
+        group = [end[: length - 1] for end in ends[start:start + group_size]]
+        room = length - max(len(completion) for completion in group)  # >= 1: never the whole row
         prompt = prompt_ids[start]
         prompts_cut += len(prompt) > room
         out_prompts += [prompt[-room:] if len(prompt) > room else list(prompt) for _ in group]
         out_completions += group
-    if prompts_cut:
+    if prompts_cut and not by_positions:
         print(f"warning: {prompts_cut} of {len(ends) // group_size} prompts do not fit max_length = {max_length} "
               "tokens beside their completion and lost their first tokens; raise max_length to keep them whole",
               file=sys.stderr, flush=True)
+    rows_cut = sum(len(out_prompts[i]) < len(prompt_ids[i]) or len(out_completions[i]) < len(ends[i])
+                   for i in range(len(ends)))
+    if rows_cut and by_positions:
+        print(f"note: {rows_cut} of {len(ends)} rows are cut to the model's {length} positions (under max_length "
+              f"{max_length}): prompts lose their first tokens, then completions their last", file=sys.stderr,
+              flush=True)
     return Encoded(out_prompts, out_completions)
 
 
@@ -219,19 +230,27 @@ def text_ids(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[l
     return [row[1:] if row[:2] == [bos, bos] else row for row in ids]
 
 
-def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, max_length: int) -> Encoded:
+def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, max_length: int,
+                 positions: int | None = None) -> Encoded:
     """Whole texts (prompt + response) tokenized the way rewards.model.RewardModelScorer reads them at scoring
-    time (`text_ids`: the tokenizer's own special tokens, one bos), no eos appended, cut from the left. Held as
+    time (`text_ids`: the tokenizer's own special tokens, one bos), no eos appended, cut from the left to
+    `max_length`, or to the model's `positions` where fewer (with a note, as the scorer cuts to them). Held as
     prompts with empty completions (a reward model has no completion mask)."""
     if not texts:
         raise TrainDataError("no training rows: the selected table/source is empty")
+    by_positions = positions is not None and positions < max_length  # raising max_length would not help there
+    length = positions if by_positions else max_length
     whole = text_ids(tokenizer, texts)
-    ids = [row[-max_length:] for row in whole]
+    ids = [row[-length:] for row in whole]
     empty = next((i for i, row in enumerate(ids) if not row), None)
     if empty is not None:
         raise TrainDataError(f"texts[{empty}]: tokenizes to no tokens")
-    cut = sum(len(row) > max_length for row in whole)
-    if cut:
+    cut = sum(len(row) > length for row in whole)
+    if cut and by_positions:
+        print(f"note: {cut} of {len(texts)} texts (prompt + response) are longer than the model's {length} positions "
+              f"(under max_length {max_length}) and lost their first tokens, as the reward model's scorer cuts them",
+              file=sys.stderr, flush=True)
+    elif cut:
         print(f"warning: {cut} of {len(texts)} texts (prompt + response) are longer than max_length = {max_length} "
               "tokens and lost their first tokens, as the reward model's scorer cuts them; raise max_length to "
               "keep them whole", file=sys.stderr, flush=True)
@@ -239,12 +258,12 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, ma
 
 
 def encode_frame(tokenizer: PreTrainedTokenizerBase, frame: pl.DataFrame, completion_column: str, *,
-                 max_length: int) -> Encoded:
+                 max_length: int, positions: int | None = None) -> Encoded:
     """`encode` over a frame's rendered prompts and one completion column."""
     require_columns(frame, ["prompt", completion_column], "training rows")
     prompts, templated = render_prompts(tokenizer, frame)
     return encode(tokenizer, prompts, frame[completion_column].cast(pl.Utf8).to_list(), max_length=max_length,
-                  templated=templated)
+                  templated=templated, positions=positions)
 
 
 def require_columns(frame: pl.DataFrame, columns: Sequence[str], what: str) -> None:

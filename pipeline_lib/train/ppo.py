@@ -24,6 +24,7 @@ from pipeline_lib.losses import (
 )
 from pipeline_lib.models import ValueModel, load_policy, load_tokenizer, sequence_logprobs
 from pipeline_lib.models.loading import resolve_device
+from pipeline_lib.models.logprobs import model_positions
 from pipeline_lib.rewards.math import is_correct
 from pipeline_lib.rewards.registry import build_reward
 from pipeline_lib.store.db import Store
@@ -131,9 +132,6 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
     ref = load_policy(cfg.policy_path, dtype="float32", device=device,
                       trust_remote_code=cfg.trust_remote_code).eval()
     ref.requires_grad_(False)
-    check_prompt_lengths("ppo", tokenizer, texts, add_special_tokens=add_special_tokens,
-                         max_new_tokens=cfg.max_new_tokens,
-                         limit=context_limit(policy, cfg.backend, cfg.vllm_max_model_len))
     if answers is None and any(spec["name"] == "verifier" for spec in cfg.rewards):
         raise AlignflowError("ppo: rewards name 'verifier' but the prompts have no answers (use prompts_table "
                              "problems)")
@@ -147,6 +145,15 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
                              "policy's, so its backbone cannot read the rollouts; use critic_init=policy")
     critic = ValueModel.from_policy(critic_path, dtype="float32", device=device,
                                     trust_remote_code=cfg.trust_remote_code).eval()
+    # the policy, its reference and the critic read each rollout whole: it must fit the fewest positions of them (a
+    # reward-model critic's learned absolute ones raise IndexError past theirs); the reward model needs no check, its
+    # scorer cuts texts from the left to its own positions (what last-token pooling reads stays)
+    limit, whose = context_limit(policy, cfg.backend, cfg.vllm_max_model_len), None
+    critic_positions = model_positions(critic)
+    if critic_positions is not None and (limit is None or critic_positions < limit):
+        limit, whose = critic_positions, f"the critic's positions, {critic_path}"
+    check_prompt_lengths("ppo", tokenizer, texts, add_special_tokens=add_special_tokens,
+                         max_new_tokens=cfg.max_new_tokens, limit=limit, whose=whose)
     trained = nn.ModuleDict({"policy": policy, "critic": critic})  # one checkpoint for both
     n_mini_batches = rows_per_step // mini_batch  # exact: the config makes mini_batch divide the step
     updates_per_step = cfg.ppo_epochs * n_mini_batches

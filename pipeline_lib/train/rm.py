@@ -20,6 +20,7 @@ from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.losses import bradley_terry_loss, plackett_luce_loss
 from pipeline_lib.models import RewardModel, load_tokenizer
 from pipeline_lib.models.loading import resolve_device
+from pipeline_lib.models.logprobs import model_positions
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
     Dist,
@@ -79,8 +80,10 @@ class Groups:
         return [self.starts[g] + k for g in groups for k in range(self.sizes[g])]
 
 
-def build_groups(tokenizer, frame: pl.DataFrame, loss: str, *, max_length: int) -> Groups:
-    """Pairs (prompt, chosen, rejected) or rankings (prompt, responses) -> tokenized groups, best first.
+def build_groups(tokenizer, frame: pl.DataFrame, loss: str, *, max_length: int,
+                 positions: int | None = None) -> Groups:
+    """Pairs (prompt, chosen, rejected) or rankings (prompt, responses) -> tokenized groups, best first, each text
+    cut from the left to `max_length`, or to the backbone's `positions` where fewer (`encode_texts`).
 
     `rankings.responses` is ordered best -> worst by ingest (its `ranks` column is then 1..K)."""
     if loss == "bradley_terry":
@@ -95,16 +98,18 @@ def build_groups(tokenizer, frame: pl.DataFrame, loss: str, *, max_length: int) 
     prompts, templated = render_prompts(tokenizer, frame)
     # the scored text is prompt + response, exactly what RewardModelScorer sees when the RM is used
     encoded = encode_texts(tokenizer, [p + text for p, group in zip(prompts, responses) for text in group],
-                           max_length=max_length)
+                           max_length=max_length, positions=positions)
     sizes = [len(group) for group in responses]
     starts = [0]
     for size in sizes[:-1]:
         starts.append(starts[-1] + size)
+    cut_to = f"max_length = {max_length}" if positions is None or positions >= max_length \
+        else f"the model's {positions} positions"
     alike = sum(len({tuple(encoded.prompt_ids[i]) for i in range(start, start + size)}) < size
                 for start, size in zip(starts, sizes))
     if alike:
         print(f"warning: {alike} of {len(sizes)} {'pairs' if loss == 'bradley_terry' else 'rankings'} hold two "
-              f"responses whose scored texts are the same tokens (cut to max_length = {max_length}): the model "
+              f"responses whose scored texts are the same tokens (cut to {cut_to}): the model "
               "cannot tell them apart (no gradient between them; counted as wrong in eval/rm_accuracy)",
               file=sys.stderr, flush=True)
     return Groups(encoded, starts, sizes, any(templated))
@@ -191,7 +196,7 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
     model = RewardModel.from_policy(cfg.model_path, pooling=cfg.pooling, dtype="float32", device=device,
                                     trust_remote_code=cfg.trust_remote_code, seed=cfg.seed)
     model.train(not cfg.disable_dropout)  # eval mode: dropout off
-    groups = build_groups(tokenizer, data, cfg.loss, max_length=cfg.max_length)
+    groups = build_groups(tokenizer, data, cfg.loss, max_length=cfg.max_length, positions=model_positions(model))
     model.chat_prompts = groups.chat_prompts
     train_ids, eval_ids = holdout_split(data["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)

@@ -20,7 +20,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from pipeline_lib.errors import AlignflowError, text_start
 from pipeline_lib.models import save_model, sequence_logprobs
-from pipeline_lib.models.logprobs import shared_prompt_logprobs
+from pipeline_lib.models.logprobs import model_positions, shared_prompt_logprobs
 from pipeline_lib.sampling import Completion, Sampler
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import autocast, torchrun_world_size
@@ -97,9 +97,11 @@ def open_policy_sampler(
 
 
 def check_prompt_lengths(stage: str, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], *,
-                         add_special_tokens: bool, max_new_tokens: int, limit: int | None) -> None:
-    """Every prompt + max_new_tokens fits the context `limit` (None: unknown, not checked). Checked before step 1:
-    the sampler would only refuse a prompt when its batch comes up, and a seeded resume draws that batch again."""
+                         add_special_tokens: bool, max_new_tokens: int, limit: int | None,
+                         whose: str | None = None) -> None:
+    """Every prompt + max_new_tokens fits the context `limit` (None: unknown, not checked), named in the error as
+    `whose` where another model than the policy sets it. Checked before step 1: the sampler would only refuse a
+    prompt when its batch comes up, and a seeded resume draws that batch again."""
     if limit is None:
         return
     ids = tokenizer(list(prompts), add_special_tokens=add_special_tokens)["input_ids"]
@@ -111,12 +113,12 @@ def check_prompt_lengths(stage: str, tokenizer: PreTrainedTokenizerBase, prompts
             else f"leave them out of the data (the longest has {longest} tokens)"
         raise AlignflowError(f"{stage}: {len(over)} of {len(prompts)} prompts do not fit the context: prompts[{first}] "
                              f"({text_start(prompts[first])}) has {len(ids[first])} tokens + max_new_tokens "
-                             f"{max_new_tokens} > {limit}; {fix}")
+                             f"{max_new_tokens} > {limit}{f' ({whose})' if whose else ''}; {fix}")
 
 
 def context_limit(policy: PreTrainedModel, backend: str, vllm_max_model_len: int | None) -> int | None:
     """The positions a rollout may fill: the model's, or vLLM's max_model_len where that is set lower."""
-    limit = getattr(policy.config, "max_position_embeddings", None)
+    limit = model_positions(policy)
     if backend == "vllm" and vllm_max_model_len is not None:
         return vllm_max_model_len if limit is None else min(limit, vllm_max_model_len)
     return limit

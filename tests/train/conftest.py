@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
-from pipeline_lib.models import RewardModel, load_tokenizer
+from pipeline_lib.models import RewardModel, load_tokenizer, save_model
 
 
 @pytest.fixture
@@ -37,3 +38,23 @@ def reward_model(tiny, tmp_path_factory) -> Path:
     completions, which is all the loop mechanics need (the slow learning tests train real ones)."""
     return RewardModel.from_policy(tiny, device="cpu", seed=1).save_pretrained(tmp_path_factory.mktemp("rm") / "rm",
                                                                                load_tokenizer(tiny))
+
+
+@pytest.fixture(scope="module")
+def short_positions(tiny, tmp_path_factory) -> dict[str, Path]:
+    """GPT-2 (`n_positions`) and OPT (`max_position_embeddings`) policies with 16 learned absolute positions, on the
+    module's `tiny` tokenizer: a row past them raises IndexError in the embedding lookup."""
+    tokenizer = load_tokenizer(tiny)
+    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    configs = {"gpt2": transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, **ids),
+               "opt": transformers.OPTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, ffn_dim=64,
+                                             word_embed_proj_dim=32, max_position_embeddings=16, **ids)}
+    out = tmp_path_factory.mktemp("short_positions")
+    paths = {}
+    for family, config in configs.items():
+        config.vocab_size, config.bos_token_id = len(tokenizer), tokenizer.bos_token_id
+        torch.manual_seed(0)
+        model = (transformers.GPT2LMHeadModel if family == "gpt2" else transformers.OPTForCausalLM)(config)
+        model.generation_config = transformers.GenerationConfig(**ids)
+        paths[family] = save_model(model, tokenizer, out / family)
+    return paths

@@ -194,6 +194,34 @@ def test_encode_texts_matches_the_reward_scorer_tokenization(tokenizer, capsys):
            "tokens" in capsys.readouterr().err
 
 
+def test_the_models_positions_cut_where_fewer_than_max_length_with_a_note_instead_of_the_warnings(tokenizer, capsys):
+    """Learned absolute positions raise IndexError past them: `positions` below max_length cuts as max_length would
+    (prompts from the left, one prompt cut per group, then the completion from the right; texts from the left), with
+    one note, since raising max_length would not help; positions at or above max_length change nothing."""
+    capsys.readouterr()
+    rows = (["0123456789+0123456789="] * 2 + ["1="] * 2, ["1", "123456", "7", "8"])
+    cut = encode(tokenizer, *rows, max_length=64, group_size=2, positions=12)
+    assert capsys.readouterr().err == ("note: 2 of 4 rows are cut to the model's 12 positions (under max_length 64): "
+                                       "prompts lose their first tokens, then completions their last\n")
+    assert cut == encode(tokenizer, *rows, max_length=12, group_size=2)
+    capsys.readouterr()
+    long_answer = encode(tokenizer, ["1="], ["123456"], max_length=64, positions=4)
+    assert capsys.readouterr().err.startswith("note: 1 of 1 rows are cut to the model's 4 positions")
+    assert long_answer == encode(tokenizer, ["1="], ["123456"], max_length=4)
+    capsys.readouterr()
+    assert encode(tokenizer, *rows, max_length=12, group_size=2, positions=12) == cut
+    assert encode(tokenizer, *rows, max_length=12, group_size=2, positions=100) == cut
+    assert "warning: 1 of 2 prompts do not fit max_length = 12" in capsys.readouterr().err
+    assert encode(tokenizer, *rows, max_length=64, positions=32) == encode(tokenizer, *rows, max_length=64)
+    assert capsys.readouterr().err == ""  # nothing cut: no note
+    texts = ["12+34=46", "hi"]
+    encoded = encode_texts(tokenizer, texts, max_length=64, positions=5)
+    assert capsys.readouterr().err == (
+        "note: 1 of 2 texts (prompt + response) are longer than the model's 5 positions (under max_length 64) and "
+        "lost their first tokens, as the reward model's scorer cuts them\n")
+    assert encoded == encode_texts(tokenizer, texts, max_length=5)
+
+
 def test_encode_frame_needs_its_columns(tokenizer):
     with pytest.raises(TrainDataError, match=r"missing column\(s\) \['completion'\]"):
         encode_frame(tokenizer, pl.DataFrame({"prompt": ["1+1="]}), "completion", max_length=8)

@@ -63,6 +63,29 @@ def test_two_steps_start_at_log_2_and_train_every_weight(tiny, tmp_path, collect
     assert all(not torch.equal(before[k], after[k]) for k in before)
 
 
+def test_pairs_past_the_models_learned_positions_are_cut_to_them_and_the_reference_reads_the_same_rows(
+        short_positions, tmp_path, capsys, collect):
+    """GPT-2 raises IndexError past its 16 positions (it crashed here under the default max_length 256): pairs are
+    cut as max_length 16 would cut them (one prompt cut per pair), with one note; the reference log-probs, cached by
+    the cut ids' fingerprint, are those of the rows the policy reads, so the first loss is log 2."""
+    model_path = short_positions["gpt2"]
+    pairs = pl.concat([toy_pairs(6), pl.DataFrame({"prompt": ["12+34+" * 8 + "56="], "chosen": ["102"],
+                                                   "rejected": ["no idea!"]})])
+    logged, log = collect()
+    capsys.readouterr()
+    cfg = DPOConfig(policy_path=str(model_path), max_steps=2, batch_size=4, lr=1e-3, log_every=1, device="cpu")
+    final = train_dpo(cfg, pairs, tmp_path / "out", log=log)
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("note:", "warning:"))]
+    assert notes[0] == ("note: 2 of 14 rows are cut to the model's 16 positions (under max_length 256): prompts lose "
+                        "their first tokens, then completions their last")
+    assert logged[1][1]["train/loss"] == pytest.approx(math.log(2), abs=1e-5) and final.is_dir()
+    tokenizer = load_tokenizer(model_path)
+    encoded = encode_pairs(tokenizer, pairs, max_length=256, positions=16)
+    assert encoded == encode_pairs(tokenizer, pairs, max_length=16)
+    assert encoded.fingerprint() != encode_pairs(tokenizer, pairs, max_length=256).fingerprint()  # the ref cache key
+    assert len(list((tmp_path / "out" / "cache" / "ref_logps").glob("*.safetensors"))) == 1
+
+
 def test_dropout_is_off_unless_asked_so_a_dropout_checkpoint_still_starts_at_log_2(tiny, tmp_path, collect):
     """The cached reference log-probs are taken without dropout; the policy must be trained the same way, or the
     step-0 loss is not log 2 (TRL's disable_dropout)."""

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from pipeline_lib.config import PPOConfig
 from pipeline_lib.errors import AlignflowError
-from pipeline_lib.models import ValueModel, build_tiny_model
+from pipeline_lib.models import RewardModel, ValueModel, build_tiny_model, load_tokenizer
 from pipeline_lib.sampling import SamplingError
 from pipeline_lib.train.common import CHECKPOINT_DIR, NonFiniteLossError
 from pipeline_lib.train.ppo import adapt_kl_coef, state_values, train_ppo
@@ -198,6 +198,26 @@ def test_a_prompt_longer_than_the_context_is_refused_before_step_1(tiny, reward_
                                              r"them out of the data \(the longest has 300 tokens\)$"):
         train_ppo(small_config(tiny, reward_model), data, tmp_path / "out")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_rollout_past_a_reward_model_critics_positions_is_refused_before_step_1_naming_them(
+        tiny, short_positions, problems, tmp_path, capsys):
+    """The policy holds 256 positions, a reward model on GPT-2 16 learned ones: its critic (critic_init reward_model)
+    reads every rollout whole, and crashed with IndexError in `state_values` at step 1. The fewest positions of the
+    policy and the critic bound prompt + max_new_tokens, named in the one-line error. The reward model alone needs no
+    bound: its scorer reads a longer text's last 16 tokens, with a note, so with critic_init policy the run trains."""
+    rm_dir = RewardModel.from_policy(short_positions["gpt2"], device="cpu", seed=1).save_pretrained(
+        tmp_path / "rm", load_tokenizer(tiny))
+    data = problems.select("prompt", pl.col("answer").cast(pl.Utf8)).head(8)
+    with pytest.raises(AlignflowError, match=r"^ppo: 8 of 8 prompts do not fit the context: prompts\[0\] \('.*'\) "
+                                             r"has \d+ tokens \+ max_new_tokens 12 > 16 \(the critic's positions, "
+                                             r".*rm\); lower max_new_tokens to \d+ or leave them out of the data$"):
+        train_ppo(small_config(tiny, rm_dir, max_steps=1, max_new_tokens=12), data, tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    capsys.readouterr()
+    final = train_ppo(small_config(tiny, rm_dir, max_steps=1, max_new_tokens=12, critic_init="policy"), data,
+                      tmp_path / "policy_critic")
+    assert final.is_dir() and "longer than the reward model's 16 positions" in capsys.readouterr().err
 
 
 def test_the_logged_learning_rate_is_the_mean_of_the_rates_the_steps_updates_used(tiny, reward_model, problems,

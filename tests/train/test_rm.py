@@ -215,6 +215,26 @@ def test_bradley_terry_two_steps_with_margin(tiny, tmp_path):
     assert final_metrics(final)["eval/n_groups"] == len(eval_ids) >= 4  # 10% of the prompts
 
 
+def test_texts_past_the_backbones_learned_positions_are_cut_to_them_as_the_scorer_cuts_them(short_positions, tmp_path,
+                                                                                             capsys):
+    """OPT raises IndexError past its 16 positions (it crashed here under the default max_length 256): texts lose
+    their first tokens down to 16, as max_length 16 and the reward model's scorer cut them, with one note."""
+    model_path = short_positions["opt"]
+    data = pl.concat([toy_pairs(6), pl.DataFrame({"prompt": ["12+34+" * 8 + "56="], "chosen": ["102"],
+                                                  "rejected": ["no idea!"]})])
+    capsys.readouterr()
+    cfg = RMConfig(model_path=str(model_path), max_steps=2, batch_size=4, lr=1e-3, device="cpu")
+    final = train_rm(cfg, data, tmp_path / "out")
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("note:", "warning:"))]
+    assert notes[0] == ("note: 2 of 14 texts (prompt + response) are longer than the model's 16 positions (under "
+                        "max_length 256) and lost their first tokens, as the reward model's scorer cuts them")
+    assert np.isfinite(final_metrics(final)["train/loss"])
+    tokenizer = load_tokenizer(model_path)
+    groups = build_groups(tokenizer, data, "bradley_terry", max_length=256, positions=16)
+    assert groups.encoded == build_groups(tokenizer, data, "bradley_terry", max_length=16).encoded
+    assert max(len(ids) for ids in groups.encoded.prompt_ids) == 16
+
+
 def test_the_reward_model_records_its_prompt_form_and_scoring_checks_it(tiny, tmp_path):
     """Chat-shaped pairs train on chat-rendered prompts; a stage scoring the other form gets a warning."""
     plain = toy_pairs(16)

@@ -101,6 +101,28 @@ def test_two_steps_change_the_weights_and_log_the_completion_nll(tiny, tmp_path,
     assert rerun_logged == [(2, json.loads((final / FINAL_MARKER).read_text())["metrics"])]
 
 
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+def test_rows_past_the_models_learned_positions_are_cut_to_them_with_a_note(short_positions, family, tmp_path,
+                                                                            capsys, collect):
+    """GPT-2 and OPT raise IndexError past their 16 positions (it crashed here under the default max_length 256):
+    rows are cut to 16 tokens as max_length 16 would cut them, with one note, and the run trains."""
+    model_path = short_positions[family]
+    rows = pl.concat([arithmetic_rows(6), pl.DataFrame({"prompt": ["12+34+" * 8 + "56=", "1+" * 20 + "1="],
+                                                        "completion": ["102", "21"]})])
+    logged, log = collect()
+    capsys.readouterr()
+    final = train_sft(SFTConfig(model_path=str(model_path), max_steps=2, batch_size=4, lr=1e-3, device="cpu"), rows,
+                      tmp_path / "out", log=log)
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("note:", "warning:"))]
+    assert notes == ["note: 2 of 8 rows are cut to the model's 16 positions (under max_length 256): prompts lose "
+                     "their first tokens, then completions their last"]
+    assert final == tmp_path / "out" / "final" and np.isfinite(logged[-1][1]["train/loss"])
+    tokenizer = load_tokenizer(model_path)
+    encoded = encode_frame(tokenizer, rows, "completion", max_length=256, positions=16)
+    assert encoded == encode_frame(tokenizer, rows, "completion", max_length=16)
+    assert max(len(p) + len(c) for p, c in zip(encoded.prompt_ids, encoded.completion_ids)) == 16
+
+
 def test_gradient_accumulation_gives_the_same_update(tiny, tmp_path, collect):
     """Same global batch of 8 as one micro-batch or as 4 of 2: the same loss and gradient norm (Adam would
     hide a gradient scale error, the norm does not), and weights within 1% of one Adam step."""
