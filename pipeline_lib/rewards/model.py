@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Sequence
 from itertools import accumulate
@@ -129,31 +128,42 @@ class RewardModelScorer:
         backbone = self.model.backbone
         lengths = [len(row) for row in encoded.prompt_ids]
 
-        def cost(group: list[int]) -> float:
-            unpacked, packed = packing_costs(backbone.config, [lengths[i] for i in group], group_width(encoded, group))
-            return unpacked if len(group) == 1 else packed
-
-        def fits(group: list[int]) -> bool:
-            return len(group) <= self.batch_size and packs_pairs(backbone, group_width(encoded, group))
+        def layout(group: list[int]) -> tuple[int, float, bool]:
+            """(packed width, cost as it would run, whether it may run so) of a group: a lone text is a row."""
+            width = group_width(encoded, group)
+            unpacked, packed = packing_costs(backbone.config, [lengths[i] for i in group], width)
+            if len(group) == 1:
+                return width, unpacked, True
+            return width, packed, len(group) <= self.batch_size and packs_pairs(backbone, width)
 
         groups: list[list[int]] = []
+        layouts: list[tuple[int, float, bool]] = []
         for i in sorted(range(len(lengths)), key=lambda i: encoded.prompt_ids[i]):
-            group = groups[-1] if groups else []
-            if group and cost([*group, i]) < cost(group) + cost([i]) and fits([*group, i]):
-                group.append(i)
+            alone = layout([i])
+            grown = layout([*groups[-1], i]) if groups else None
+            if grown is not None and grown[2] and grown[1] < layouts[-1][1] + alone[1]:
+                groups[-1].append(i)
+                layouts[-1] = grown
             else:
                 groups.append([i])
+                layouts.append(alone)
         # a group closed for its cost, size or width leaves the next one the rest of its prompt's texts (8 samples:
-        # 6 + 2, padded to the 6's width in a batch): the two neighbours are split again where they cost least
+        # 6 + 2, padded to the 6's width in a batch): two such neighbours are split again where they cost least, as
+        # two groups still (a text more packed, a row more, is a forward's fixed cost more, which the count leaves out)
         for g in range(len(groups) - 1):
             pair = groups[g] + groups[g + 1]
-            edge = [groups[g][-1], groups[g + 1][0]]
-            if cost(edge) >= cost(edge[:1]) + cost(edge[1:]):  # they share too little: another prompt's texts
+            if min(len(groups[g]), len(groups[g + 1])) < 2:
                 continue
-            best, cut = min(((cost(pair[:k]) + cost(pair[k:]), k) for k in range(1, len(pair))
-                             if fits(pair[:k]) and fits(pair[k:])), default=(math.inf, 0))
-            if best < cost(groups[g]) + cost(groups[g + 1]):
-                groups[g], groups[g + 1] = pair[:cut], pair[cut:]
+            widths = (layout(pair)[0], layouts[g][0], layouts[g + 1][0])
+            shared = [(sum(lengths[i] for i in group) - width) / (len(group) - 1)  # tokens they all begin with
+                      for group, width in zip((pair, groups[g], groups[g + 1]), widths)]
+            if shared[0] < min(shared[1:]):  # another prompt's texts: a group would lose tokens it shares
+                continue
+            splits = [(layout(pair[:k]), layout(pair[k:]), k) for k in range(2, len(pair) - 1)]  # theirs among them
+            best = min((left[1] + right[1], k, left, right) for left, right, k in splits if left[2] and right[2])
+            if best[0] < layouts[g][1] + layouts[g + 1][1]:
+                cut = best[1]
+                groups[g], groups[g + 1], layouts[g], layouts[g + 1] = pair[:cut], pair[cut:], best[2], best[3]
         groups = [group for group in groups if len(group) > 1]
         if groups and self.packing_holds is None:  # checked on the widest groups that fit one batch
             widths = [group_width(encoded, group) for group in groups]
