@@ -28,6 +28,8 @@ from pipeline_lib.train.data import (
     render_prompts,
     write_run_file,
 )
+from pipeline_lib.train.dpo import encode_pairs
+from pipeline_lib.train.rm import build_groups
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +80,6 @@ def test_a_chat_template_refusing_a_conversation_is_one_line_naming_the_row(toke
 def test_conversations_for_a_tokenizer_without_a_chat_template_are_one_line_not_display_text(tokenizer):
     """DPO and RM on chat pairs with a template-less tokenizer trained on `system: ...\\n\\nuser: ...`; now they stop,
     and plain rows (HH-RLHF transcripts and the demo pairs store no messages) still train on their raw prompt."""
-    from pipeline_lib.train.dpo import encode_pairs
-    from pipeline_lib.train.rm import build_groups
-
     bare = load_tokenizer(tokenizer.name_or_path)
     bare.chat_template = None
     chat = json.dumps({"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]})

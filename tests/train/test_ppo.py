@@ -16,8 +16,10 @@ from pipeline_lib.config import PPOConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.models import RewardModel, ValueModel, build_tiny_model, load_tokenizer
 from pipeline_lib.sampling import SamplingError
+from pipeline_lib.store.db import open_store
+from pipeline_lib.store.ingest import ingest_file
 from pipeline_lib.train.common import CHECKPOINT_DIR, NonFiniteLossError
-from pipeline_lib.train.ppo import adapt_kl_coef, state_values, train_ppo
+from pipeline_lib.train.ppo import adapt_kl_coef, load_ppo_data, state_values, train_ppo
 
 DEMO = Path(__file__).resolve().parents[2] / "data" / "demo"
 
@@ -234,11 +236,6 @@ def test_the_logged_learning_rate_is_the_mean_of_the_rates_the_steps_updates_use
 
 def test_rollout_prompts_of_pairs_are_one_per_conversation_not_per_display_text(tmp_path):
     """Conversations that display alike stay two rollout prompts; two pairs on one conversation give one."""
-    import json
-
-    from pipeline_lib.store.db import open_store
-    from pipeline_lib.store.ingest import ingest_file
-    from pipeline_lib.train.ppo import load_ppo_data
 
     def reply(text):
         return [{"role": "assistant", "content": text}]
