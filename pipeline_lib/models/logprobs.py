@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
 from pipeline_lib.errors import AlignflowError
@@ -46,6 +46,15 @@ def model_positions(model: nn.Module) -> int | None:
     inner = transformers_model(model)
     inner = getattr(inner, "backbone", inner)
     return getattr(inner.config.get_text_config(), "max_position_embeddings", None)
+
+
+def stop_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The token ids sampling stops on: the model's generation_config `eos_token_id` (one or a list: Llama 3
+    instruct's `<|eot_id|>` beside its eos, Qwen's `<|im_end|>`), else the tokenizer's eos; what the HF sampler
+    stops on and what a chat row's end of turn must be one of (`train.data.turn_end_ids`)."""
+    eos = transformers_model(model).generation_config.eos_token_id
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return {eos} if isinstance(eos, int) else set(eos or ())
 
 
 def output_logits(model: PreTrainedModel) -> OutputLogits:

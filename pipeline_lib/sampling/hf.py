@@ -19,7 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from pipeline_lib.errors import text_start
-from pipeline_lib.models.logprobs import model_positions, position_ids_from_mask
+from pipeline_lib.models.logprobs import model_positions, position_ids_from_mask, stop_token_ids
 from pipeline_lib.sampling.base import Completion, SamplingError, check_sampling_args
 
 
@@ -33,9 +33,7 @@ class HFSampler:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.add_special_tokens = add_special_tokens
-        eos = model.generation_config.eos_token_id
-        eos = tokenizer.eos_token_id if eos is None else eos
-        self.eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+        self.eos_ids = stop_token_ids(model, tokenizer)
         if not self.eos_ids:
             raise SamplingError("model: no eos_token_id in its generation_config or tokenizer")
 

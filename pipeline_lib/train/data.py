@@ -127,11 +127,13 @@ class Encoded:
 _REPLY_MARK = "alignflowreplymark"
 
 
-def turn_end_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The tokens that end an assistant reply of the tokenizer's chat template, up to and including the first special
-    token after it (ChatML's `<|im_end|>`, Llama 3's `<|eot_id|>`, Gemma's `<end_of_turn>`, eos in templates that
-    end turns with it): what a chat model emits to stop, so chat rows teach it rather than an eos the template never
-    writes there. A template without a special token after the reply, or whose probe fails: [eos]."""
+def turn_end_ids(tokenizer: PreTrainedTokenizerBase, stops: Collection[int]) -> list[int]:
+    """The tokens that end an assistant reply of the tokenizer's chat template, up to and including the first of
+    `stops` (the model's stop tokens, `models.logprobs.stop_token_ids`) after it: ChatML's `<|im_end|>`, Llama 3's
+    `<|eot_id|>`, Gemma's `<end_of_turn>` where the model stops on them, eos in templates that end turns with it.
+    So chat rows teach the token the model stops on at sampling time, as the template writes it. A template that
+    writes none of `stops` after the reply (a base model's generation_config stops on eos alone, the template on
+    `<|im_end|>`), or whose probe fails: [eos], which the model does stop on."""
     try:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
                                               {"role": "assistant", "content": _REPLY_MARK}], tokenize=False)
@@ -140,8 +142,7 @@ def turn_end_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     if _REPLY_MARK not in text:
         return [tokenizer.eos_token_id]
     after = tokenizer(text[text.rindex(_REPLY_MARK) + len(_REPLY_MARK):], add_special_tokens=False)["input_ids"]
-    special = set(tokenizer.all_special_ids) - {tokenizer.unk_token_id}  # unk: text the vocabulary lacks
-    end = next((i for i, token in enumerate(after) if token in special), None)
+    end = next((i for i, token in enumerate(after) if token in stops), None)
     return [tokenizer.eos_token_id] if end is None else after[:end + 1]
 
 
@@ -154,9 +155,11 @@ def encode(
     templated: Sequence[bool] | None = None,
     group_size: int = 1,
     positions: int | None = None,
+    stops: Collection[int] = (),
 ) -> Encoded:
     """Tokenize prompts and completions separately (the completion mask is exact) and append eos (to a row whose
-    prompt came from the chat template: the template's end of turn, `turn_end_ids`).
+    prompt came from the chat template: the template's end of turn, where it is one of the model's `stops`,
+    `turn_end_ids`).
 
     Raw prompts get the tokenizer's special tokens (bos for most LMs), as the samplers do; chat-template
     prompts already hold them. Rows over `max_length` lose prompt tokens from the left, then (a completion
@@ -187,7 +190,7 @@ def encode(
     if group_size < 1 or len(prompts) % group_size:
         raise TrainDataError(f"group_size {group_size}: expected a positive divisor of {len(prompts)} rows")
     eos = [tokenizer.eos_token_id]
-    turn_end = turn_end_ids(tokenizer) if any(templated) else eos
+    turn_end = turn_end_ids(tokenizer, stops) if any(templated) else eos
     ends = [completion + (turn_end if from_template else eos)
             for completion, from_template in zip(completion_ids, templated)]
     by_positions = positions is not None and positions < max_length  # raising max_length would not help there
@@ -258,12 +261,12 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, ma
 
 
 def encode_frame(tokenizer: PreTrainedTokenizerBase, frame: pl.DataFrame, completion_column: str, *,
-                 max_length: int, positions: int | None = None) -> Encoded:
+                 max_length: int, positions: int | None = None, stops: Collection[int] = ()) -> Encoded:
     """`encode` over a frame's rendered prompts and one completion column."""
     require_columns(frame, ["prompt", completion_column], "training rows")
     prompts, templated = render_prompts(tokenizer, frame)
     return encode(tokenizer, prompts, frame[completion_column].cast(pl.Utf8).to_list(), max_length=max_length,
-                  templated=templated, positions=positions)
+                  templated=templated, positions=positions, stops=stops)
 
 
 def require_columns(frame: pl.DataFrame, columns: Sequence[str], what: str) -> None:

@@ -26,7 +26,7 @@ from pipeline_lib.losses import dpo_loss
 from pipeline_lib.model_dirs import resolve_model_dir
 from pipeline_lib.models import completion_logprob_sums, load_policy, load_tokenizer
 from pipeline_lib.models.loading import resolve_device
-from pipeline_lib.models.logprobs import model_positions, pair_logprob_sums, transformers_model
+from pipeline_lib.models.logprobs import model_positions, pair_logprob_sums, stop_token_ids, transformers_model
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
     Dist,
@@ -79,14 +79,15 @@ def load_dpo_data(store: Store, cfg: DPOConfig) -> pl.DataFrame:
     return store.read_selected("preference_pairs", source=cfg.source)
 
 
-def encode_pairs(tokenizer, pairs: pl.DataFrame, *, max_length: int, positions: int | None = None) -> Encoded:
+def encode_pairs(tokenizer, pairs: pl.DataFrame, *, max_length: int, positions: int | None = None,
+                 stops: Collection[int] = ()) -> Encoded:
     """Row 2i is pair i's prompt + chosen, row 2i+1 its prompt + rejected; cut to `max_length`, or to the model's
-    `positions` where fewer (`encode`)."""
+    `positions` where fewer; chat rows end with the template's end of turn where it is one of `stops` (`encode`)."""
     require_columns(pairs, ["prompt", "chosen", "rejected"], "dpo pairs")
     prompts, templated = render_prompts(tokenizer, pairs)
     completions = [text for pair in zip(pairs["chosen"].to_list(), pairs["rejected"].to_list()) for text in pair]
     return encode(tokenizer, [p for p in prompts for _ in range(2)], completions, max_length=max_length,
-                  templated=[t for t in templated for _ in range(2)], group_size=2, positions=positions)
+                  templated=[t for t in templated for _ in range(2)], group_size=2, positions=positions, stops=stops)
 
 
 def pair_rows(pair_ids: list[int]) -> list[int]:
@@ -231,7 +232,8 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
         model = add_lora(model, cfg)
     model.train(not cfg.disable_dropout)  # eval mode: dropout off, as the cached reference log-probs were taken
     # the ids (so the reference cache key, `Encoded.fingerprint`) hold the cut to the model's positions
-    encoded = encode_pairs(tokenizer, pairs, max_length=cfg.max_length, positions=model_positions(model))
+    encoded = encode_pairs(tokenizer, pairs, max_length=cfg.max_length, positions=model_positions(model),
+                           stops=stop_token_ids(model, tokenizer))
     train_ids, eval_ids = holdout_split(pairs["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)
     pad_id = tokenizer.pad_token_id

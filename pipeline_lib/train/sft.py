@@ -16,7 +16,7 @@ from pipeline_lib.filters import best_of_n, recorded_chat_template
 from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.models import load_policy, load_tokenizer, sequence_logprobs
 from pipeline_lib.models.loading import resolve_device
-from pipeline_lib.models.logprobs import model_positions
+from pipeline_lib.models.logprobs import model_positions, stop_token_ids
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
     autocast,
@@ -145,10 +145,12 @@ def train_sft(cfg: SFTConfig, rows: pl.DataFrame, out_dir: Path, log: LogFn = no
     model = load_policy(cfg.model_path, dtype="float32", device=device, trust_remote_code=cfg.trust_remote_code)
     model.config.use_cache = False
     model.train()
-    # cut to the model's positions where fewer than max_length: learned absolute ones raise IndexError past them
-    positions = model_positions(model)
-    train_set = encode_frame(tokenizer, rows, "completion", max_length=cfg.max_length, positions=positions)
-    eval_set = encode_frame(tokenizer, eval_rows, "completion", max_length=cfg.max_length, positions=positions) \
+    # cut to the model's positions where fewer than max_length: learned absolute ones raise IndexError past them;
+    # chat rows end with the template's end of turn where the model stops on it
+    limits = {"max_length": cfg.max_length, "positions": model_positions(model),
+              "stops": stop_token_ids(model, tokenizer)}
+    train_set = encode_frame(tokenizer, rows, "completion", **limits)
+    eval_set = encode_frame(tokenizer, eval_rows, "completion", **limits) \
         if eval_rows is not None and eval_rows.height else None
     check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)
     pad_id = tokenizer.pad_token_id

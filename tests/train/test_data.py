@@ -137,28 +137,31 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['con
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def test_a_chat_row_ends_with_the_templates_end_of_turn_and_a_plain_row_with_eos(tokenizer):
-    """ChatML ends an assistant turn with `<|im_end|>`, not the tokenizer's eos: a chat row's completion ends as the
-    template writes it (so the prompt + completion are the rendered conversation's tokens up to that end), the
-    token a chat model stops on; a plain row in the same data ends with eos."""
+def test_a_chat_row_ends_with_the_templates_end_of_turn_where_the_model_stops_on_it(tokenizer):
+    """ChatML ends an assistant turn with `<|im_end|>`, not the tokenizer's eos. A model that stops on it (an
+    instruct model's generation_config) gets chat rows ending as the template writes them (prompt + completion are
+    the rendered conversation's tokens up to that end); a model that stops on eos alone (a base model given the
+    template) keeps eos, which its sampler stops on; a plain row in the same data ends with eos."""
     chatml = load_tokenizer(tokenizer.name_or_path)
     chatml.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     chatml.chat_template = CHATML
     turn = [{"role": "user", "content": "1+1="}]
     frame = pl.DataFrame({"prompt": ["user: 1+1=", "9+9="], "completion": ["2", "18"],
                           "prompt_messages": [json.dumps(turn), None]})
-    encoded = encode_frame(chatml, frame, "completion", max_length=64)
-    im_end = chatml.convert_tokens_to_ids("<|im_end|>")
+    eos, im_end = chatml.eos_token_id, chatml.convert_tokens_to_ids("<|im_end|>")
+    encoded = encode_frame(chatml, frame, "completion", max_length=64, stops={eos, im_end})
     assert encoded.completion_ids[0] == chatml("2", add_special_tokens=False)["input_ids"] + [im_end]
     whole = chatml.apply_chat_template([*turn, {"role": "assistant", "content": "2"}], tokenize=False)
     row = encoded.prompt_ids[0] + encoded.completion_ids[0]
     assert row == chatml(whole, add_special_tokens=False)["input_ids"][:len(row)]
     assert whole.endswith("<|im_end|>\n")
-    assert encoded.completion_ids[1][-1] == chatml.eos_token_id
+    assert encoded.completion_ids[1][-1] == eos
+    assert encode_frame(chatml, frame, "completion", max_length=64, stops={eos}).completion_ids[0][-1] == eos
     # the tiny model's template ends a turn with eos; one ending it with plain text gets eos too
-    assert encode_frame(tokenizer, frame, "completion", max_length=64).completion_ids[0][-1] == tokenizer.eos_token_id
+    plain_end = encode_frame(tokenizer, frame, "completion", max_length=64, stops={tokenizer.eos_token_id})
+    assert plain_end.completion_ids[0][-1] == tokenizer.eos_token_id
     chatml.chat_template = "{% for m in messages %}{{ m['content'] + '\\n\\n' }}{% endfor %}"
-    assert encode_frame(chatml, frame, "completion", max_length=64).completion_ids[0][-1] == chatml.eos_token_id
+    assert encode_frame(chatml, frame, "completion", max_length=64, stops={eos, im_end}).completion_ids[0][-1] == eos
 
 
 def test_a_completion_longer_than_the_row_is_cut_with_a_warning(tokenizer, capsys):
