@@ -360,7 +360,8 @@ class SFTConfig(TrainLoopConfig):
     """Render plain prompts (problems, plain pairs, Best-of-N selections) as one user turn with the tokenizer's
     chat template, as SampleConfig does for instruct models; False trains on the raw text (`12+34=`). Pairs with
     stored messages always use it. With data=best_of_n it must be the sampling run's own setting (an error
-    otherwise). A chat row's completion ends with the template's end of turn, not eos (`train.data.turn_end_ids`)."""
+    otherwise). A chat row's completion ends with the template's end of turn where the model stops on it, else eos
+    (`train.data.turn_end_ids`)."""
     lr: float = Field(1e-3, gt=0)
     """Peak AdamW learning rate (1e-3 for the tiny demo model; 1e-5..2e-5 for real LMs)."""
     batch_size: int = Field(128, ge=1)
