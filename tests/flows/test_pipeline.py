@@ -159,7 +159,8 @@ def test_the_base_tokenizer_leaves_out_the_pipelines_own_west_of_n_pairs(flow_wo
     data = load_yaml(PRESET)
     data["ingest"] = [c for c in data["ingest"] if "demo" in c["path"]]
     data["base"] = {}
-    data["sft"] |= {"max_steps": 5, "save_every": 1000}
+    # enough steps that samples end before max_new_tokens: West-of-N leaves out the ones cut there
+    data["sft"] |= {"max_steps": 60, "warmup_steps": 10, "save_every": 1000}
     data["sample"] |= {"max_problems": 16}
     data["eval"] |= {"max_problems": 4, "n": 2, "ks": [1, 2]}
     for stage in ("rm", "rs_sft", "dpo", "grpo", "dapo", "ppo"):
