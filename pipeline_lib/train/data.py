@@ -146,6 +146,13 @@ def turn_end_ids(tokenizer: PreTrainedTokenizerBase, stops: Collection[int]) -> 
     return [tokenizer.eos_token_id] if end is None else after[:end + 1]
 
 
+def row_limit(max_length: int, positions: int | None) -> tuple[int, bool]:
+    """(the tokens a row keeps, whether the model's `positions` set it): the fewer of `max_length` and the positions
+    (learned absolute ones raise IndexError past them), where raising max_length would not help."""
+    by_positions = positions is not None and positions < max_length
+    return (positions if by_positions else max_length), by_positions
+
+
 def encode(
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[str],
@@ -193,8 +200,7 @@ def encode(
     turn_end = turn_end_ids(tokenizer, stops) if any(templated) else eos
     ends = [completion + (turn_end if from_template else eos)
             for completion, from_template in zip(completion_ids, templated)]
-    by_positions = positions is not None and positions < max_length  # raising max_length would not help there
-    length = positions if by_positions else max_length
+    length, by_positions = row_limit(max_length, positions)
     cut = sum(len(end) > length - 1 for end in ends)
     if cut and not by_positions:
         print(f"warning: {cut} of {len(ends)} completions are longer than max_length - 1 = {max_length - 1} "
@@ -241,8 +247,7 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, ma
     prompts with empty completions (a reward model has no completion mask)."""
     if not texts:
         raise TrainDataError("no training rows: the selected table/source is empty")
-    by_positions = positions is not None and positions < max_length  # raising max_length would not help there
-    length = positions if by_positions else max_length
+    length, by_positions = row_limit(max_length, positions)
     whole = text_ids(tokenizer, texts)
     ids = [row[-length:] for row in whole]
     empty = next((i for i, row in enumerate(ids) if not row), None)

@@ -56,6 +56,7 @@ from pipeline_lib.train.data import (
     per_row,
     render_prompts,
     require_columns,
+    row_limit,
     run_key,
     run_main,
 )
@@ -103,8 +104,8 @@ def build_groups(tokenizer, frame: pl.DataFrame, loss: str, *, max_length: int,
     starts = [0]
     for size in sizes[:-1]:
         starts.append(starts[-1] + size)
-    cut_to = f"max_length = {max_length}" if positions is None or positions >= max_length \
-        else f"the model's {positions} positions"
+    length, by_positions = row_limit(max_length, positions)
+    cut_to = f"the model's {length} positions" if by_positions else f"max_length = {max_length}"
     alike = sum(len({tuple(encoded.prompt_ids[i]) for i in range(start, start + size)}) < size
                 for start, size in zip(starts, sizes))
     if alike:
