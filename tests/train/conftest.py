@@ -58,3 +58,20 @@ def short_positions(tiny, tmp_path_factory) -> dict[str, Path]:
         model.generation_config = transformers.GenerationConfig(**ids)
         paths[family] = save_model(model, tokenizer, out / family)
     return paths
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chatml(tiny, tmp_path_factory) -> Path:
+    """The module's `tiny` as an instruct model: a ChatML template ending turns with `<|im_end|>`, which its
+    generation_config stops on beside eos."""
+    tokenizer = load_tokenizer(tiny)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return save_model(model, tokenizer, tmp_path_factory.mktemp("chatml") / "chatml")

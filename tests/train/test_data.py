@@ -4,6 +4,7 @@ held-out split and the run file of `python -m pipeline_lib.train.<stage> --confi
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -33,10 +34,14 @@ from pipeline_lib.train.rm import build_groups
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "base", ["0123456789+=", "hi there!"],
+def tiny(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "base", ["0123456789+=", "hi there!"],
                             hidden_size=64, num_heads=2, intermediate_size=128)
-    return load_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    return load_tokenizer(tiny)
 
 
 def test_plain_prompts_stay_raw_and_messages_use_the_chat_template(tokenizer):
@@ -133,18 +138,12 @@ def test_templated_rows_get_no_extra_special_tokens_and_long_rows_lose_the_promp
         encode(tokenizer, [], [], max_length=8)
 
 
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-
-
-def test_a_chat_row_ends_with_the_templates_end_of_turn_where_the_model_stops_on_it(tokenizer):
+def test_a_chat_row_ends_with_the_templates_end_of_turn_where_the_model_stops_on_it(tokenizer, chatml):
     """ChatML ends an assistant turn with `<|im_end|>`, not the tokenizer's eos. A model that stops on it (an
     instruct model's generation_config) gets chat rows ending as the template writes them (prompt + completion are
     the rendered conversation's tokens up to that end); a model that stops on eos alone (a base model given the
     template) keeps eos, which its sampler stops on; a plain row in the same data ends with eos."""
-    chatml = load_tokenizer(tokenizer.name_or_path)
-    chatml.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    chatml.chat_template = CHATML
+    chatml = load_tokenizer(chatml)
     turn = [{"role": "user", "content": "1+1="}]
     frame = pl.DataFrame({"prompt": ["user: 1+1=", "9+9="], "completion": ["2", "18"],
                           "prompt_messages": [json.dumps(turn), None]})

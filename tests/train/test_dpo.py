@@ -23,6 +23,7 @@ from pipeline_lib.config import DPOConfig, SFTConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.models import build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.train.common import Dist, NonFiniteLossError, final_metrics
+from pipeline_lib.train.data import holdout_split
 from pipeline_lib.train.dpo import encode_pairs, logprob_sums, packed_pairs, reference_logps, train_dpo
 from pipeline_lib.train.sft import sft_rows, train_sft
 
@@ -61,6 +62,29 @@ def test_two_steps_start_at_log_2_and_train_every_weight(tiny, tmp_path, collect
     assert metrics["train/packed_pairs"] == 40  # every pair ran as one row behind its prompt
     before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
     assert all(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_chat_pairs_end_with_the_turn_end_the_model_stops_on(chatml, tmp_path, collect):
+    """An instruct model (ChatML, stopping on `<|im_end|>`): the held-out log-prob margin before training is that of
+    chosen and rejected answers ending with `<|im_end|>`, the token its sampler stops on, not with eos."""
+    pairs = toy_pairs(40)
+    pairs = pairs.with_columns(prompt_messages=pl.Series([json.dumps([{"role": "user", "content": prompt}])
+                                                          for prompt in pairs["prompt"]]))
+    logged, log = collect()
+    cfg = DPOConfig(policy_path=str(chatml), max_steps=1, batch_size=8, device="cpu")
+    train_dpo(cfg, pairs, tmp_path / "out", log=log)
+    tokenizer, model = load_tokenizer(chatml), load_policy(chatml, device="cpu")
+    _, held_out = holdout_split(pairs["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
+
+    def margin(stops: set[int]) -> float:
+        encoded = encode_pairs(tokenizer, pairs, max_length=cfg.max_length, stops=stops)
+        logps = logprob_sums(model, encoded, held_out, packed=(), pad_id=tokenizer.pad_token_id,
+                             device=torch.device("cpu"), batch_size=64)
+        return float((logps[:, 0] - logps[:, 1]).mean())
+
+    turn_end = margin({tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    assert logged[0][0] == 0 and logged[0][1]["eval/logp_margin"] == pytest.approx(turn_end, abs=1e-5)
+    assert abs(turn_end - margin({tokenizer.eos_token_id})) > 1e-3
 
 
 def test_pairs_past_the_models_learned_positions_are_cut_to_them_and_the_reference_reads_the_same_rows(

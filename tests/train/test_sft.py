@@ -101,6 +101,26 @@ def test_two_steps_change_the_weights_and_log_the_completion_nll(tiny, tmp_path,
     assert rerun_logged == [(2, json.loads((final / FINAL_MARKER).read_text())["metrics"])]
 
 
+def test_chat_rows_train_and_evaluate_ending_with_the_turn_end_the_model_stops_on(chatml, tmp_path, collect):
+    """An instruct model (ChatML, stopping on `<|im_end|>`): SFT's eval/loss before training is the NLL of the
+    chat rows ending with `<|im_end|>`, the token its sampler stops on, not of rows ending with eos."""
+    turns = [json.dumps([{"role": "user", "content": prompt}]) for prompt in arithmetic_rows(8, seed=1)["prompt"]]
+    eval_rows = arithmetic_rows(8, seed=1).with_columns(prompt_messages=pl.Series(turns))
+    logged, log = collect()
+    cfg = SFTConfig(model_path=str(chatml), chat_template=True, max_steps=1, batch_size=4, device="cpu")
+    train_sft(cfg, arithmetic_rows(8), tmp_path / "out", log=log, eval_rows=eval_rows)
+    tokenizer, model = load_tokenizer(chatml), load_policy(chatml, device="cpu")
+    stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+
+    def nll(stops: set[int]) -> float:
+        return sft_module.completion_nll(model, encode_frame(tokenizer, eval_rows, "completion", max_length=256,
+                                                             stops=stops), pad_id=tokenizer.pad_token_id,
+                                         device=torch.device("cpu"))
+
+    assert logged[0] == (0, {"eval/loss": pytest.approx(nll(stops), rel=1e-5)})
+    assert nll(stops) != pytest.approx(nll({tokenizer.eos_token_id}), rel=1e-3)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "opt"])
 def test_rows_past_the_models_learned_positions_are_cut_to_them_with_a_note(short_positions, family, tmp_path,
                                                                             capsys, collect):
