@@ -70,3 +70,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def dropping():
+    """`dropping(base, "position_ids")`: a transformers-looking subclass of a transformers model class whose forward
+    drops that argument. Without `position_ids` it reads column distances (as ALiBi's biases do), without
+    `attention_mask` every text of a row reads the others: either is wrong on packed rows whose later texts sit
+    behind the earlier ones, which the packing checks must notice. Named `_DropsPositions` / `_DropsMask`."""
+
+    def make(base: type, argument: str) -> type:
+        def forward(self, *args, **kwargs):
+            kwargs.pop(argument, None)
+            return base.forward(self, *args, **kwargs)
+
+        name = {"position_ids": "_DropsPositions", "attention_mask": "_DropsMask"}[argument]
+        return type(name, (base,), {"forward": forward, "__module__": base.__module__})
+
+    return make

@@ -105,16 +105,6 @@ def test_a_text_that_starts_with_the_bos_token_gets_no_second_one():
 # ---- a reward model's texts packed behind the start they share (the samples of one prompt)
 
 
-class _DropsPositions(transformers.LlamaModel):
-    """A backbone that reads column distances instead of the position ids it is given (as ALiBi's biases do): wrong
-    on packed rows, whose later texts sit behind the earlier ones."""
-
-    __module__ = "transformers.models.llama.modeling_llama"
-
-    def forward(self, *args, position_ids=None, **kwargs):
-        return super().forward(*args, **kwargs)
-
-
 @pytest.fixture(scope="module")
 def tiny_rm(tmp_path_factory) -> Path:
     corpus = ["0123456789+=?. abcdefghijklmnopqrstuvwxyz"]
@@ -162,10 +152,11 @@ def test_samples_of_one_prompt_are_scored_packed_as_their_own_rows_score_them(ti
     assert unpacked.packed_texts == 0 and max(seen) <= 4 and sum(seen) == len(texts)
 
 
-def test_a_model_whose_packed_scores_do_not_hold_scores_rows_with_one_note(tiny_rm, capsys):
+def test_a_model_whose_packed_scores_do_not_hold_scores_rows_with_one_note(tiny_rm, capsys, dropping):
     tokenizer = load_tokenizer(tiny_rm)
     model = RewardModel.from_policy(tiny_rm, device="cpu")
-    quirky = RewardModel(_DropsPositions(model.backbone.config), model.head, "last_token")
+    backbone = dropping(transformers.LlamaModel, "position_ids")(model.backbone.config)
+    quirky = RewardModel(backbone, model.head, "last_token")
     quirky.backbone.load_state_dict(model.backbone.state_dict())
     texts = _samples(3, 5, prompt_chars=30, answer_chars=(2, 8))
     alone = [RewardModelScorer(quirky, tokenizer)([text])[0] for text in texts]
@@ -209,7 +200,7 @@ def test_texts_pack_only_where_it_saves_compute_and_fits_the_models_positions(ti
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_half_precision_reward_model_packs_within_its_own_rounding(tiny_rm, dtype, capsys):
+def test_a_half_precision_reward_model_packs_within_its_own_rounding(tiny_rm, dtype, capsys, dropping):
     """On CUDA a reward model loads in bf16 (`dtype: auto`): the check compares packed and rows within 4 eps of the
     dtype (a correct layout measured within 1.5 eps), so packing holds there and still fails a wrong layout."""
     tokenizer = load_tokenizer(tiny_rm)
@@ -222,7 +213,8 @@ def test_a_half_precision_reward_model_packs_within_its_own_rounding(tiny_rm, dt
     assert scorer.packing_holds and scorer.packed_texts == 32 and capsys.readouterr().err == ""
     eps = torch.finfo(dtype).eps
     assert ((packed - rows).abs() <= 4 * eps * (1 + rows.abs())).all()
-    quirky = RewardModel(_DropsPositions(model.backbone.config), model.head, "last_token")
+    backbone = dropping(transformers.LlamaModel, "position_ids")(model.backbone.config)
+    quirky = RewardModel(backbone, model.head, "last_token")
     quirky.backbone.load_state_dict(model.backbone.state_dict())
     with torch.no_grad():  # larger weights, so positions move the scores as in a trained model (the random tiny
         for weight in quirky.backbone.parameters():  # one's scores move ~0.03: within bf16's 4 eps)

@@ -181,26 +181,6 @@ def test_reference_logps_are_cached_by_weights_and_data(tiny, tmp_path):
     assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 4
 
 
-class _DropsPositions(transformers.LlamaForCausalLM):
-    """A transformers-looking model whose forward drops the position ids it is given: a packed rejected answer
-    would sit at the chosen one's later positions."""
-
-    __module__ = "transformers.models.llama.modeling_llama"
-
-    def forward(self, *args, position_ids=None, **kwargs):
-        return super().forward(*args, **kwargs)
-
-
-class _DropsMask(transformers.LlamaForCausalLM):
-    """One whose forward drops the mask: a packed rejected answer would read the chosen one (as ALiBi's column
-    biases or a recurrent layer would, mask or not)."""
-
-    __module__ = "transformers.models.llama.modeling_llama"
-
-    def forward(self, *args, attention_mask=None, **kwargs):
-        return super().forward(*args, **kwargs)
-
-
 class _DropsWideMasks(transformers.LlamaForCausalLM):
     """One that drops the packed mask of rows over 20 columns only (as a window or a position limit bites on long
     rows): the toy pairs fit, the two long ones do not."""
@@ -223,7 +203,7 @@ class _RefusesMasks(transformers.LlamaForCausalLM):
         return super().forward(*args, attention_mask=attention_mask, **kwargs)
 
 
-def test_packed_pairs_are_checked_against_the_two_rows_on_the_widest_pairs(tiny, capsys):
+def test_packed_pairs_are_checked_against_the_two_rows_on_the_widest_pairs(tiny, capsys, dropping):
     tokenizer, model = load_tokenizer(tiny), load_policy(tiny, device="cpu")
     long_pairs = pl.DataFrame({"prompt": ["12+34+56+78+90=", "98+76+54+32+10="],
                                "chosen": ["310", "270"], "rejected": ["no idea!", "no idea! no idea!"]})
@@ -232,7 +212,8 @@ def test_packed_pairs_are_checked_against_the_two_rows_on_the_widest_pairs(tiny,
     capsys.readouterr()  # the loading progress bar
     assert packed_pairs(model, encoded, pad_id=tokenizer.pad_token_id, device=cpu) == frozenset(range(14))
     assert "note:" not in capsys.readouterr().err
-    for cls in (_DropsPositions, _DropsMask, _DropsWideMasks):
+    for cls in (dropping(transformers.LlamaForCausalLM, "position_ids"),
+                dropping(transformers.LlamaForCausalLM, "attention_mask"), _DropsWideMasks):
         quirky = cls(model.config).eval()
         quirky.load_state_dict(model.state_dict())
         assert not packed_pairs(quirky, encoded, pad_id=tokenizer.pad_token_id, device=cpu)

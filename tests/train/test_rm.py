@@ -90,16 +90,7 @@ def test_pairwise_accuracy_counts_every_ordered_pair(tiny):
     assert odd["eval/rm_accuracy"] == 0.0  # '+1' answers have the same length: ties
 
 
-class _DropsMask(transformers.LlamaModel):
-    """A transformers-looking backbone whose forward drops the mask: a packed response would read the others."""
-
-    __module__ = "transformers.models.llama.modeling_llama"
-
-    def forward(self, *args, attention_mask=None, **kwargs):
-        return super().forward(*args, **kwargs)
-
-
-def test_groups_run_packed_where_that_saves_compute_and_gives_each_responses_own_score(tiny, capsys):
+def test_groups_run_packed_where_that_saves_compute_and_gives_each_responses_own_score(tiny, capsys, dropping):
     tokenizer, cpu = load_tokenizer(tiny), torch.device("cpu")
     model = RewardModel.from_policy(tiny, device="cpu").eval()  # as train_rm sets it: dropout off
     rankings = build_groups(tokenizer, toy_rankings(12), "plackett_luce", max_length=64)
@@ -115,7 +106,8 @@ def test_groups_run_packed_where_that_saves_compute_and_gives_each_responses_own
     # dropout on (disable_dropout false): packed, a group's texts would share one draw over their prefix
     assert packed_groups(model.train(), rankings, pad_id=tokenizer.pad_token_id, device=cpu) == frozenset()
     assert model.training and capsys.readouterr().err == ""
-    quirky = RewardModel(_DropsMask(model.backbone.config), model.head, "mean").eval()
+    backbone = dropping(transformers.LlamaModel, "attention_mask")(model.backbone.config)
+    quirky = RewardModel(backbone, model.head, "mean").eval()
     quirky.backbone.load_state_dict(model.backbone.state_dict())
     assert packed_groups(quirky, rankings, pad_id=tokenizer.pad_token_id, device=cpu) == frozenset()
     assert re.fullmatch(r"note: _DropsMask's packed rows do not give the rows' values \(max difference [0-9.e+-]+ on "
@@ -132,24 +124,17 @@ def test_groups_run_packed_where_that_saves_compute_and_gives_each_responses_own
     assert capsys.readouterr().err == ""
 
 
-class _DropsPositions(transformers.LlamaModel):
-    """A backbone that reads column distances instead of the position ids it is given (as ALiBi's biases do):
-    right on a packed row whose texts share no prefix, wrong where the later texts sit behind the earlier ones."""
-
-    __module__ = "transformers.models.llama.modeling_llama"
-
-    def forward(self, *args, position_ids=None, **kwargs):
-        return super().forward(*args, **kwargs)
-
-
-def test_the_packing_check_holds_groups_sharing_a_prefix_when_the_widest_share_none(tiny, capsys):
+def test_the_packing_check_holds_groups_sharing_a_prefix_when_the_widest_share_none(tiny, capsys, dropping):
+    """A backbone reading column distances instead of position ids is right on a packed row whose texts share no
+    prefix, wrong where the later texts sit behind the earlier ones: the check must look at the latter."""
     tokenizer, cpu = load_tokenizer(tiny), torch.device("cpu")
     long_cut = pl.DataFrame({"prompt": ["12+34+56+78+90=" * 3] * 8, "chosen": ["1"] * 8,
                              "rejected": ["no idea! no idea!"] * 8})  # cut from the left at different offsets
     pairs = pl.concat([toy_pairs(40), long_cut])
     groups = build_groups(tokenizer, pairs, "bradley_terry", max_length=24)
     model = RewardModel.from_policy(tiny, device="cpu").eval()
-    quirky = RewardModel(_DropsPositions(model.backbone.config), model.head, "last_token").eval()
+    backbone = dropping(transformers.LlamaModel, "position_ids")(model.backbone.config)
+    quirky = RewardModel(backbone, model.head, "last_token").eval()
     quirky.backbone.load_state_dict(model.backbone.state_dict())
     capsys.readouterr()
     assert packed_groups(model, groups, pad_id=tokenizer.pad_token_id, device=cpu) == frozenset(range(40))
