@@ -569,7 +569,7 @@ class GRPOConfig(Config):
     loss: Literal["grpo", "dr_grpo", "dapo"] = "grpo"
     """Policy loss from losses.LOSSES: `grpo` (per-sequence token mean, symmetric clip, k3 KL), `dr_grpo` (the
     same terms summed over tokens / (completions · max_new_tokens), with scale_rewards false: Dr.GRPO) or `dapo`
-    (token-level mean, clip-higher, no KL term)."""
+    (token-level mean, clip-higher, no KL term unless `beta` is given)."""
     max_steps: int = Field(200, ge=1)
     """Rollout steps: each generates one batch, then runs num_iterations passes of mini-batch updates."""
     prompts_per_step: int = Field(16, ge=1)
@@ -634,6 +634,14 @@ class GRPOConfig(Config):
     trust_remote_code: bool = False
     """Allow model code shipped with a hub checkpoint (off by default: it would run the checkpoint's Python)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _dapo_without_kl_by_default(cls, data: object) -> object:
+        """`loss: dapo` has no KL term unless `beta` is given (DAPO §2.3), whatever this preset's default β."""
+        if isinstance(data, dict) and data.get("loss") == "dapo" and "beta" not in data:
+            return {**data, "beta": 0.0}
+        return data
+
     @model_validator(mode="after")
     def _check_loss_options(self):
         _check_vllm_settings(self.backend, vllm_max_model_len=self.vllm_max_model_len)
@@ -647,8 +655,6 @@ class GRPOConfig(Config):
         if self.clip_eps_high < self.clip_eps_low:
             raise ValueError(f"clip_eps_high {self.clip_eps_high} < clip_eps_low {self.clip_eps_low}: clip-higher "
                              "(DAPO §3.1) widens the upper bound, expected clip_eps_high >= clip_eps_low")
-        if self.loss == "dapo" and self.beta != 0:
-            raise ValueError("loss 'dapo' has no KL term: beta must be 0 (use loss 'grpo' for a KL penalty)")
         if self.dynamic_sampling and not any(spec["name"] == "verifier" and spec.get("weight", 1.0) != 0
                                              for spec in self.rewards):
             raise ValueError("dynamic_sampling keeps the groups with 0 < #correct < G, which only a reward with the "
@@ -673,7 +679,7 @@ class GRPOConfig(Config):
 
 class DAPOConfig(GRPOConfig):
     """DAPO (arXiv:2503.14476) as a GRPO preset: clip-higher, token-level loss, overlong reward shaping,
-    dynamic sampling, no KL. Only the defaults differ; the loop is train_grpo."""
+    dynamic sampling, no KL (by default). Only the defaults differ; the loop is train_grpo."""
 
     rewards: RewardSpecs = (
         {"name": "verifier", "weight": 1.0, "incorrect": -1.0},
@@ -696,7 +702,8 @@ class DAPOConfig(GRPOConfig):
     max_new_tokens: int = Field(20480, ge=1)
     """L_max: 16384 expected + 4096 soft-punishment cache (DAPO §4.1)."""
     beta: float = Field(0.0, ge=0)
-    """No KL term (DAPO §2.3: the policy is meant to move away from the initial model)."""
+    """No KL term by default (DAPO §2.3: the policy is meant to move away from the initial model); β > 0 adds
+    GRPO's k3 term, reduced token-level with the rest."""
     clip_eps_high: float = Field(0.28, gt=0)
     """Clip-higher ε_high = 0.28 (DAPO §3.1)."""
     dynamic_sampling: bool = True

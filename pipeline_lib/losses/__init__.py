@@ -17,8 +17,8 @@ from pipeline_lib.losses.ppo import (
 from pipeline_lib.losses.reward import bradley_terry_loss, plackett_luce_loss
 
 # critic-free policy losses selectable by name in the GRPO-family training loop.
-# Their keyword arguments differ (grpo: ref_logps, clip_eps, beta; dr_grpo: those and max_len; dapo: eps_low,
-# eps_high).
+# Their keyword arguments differ (grpo: ref_logps, clip_eps, beta; dr_grpo: those and max_len; dapo: ref_logps,
+# eps_low, eps_high, beta).
 LOSSES = {"grpo": grpo_loss, "dr_grpo": dr_grpo_loss, "dapo": dapo_loss}
 
 __all__ = [

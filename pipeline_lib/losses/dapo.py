@@ -1,4 +1,5 @@
-"""DAPO (arXiv:2503.14476): GRPO with clip-higher, a token-level loss, no KL term, and overlong reward shaping.
+"""DAPO (arXiv:2503.14476): GRPO with clip-higher, a token-level loss, no KL term by default, and overlong reward
+shaping.
 
 Dynamic sampling (keep groups with 0 < #correct < G) is data selection and lives in pipeline_lib/filters.py."""
 
@@ -8,7 +9,7 @@ import torch
 from torch import Tensor
 
 from pipeline_lib.losses._masked import token_mean
-from pipeline_lib.losses.ppo import clipped_surrogate
+from pipeline_lib.losses.grpo import kl_penalized_surrogate
 
 
 def dapo_loss(
@@ -19,12 +20,17 @@ def dapo_loss(
     *,
     eps_low: float = 0.2,
     eps_high: float = 0.28,
+    ref_logps: Tensor | None = None,  # (B, T); needed when beta > 0
+    beta: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DAPO §3 objective, negated: -1/Σ|o_i| Σ_i Σ_t min(ρA, clip(ρ, 1-ε_low, 1+ε_high)A).
 
     Token-level (§3.3): the sum over ALL valid tokens of the batch divided by their count (`token_mean`),
-    so a 200-token answer weighs 20x a 10-token one instead of the same (GRPO's per-sequence mean)."""
-    per_token, stats = clipped_surrogate(logps, old_logps, advantages, mask, eps_low=eps_low, eps_high=eps_high)
+    so a 200-token answer weighs 20x a 10-token one instead of the same (GRPO's per-sequence mean).
+    No KL term by default (§2.3); beta > 0 subtracts GRPO's β·k3(π‖π_ref) from every token's term, reduced
+    token-level with it."""
+    per_token, stats = kl_penalized_surrogate(logps, old_logps, ref_logps, advantages, mask, eps_low=eps_low,
+                                              eps_high=eps_high, beta=beta)
     return token_mean(per_token, mask), stats
 
 

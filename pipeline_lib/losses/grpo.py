@@ -52,12 +52,13 @@ def kl_k3(policy_logps: Tensor, ref_logps: Tensor) -> Tensor:
     return torch.expm1(log_ratio) - log_ratio
 
 
-def _grpo_per_token(
-    logps: Tensor, old_logps: Tensor, ref_logps: Tensor | None, advantages: Tensor, mask: Tensor, *, clip_eps: float,
-    beta: float,
+def kl_penalized_surrogate(
+    logps: Tensor, old_logps: Tensor, ref_logps: Tensor | None, advantages: Tensor, mask: Tensor, *, eps_low: float,
+    eps_high: float, beta: float,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """-[min(ρA, clip(ρ, 1-ε, 1+ε)A) - β·k3(π‖π_ref)] per token (B, T), before any reduction."""
-    per_token, stats = clipped_surrogate(logps, old_logps, advantages, mask, eps_low=clip_eps, eps_high=clip_eps)
+    """-[min(ρA, clip(ρ, 1-ε_low, 1+ε_high)A) - β·k3(π‖π_ref)] per token (B, T), before any reduction (GRPO,
+    Dr.GRPO and DAPO reduce it differently)."""
+    per_token, stats = clipped_surrogate(logps, old_logps, advantages, mask, eps_low=eps_low, eps_high=eps_high)
     if ref_logps is not None:
         check_shape("ref_logps", ref_logps, mask.shape)
         valid = valid_mask(mask, logps)
@@ -84,7 +85,8 @@ def grpo_loss(
 
     Aggregation: mean over each sequence's valid tokens, then over sequences
     (`seq_mean_token_mean`). beta = 0 drops the KL term (ref_logps may then be None)."""
-    per_token, stats = _grpo_per_token(logps, old_logps, ref_logps, advantages, mask, clip_eps=clip_eps, beta=beta)
+    per_token, stats = kl_penalized_surrogate(logps, old_logps, ref_logps, advantages, mask, eps_low=clip_eps,
+                                              eps_high=clip_eps, beta=beta)
     return seq_mean_token_mean(per_token, mask), stats
 
 
@@ -105,5 +107,6 @@ def dr_grpo_loss(
     are centred without the std (`group_advantages(..., scale=False)`)."""
     if max_len < 1:
         raise ValueError(f"max_len={max_len}: expected >= 1 (the generation budget in tokens)")
-    per_token, stats = _grpo_per_token(logps, old_logps, ref_logps, advantages, mask, clip_eps=clip_eps, beta=beta)
+    per_token, stats = kl_penalized_surrogate(logps, old_logps, ref_logps, advantages, mask, eps_low=clip_eps,
+                                              eps_high=clip_eps, beta=beta)
     return masked_sum(per_token, mask) / (mask.shape[0] * max_len), stats

@@ -51,13 +51,14 @@ from pipeline_lib.train.rollout import (
 )
 
 # The knobs each policy loss of losses.LOSSES takes: their signatures differ (grpo: symmetric clip + k3 KL to
-# the reference; dr_grpo: those and the generation budget it divides by; dapo: clip-higher, no KL), the config
-# validator keeps the unused ones consistent.
+# the reference; dr_grpo: those and the generation budget it divides by; dapo: clip-higher and the KL, 0 by
+# default), the config validator keeps the unused ones consistent.
 LOSS_OPTIONS: dict[str, Callable[[GRPOConfig, Tensor | None], dict]] = {
     "grpo": lambda cfg, ref_logps: {"ref_logps": ref_logps, "clip_eps": cfg.clip_eps_low, "beta": cfg.beta},
     "dr_grpo": lambda cfg, ref_logps: {"ref_logps": ref_logps, "clip_eps": cfg.clip_eps_low, "beta": cfg.beta,
                                        "max_len": cfg.max_new_tokens},
-    "dapo": lambda cfg, ref_logps: {"eps_low": cfg.clip_eps_low, "eps_high": cfg.clip_eps_high},
+    "dapo": lambda cfg, ref_logps: {"ref_logps": ref_logps, "eps_low": cfg.clip_eps_low,
+                                    "eps_high": cfg.clip_eps_high, "beta": cfg.beta},
 }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -32,6 +34,23 @@ def test_one_sequence_with_symmetric_clip_equals_grpo_without_kl():
     grpo, grpo_stats = grpo_loss(logps, old, None, advantages, mask, clip_eps=0.2, beta=0.0)
     torch.testing.assert_close(dapo, grpo)
     assert dapo_stats.keys() == grpo_stats.keys()
+
+
+def test_a_kl_term_is_reduced_token_level_with_the_surrogate():
+    """ρ = 1, A = [+1, -1], lengths 1 and 3, β = 0.5: each token's term is -A + β·k3(π‖π_ref) with
+    k3 = e^d - d - 1, d = log π_ref - log π; the loss is their sum over the 4 tokens / 4. β = 0 (the default) and
+    no reference give the surrogate alone; β > 0 without one is an error."""
+    logps = torch.tensor([[-1.0, 0.0, 0.0], [-1.0, -2.0, -3.0]])
+    ref = torch.tensor([[-1.5, 9.0, 9.0], [-0.5, -2.0, -2.0]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    advantages = torch.tensor([1.0, -1.0])
+    k3 = [math.exp(d) - d - 1 for d in (-0.5, 0.5, 0.0, 1.0)]
+    loss, stats = dapo_loss(logps, logps, advantages, mask, ref_logps=ref, beta=0.5)
+    assert loss.item() == pytest.approx((-1 + 1 + 1 + 1 + 0.5 * sum(k3)) / 4)
+    assert stats["policy/kl_ref"].item() == pytest.approx(sum(k3) / 4)
+    assert dapo_loss(logps, logps, advantages, mask)[0].item() == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="ref_logps: required when beta != 0"):
+        dapo_loss(logps, logps, advantages, mask, beta=0.5)
 
 
 def test_clip_higher_bounds_and_gradients():

@@ -299,6 +299,15 @@ def test_dapo_preset_runs_the_same_loop_with_its_loss(tiny, problems, tmp_path, 
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+def test_dapo_with_a_kl_term_loads_the_reference_and_logs_the_kl(tiny, problems, tmp_path, collect):
+    """DAPO has no KL by default; beta > 0 adds GRPO's k3 term: the reference is loaded and the KL logged (0 on the
+    first update, taken at π = π_ref)."""
+    logged, log = collect()
+    train_grpo(dapo_config(tiny, dynamic_sampling=False, max_steps=1, mini_batch_size=None, beta=0.04), problems,
+               tmp_path / "kl", log=log)
+    assert logged[0][1]["policy/kl_ref"] == pytest.approx(0.0, abs=1e-6) and "policy/clipfrac_high" in logged[0][1]
+
+
 def test_dr_grpo_runs_the_grpo_loop_and_needs_unscaled_rewards(tiny, problems, tmp_path, collect):
     """loss dr_grpo through LOSSES with the KL to the reference; scale_rewards true is refused at load time."""
     logged, log = collect()
@@ -377,8 +386,9 @@ def test_dapo_preset_has_the_papers_settings_and_configs_reject_mixed_ones():
         ("grpo", 0.04, 64, 0.2, False)
     with pytest.raises(ConfigError, match="clip_eps_high must equal clip_eps_low"):
         validate_config(GRPOConfig, {"policy_path": "m", "clip_eps_high": 0.28})
-    with pytest.raises(ConfigError, match="loss 'dapo' has no KL term"):
-        validate_config(DAPOConfig, {"policy_path": "m", "beta": 0.04})
+    assert validate_config(DAPOConfig, {"policy_path": "m", "beta": 0.04}).beta == 0.04  # no KL by default only
+    assert validate_config(GRPOConfig, {"policy_path": "m", "loss": "dapo", "clip_eps_high": 0.28}).beta == 0.0
+    assert validate_config(GRPOConfig, {"policy_path": "m", "loss": "dapo", "beta": 0.01}).beta == 0.01
     with pytest.raises(ConfigError, match="reward_model_path is not set"):
         validate_config(GRPOConfig, {"policy_path": "m", "rewards": [{"name": "reward_model"}]})
     with pytest.raises(ConfigError, match="max_len 20480 exceeds max_new_tokens 6"):
