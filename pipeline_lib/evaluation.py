@@ -65,11 +65,9 @@ class Votes:
 
     n: np.ndarray  # (P,) samples per problem, None answers included
     counts: np.ndarray  # (P, R) votes per class, sorted descending per row, zero-padded
-    correct: np.ndarray  # (P, R) bool: the class is equivalent to the gold answer
-
-    @property
-    def n_correct(self) -> np.ndarray:  # (P,)
-        return (self.counts * self.correct).sum(axis=1)
+    correct: np.ndarray  # (P, R) bool: the class (its most-voted value) is equivalent to the gold answer
+    n_correct: np.ndarray  # (P,) samples whose own answer is equivalent to the gold one (the verifier's count;
+    # a class merged within tolerance can hold values on both sides of it)
 
 
 def merge_within_tolerance(classes: Counter[Fraction | str]) -> Counter[Fraction | str]:
@@ -107,6 +105,7 @@ def count_votes(answers: Sequence[Sequence[str | None]], gold: Sequence[str | No
     flat_rows: list[int] = []  # one entry per (problem, class)
     flat_counts: list[int] = []
     flat_correct: list[bool] = []
+    n_correct = np.zeros(len(answers), dtype=np.int64)
     for p, (row, gold_answer) in enumerate(zip(answers, gold)):
         gold_value = None if gold_answer is None else answer_value(str(gold_answer))
         classes: Counter[Fraction | str] = Counter()
@@ -116,6 +115,8 @@ def count_votes(answers: Sequence[Sequence[str | None]], gold: Sequence[str | No
                 if value is None:
                     value = values[raw] = answer_value(str(raw))
                 classes[value] += count
+        n_correct[p] = sum(count for value, count in classes.items()
+                           if gold_value is not None and values_equivalent(value, gold_value))
         for value, count in merge_within_tolerance(classes).items():
             flat_rows.append(p)
             flat_counts.append(count)
@@ -130,7 +131,7 @@ def count_votes(answers: Sequence[Sequence[str | None]], gold: Sequence[str | No
     counts[rows, cols] = counts_flat[order]
     correct[rows, cols] = np.array(flat_correct, dtype=bool)[order]
     n = np.array([len(row) for row in answers], dtype=np.int64)
-    return Votes(n=n, counts=counts, correct=correct)
+    return Votes(n=n, counts=counts, correct=correct, n_correct=n_correct)
 
 
 def _binomials(n_max: int) -> np.ndarray:

@@ -24,7 +24,7 @@ from pipeline_lib.evaluation import (
     pass_at_k,
     plot_curves,
 )
-from pipeline_lib.rewards.math import answer_value, values_equivalent
+from pipeline_lib.rewards.math import answer_value, is_correct, is_equivalent, values_equivalent
 
 
 def brute_pass(correct: list[bool], k: int) -> Fraction:
@@ -160,6 +160,24 @@ def test_values_equal_within_tolerance_through_another_are_one_class():
         Counter({near: 3, farther: 1, Fraction(1, 2): 2})
     integers = Counter({Fraction(5): 2, Fraction(7): 1, "seven": 1})
     assert merge_within_tolerance(integers) is integers  # no repeating value: nothing to compare
+
+
+def test_pass_at_k_counts_each_sample_the_verifier_calls_correct_whatever_class_it_votes_in():
+    """Gold 0.666667; answers 2/3 (within tolerance of the gold), 0.666668 twice (not). Tolerance merges the three
+    into one class keyed by 0.666668, a wrong majority: Maj@K is 0, but Pass@1 is the verifier's 1/3 (it was 0)."""
+    answers, gold = ["2/3", "0.666668", "0.666668"], "0.666667"
+    assert [is_correct(f"A: {answer}", gold) for answer in answers] == [True, False, False]
+    samples = sample_rows({"p": [f"A: {answer}" for answer in answers]})
+    results = evaluate(samples, {"p": gold}, [1, 2, 3], model="m", dataset="d")
+    assert results["pass_at_k"].to_list() == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert results["maj_at_k"].to_list() == [0.0, 0.0, 0.0]
+    rng = random.Random(3)  # every problem: Pass@K of the verifier's per-sample verdicts
+    pool = ["2/3", "0.6666667", "0.666668", "0.666667", "1/2", None]
+    answers = [[rng.choice(pool) for _ in range(6)] for _ in range(30)]
+    golds = [rng.choice(["0.666667", "2/3", "0.5"]) for _ in answers]
+    votes = count_votes(answers, golds)
+    for p, (row, gold) in enumerate(zip(answers, golds)):
+        assert votes.n_correct[p] == sum(answer is not None and is_equivalent(answer, gold) for answer in row)
 
 
 def test_maj_at_k_many_classes_and_big_n_is_a_probability():
