@@ -147,26 +147,16 @@ def dynamic_sampling_stats(is_correct: Tensor | Sequence[bool], group_size: int)
     counts = _group_correct_counts(is_correct, group_size)  # (B,)
     return {
         "groups_total": int(counts.numel()),
-        "groups_kept": int(((counts > 0) & (counts < group_size)).sum()),
+        "groups_kept": int(informative_groups(is_correct, group_size).sum()),
         "dropped_all_correct": int((counts == group_size).sum()),
         "dropped_all_wrong": int((counts == 0).sum()),
     }
 
 
-def dynamic_sampling(
-    samples_or_correctness: pl.DataFrame | Tensor | Sequence[bool], group_size: int
-) -> tuple[pl.DataFrame | Tensor, dict[str, int]]:
-    """DAPO dynamic sampling over a samples frame or a flat correctness vector; returns (kept, stats).
-
-    A frame (columns prompt_id, sample_idx, is_correct; exactly group_size rows per prompt) gives back its
-    rows of kept prompts, sorted by prompt_id, sample_idx. A (B*G,) tensor or list gives back the (B,) mask
-    of `informative_groups`. stats: groups_total, groups_kept, dropped_all_correct, dropped_all_wrong."""
-    if not isinstance(samples_or_correctness, pl.DataFrame):
-        return (
-            informative_groups(samples_or_correctness, group_size),
-            dynamic_sampling_stats(samples_or_correctness, group_size),
-        )
-    samples = samples_or_correctness
+def dynamic_sampling(samples: pl.DataFrame, group_size: int) -> tuple[pl.DataFrame, dict[str, int]]:
+    """DAPO dynamic sampling over a samples frame (columns prompt_id, sample_idx, is_correct; exactly group_size
+    rows per prompt): (its rows of kept prompts sorted by prompt_id, sample_idx; `dynamic_sampling_stats`). The
+    GRPO loop applies `informative_groups` to each rollout's flat correctness instead."""
     _require(samples, ("prompt_id", "sample_idx", "is_correct"))
     if samples["is_correct"].null_count():
         raise SamplesError(

@@ -15,6 +15,7 @@ from pipeline_lib.filters import (
     SamplesError,
     best_of_n,
     dynamic_sampling,
+    dynamic_sampling_stats,
     informative_groups,
     sampled_with_chat_template,
     west_of_n,
@@ -173,19 +174,21 @@ def test_informative_groups_on_flat_tensors_and_lists():
     """Groups of 3: [T,T,T] all correct, [F,F,F] all wrong, [T,F,F] and [F,F,T] informative."""
     flat = [True, True, True, False, False, False, True, False, False, False, False, True]
     expected = [False, False, True, True]
-    assert informative_groups(torch.tensor(flat), 3).tolist() == expected
-    keep, stats = dynamic_sampling(flat, 3)
-    assert keep.dtype == torch.bool and keep.tolist() == expected
-    assert stats == {"groups_total": 4, "groups_kept": 2, "dropped_all_correct": 1, "dropped_all_wrong": 1}
+    for correctness in (flat, torch.tensor(flat)):
+        keep = informative_groups(correctness, 3)
+        assert keep.dtype == torch.bool and keep.tolist() == expected
+        assert dynamic_sampling_stats(correctness, 3) == \
+            {"groups_total": 4, "groups_kept": 2, "dropped_all_correct": 1, "dropped_all_wrong": 1}
 
 
-def test_frame_and_tensor_forms_agree():
+def test_the_frame_and_the_loops_flat_form_agree():
+    """The filter stage (a samples frame) and the GRPO loop (`informative_groups` on a rollout's flat outcomes)."""
     frame = samples_frame(GROUPS).sort("prompt_id", "sample_idx")
     kept, stats = dynamic_sampling(frame, 4)
-    mask, tensor_stats = dynamic_sampling(frame["is_correct"].to_list(), 4)
+    mask = informative_groups(frame["is_correct"].to_list(), 4)
     kept_ids = frame["prompt_id"].unique(maintain_order=True).filter(pl.Series(mask.tolist())).to_list()
     assert kept_ids == kept["prompt_id"].unique(maintain_order=True).to_list()
-    assert stats == tensor_stats
+    assert stats == dynamic_sampling_stats(frame["is_correct"].to_list(), 4)
 
 
 def test_dynamic_sampling_rejects_bad_groups():

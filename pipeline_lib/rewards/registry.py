@@ -212,12 +212,3 @@ def build_reward(specs: Sequence[Mapping[str, Any]], *, reward_model_path: str |
         return combined_reward(specs)
     except ValueError as exc:
         raise AlignflowError(f"rewards: {exc}") from None
-
-
-def reward_metrics(total: list[float], components: Mapping[str, list[float]]) -> dict[str, float]:
-    """Batch means for logging: `rewards/total` and `rewards/<name>` per component (empty batch: no keys)."""
-    if not total:
-        return {}
-    metrics = {"rewards/total": sum(total) / len(total)}
-    metrics.update({f"rewards/{name}": sum(values) / len(values) for name, values in components.items()})
-    return metrics

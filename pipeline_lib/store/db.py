@@ -184,9 +184,6 @@ class Store:
                         self._run(sql)
                 self._run("INSERT INTO schema_info VALUES (?)", [SCHEMA_VERSION])
 
-    def schema_version(self) -> int:
-        return self._run("SELECT max(version) FROM schema_info")[0][0]
-
     @contextmanager
     def transaction(self) -> Iterator[Store]:
         """Commit the writes of the block together, or none of them if it raises."""

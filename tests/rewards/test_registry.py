@@ -8,7 +8,7 @@ import pytest
 
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.rewards import registry
-from pipeline_lib.rewards.registry import REWARDS, build_reward, combined_reward, register_reward, reward_metrics
+from pipeline_lib.rewards.registry import REWARDS, build_reward, combined_reward, register_reward
 
 PROMPTS = ["2+2=", "3+4=", "10-1=", "5*5="]
 COMPLETIONS = ["#### 4", "The answer is 8", "9.0", "no idea"]
@@ -50,7 +50,7 @@ def test_reward_model_scores_prompt_plus_completion():
 
 
 def test_combined_reward_is_the_weighted_sum_and_keeps_components():
-    """total = 1.0 * verifier + 0.5 * overlong: [1+0, 0+0, 1-0.25, 0-0.5], mean 1.25/4 = 0.3125."""
+    """total = 1.0 * verifier + 0.5 * overlong: [1+0, 0+0, 1-0.25, 0-0.5]."""
     reward = combined_reward([
         {"name": "verifier", "weight": 1.0},
         {"name": "overlong", "weight": 0.5, "max_len": 20, "cache_len": 10},
@@ -59,9 +59,6 @@ def test_combined_reward_is_the_weighted_sum_and_keeps_components():
     assert total == pytest.approx([1.0, 0.0, 0.75, -0.5])
     assert components["verifier"] == [1.0, 0.0, 1.0, 0.0]
     assert components["overlong"] == pytest.approx([0.0, 0.0, -0.5, -1.0])
-    assert reward_metrics(total, components) == pytest.approx(
-        {"rewards/total": 0.3125, "rewards/verifier": 0.5, "rewards/overlong": -0.375}
-    )
 
 
 def test_weight_defaults_to_one_and_scorer_plugs_in():

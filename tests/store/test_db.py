@@ -25,7 +25,7 @@ def pairs_frame(ids: list[str], source: str = "s") -> pl.DataFrame:
 def test_schema_created_once_with_version(tmp_path):
     path = tmp_path / "store.duckdb"
     with open_store(path) as store:
-        assert store.schema_version() == SCHEMA_VERSION
+        assert store.check_version() == SCHEMA_VERSION
     with open_store(path) as store:  # reopening neither re-creates nor re-stamps
         assert store._run("SELECT count(*) FROM schema_info")[0][0] == 1
         for table, columns in TABLES.items():
@@ -57,9 +57,9 @@ def test_a_v1_store_is_migrated_in_place_and_keeps_its_rows(tmp_path):
         con.execute("INSERT INTO quarantine (source, file, line_no, reason) VALUES ('d', '/x/d.PARQUET', 0, 'r'), "
                     "('t', '/x/t.jsonl', 4, 'r'), ('p', '/x/p.parquet', 2, 'r')")
     with open_store(path, read_only=True) as store:  # a reader neither migrates nor fails
-        assert store.schema_version() == 1 and "chat_template" not in store.read("samples").columns
+        assert store.check_version() == 1 and "chat_template" not in store.read("samples").columns
     with open_store(path) as store:
-        assert store.schema_version() == SCHEMA_VERSION == 4
+        assert store.check_version() == SCHEMA_VERSION == 4
         assert [row[0] for row in store._run("DESCRIBE samples")] == list(TABLES["samples"])
         assert store.read("samples").select("completion", "chat_template").rows() == [("c", None)]
         assert sorted(store.read("quarantine").select("source", "line_no").rows()) == [("d", 1), ("p", 3), ("t", 4)]
@@ -86,7 +86,7 @@ def test_a_v3_store_keys_its_conversations_on_their_messages(tmp_path):
         store._run("DELETE FROM schema_info")
         store._run("INSERT INTO schema_info VALUES (3)")  # as v3 stored it
     with open_store(path) as store:
-        assert store.schema_version() == 4
+        assert store.check_version() == 4
         assert dict(store.read("preference_pairs").select("source", "pair_id").rows()) == new_ids
         assert new_ids["plain"] == content_id("2+2?", "4", "5")
         assert [ingest_file(data / f"{name}.jsonl", store).duplicates for name in ("chat", "plain")] == [1, 1]
