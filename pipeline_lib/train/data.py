@@ -63,6 +63,15 @@ def require_chat_template(tokenizer: PreTrainedTokenizerBase, model_path: str, c
         raise TrainDataError(f"chat_template=True but the tokenizer in {model_path} has no chat template")
 
 
+def with_user_turns(frame: pl.DataFrame) -> pl.DataFrame:
+    """`frame` with each row's `prompt_messages` kept, or where it has none (or the frame has no such column) set to
+    its plain `prompt` as one user turn: the rows a run with chat_template renders through the template."""
+    turns = pl.Series([json.dumps([{"role": "user", "content": prompt}]) for prompt in frame["prompt"].to_list()],
+                      dtype=pl.Utf8)
+    messages = frame["prompt_messages"].fill_null(turns) if "prompt_messages" in frame.columns else turns
+    return frame.with_columns(messages.alias("prompt_messages"))
+
+
 def render_prompts(tokenizer: PreTrainedTokenizerBase, frame: pl.DataFrame) -> tuple[list[str], list[bool]]:
     """Prompt text per row and whether it came from the chat template.
 

@@ -3,7 +3,6 @@ RM score + per-token KL penalty, GAE, several epochs of clipped policy and value
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -49,6 +48,7 @@ from pipeline_lib.train.data import (
     require_columns,
     run_key,
     run_main,
+    with_user_turns,
 )
 from pipeline_lib.train.rollout import (
     check_prompt_lengths,
@@ -75,10 +75,7 @@ def load_ppo_data(store: Store, cfg: PPOConfig) -> pl.DataFrame:
     prompts = (pairs.with_columns(conversation.alias("_turns"))
                .unique(subset=["prompt", "_turns"], keep="first", maintain_order=True)
                .select("prompt", "prompt_messages"))
-    if not cfg.chat_template:
-        return prompts
-    turns = pl.Series([json.dumps([{"role": "user", "content": p}]) for p in prompts["prompt"].to_list()])
-    return prompts.with_columns(pl.col("prompt_messages").fill_null(turns))
+    return with_user_turns(prompts) if cfg.chat_template else prompts
 
 
 def state_values(critic: ValueModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:

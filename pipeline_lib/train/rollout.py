@@ -4,7 +4,6 @@ or (GRPO) distinct prompts + completions so G samples of a prompt share one prom
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,7 +23,7 @@ from pipeline_lib.models.logprobs import model_positions, shared_prompt_logprobs
 from pipeline_lib.sampling import Completion, Sampler
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import autocast, torchrun_world_size
-from pipeline_lib.train.data import Batch, Encoded, collate
+from pipeline_lib.train.data import Batch, Encoded, collate, with_user_turns
 
 SyncFn = Callable[[], float]
 
@@ -33,10 +32,7 @@ def read_problems(store: Store, *, split: str, source: str | None, chat_template
     """Problems of `split` (and `source`) in problem_id order, the rollout prompts of GRPO/DAPO/PPO; with
     chat_template each prompt becomes one user turn (`prompt_messages`), rendered as the SFT stage did."""
     problems = store.read_selected("problems", source=source, split=split).sort("problem_id")
-    if not chat_template:
-        return problems
-    turns = [json.dumps([{"role": "user", "content": prompt}]) for prompt in problems["prompt"].to_list()]
-    return problems.with_columns(pl.Series("prompt_messages", turns, dtype=pl.Utf8))
+    return with_user_turns(problems) if chat_template else problems
 
 
 def rollout_seed(seed: int, step: int, round_: int = 0) -> int:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -47,6 +46,7 @@ from pipeline_lib.train.data import (
     require_columns,
     run_key,
     run_main,
+    with_user_turns,
 )
 
 
@@ -69,12 +69,8 @@ def sft_rows(frame: pl.DataFrame, data: str, *, chat_template: bool = False) -> 
     if "prompt_messages" in frame.columns:
         keep.append(pl.col("prompt_messages"))
     rows = frame.select(keep)
-    if chat_template:  # plain prompts (all, or the plain pairs beside conversations) become one user turn
-        turns = pl.Series([json.dumps([{"role": "user", "content": prompt}]) for prompt in rows["prompt"].to_list()],
-                          dtype=pl.Utf8)
-        messages = rows["prompt_messages"].fill_null(turns) if "prompt_messages" in rows.columns else turns
-        rows = rows.with_columns(messages.alias("prompt_messages"))
-    return rows
+    # plain prompts (all, or the plain pairs beside conversations) become one user turn
+    return with_user_turns(rows) if chat_template else rows
 
 
 def load_sft_data(store: Store, cfg: SFTConfig) -> tuple[pl.DataFrame, pl.DataFrame | None]:
