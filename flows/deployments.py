@@ -148,8 +148,9 @@ def run_ui(workspace: Workspace, *, prefect_port: int, mlflow_port: int) -> None
     try:
         for name, (command, health) in commands.items():
             log = logs / f"{name}-server.log"
-            processes[name] = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                               start_new_session=True, env=os.environ.copy())
+            with log.open("w") as output:  # the server writes to its own copy of the descriptor
+                processes[name] = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
+                                                   start_new_session=True, env=os.environ.copy())
             wait_healthy(health, processes[name], 90, log)
         print(f"Prefect UI: http://127.0.0.1:{prefect_port}   (export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api)")
         print(f"MLflow UI:  http://127.0.0.1:{mlflow_port}")
