@@ -20,9 +20,13 @@ from pipeline_lib.losses.reward import bradley_terry_loss, plackett_luce_loss
 # Their keyword arguments differ (grpo: ref_logps, clip_eps, beta; dr_grpo: those and max_len; dapo: ref_logps,
 # eps_low, eps_high, beta).
 LOSSES = {"grpo": grpo_loss, "dr_grpo": dr_grpo_loss, "dapo": dapo_loss}
+# reward-model losses by RMConfig.loss: Bradley-Terry takes the chosen and rejected scores (and a margin),
+# Plackett-Luce the whole ranking (B, K) and its mask.
+REWARD_LOSSES = {"bradley_terry": bradley_terry_loss, "plackett_luce": plackett_luce_loss}
 
 __all__ = [
     "LOSSES",
+    "REWARD_LOSSES",
     "bradley_terry_loss",
     "clipped_surrogate",
     "compute_gae",

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from pipeline_lib.config import RMConfig
 from pipeline_lib.logfns import LogFn, no_log
-from pipeline_lib.losses import bradley_terry_loss, plackett_luce_loss
+from pipeline_lib.losses import REWARD_LOSSES
 from pipeline_lib.models import RewardModel, load_tokenizer
 from pipeline_lib.models.loading import resolve_device
 from pipeline_lib.models.logprobs import model_positions
@@ -122,6 +122,12 @@ def load_rm_data(store: Store, cfg: RMConfig) -> pl.DataFrame:
 
 
 PAIR_STATS = ("rewards/accuracies", "rewards/margins")
+# The arguments each loss of losses.REWARD_LOSSES takes from a batch's scores (B, K), best first, and their mask
+LOSS_ARGUMENTS = {
+    "bradley_terry": lambda cfg, scores, mask: {"chosen_scores": scores[:, 0], "rejected_scores": scores[:, 1],
+                                                "margin": cfg.margin or None},
+    "plackett_luce": lambda cfg, scores, mask: {"scores": scores, "mask": mask},
+}
 
 
 def group_scores(model: torch.nn.Module, groups: Groups, ids: list[int], *, packed: Collection[int], pad_id: int,
@@ -228,10 +234,7 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
                     scores, mask = group_scores(ddp_model, groups, micro, packed=packed, pad_id=pad_id,
                                                 device=device)  # (B, K)
                 # ---- loss
-                if cfg.loss == "bradley_terry":
-                    loss, stats = bradley_terry_loss(scores[:, 0], scores[:, 1], margin=cfg.margin or None)
-                else:
-                    loss, stats = plackett_luce_loss(scores, mask=mask)
+                loss, stats = REWARD_LOSSES[cfg.loss](**LOSS_ARGUMENTS[cfg.loss](cfg, scores, mask))
                 # a mean over this micro-batch; weighted so that the DDP average over ranks of the sum over
                 # micro-batches is the mean over the global batch
                 (loss * len(micro) / len(positions) * ctx.world_size).backward()
