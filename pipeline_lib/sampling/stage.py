@@ -8,7 +8,7 @@ import json
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -140,20 +140,22 @@ def sample_problems(
         if not todo:
             continue
         texts = [render(prompts[i]) if render else prompts[i] for i in todo]
-        began = time.perf_counter()
-        outputs = sampler.generate(texts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_p=top_p, seed=seed + b, stop=stop)
-        batch_seconds = time.perf_counter() - began
+        with store.released():  # while the batch samples and scores, other processes may read the store
+            began = time.perf_counter()
+            outputs = sampler.generate(texts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                       top_p=top_p, seed=seed + b, stop=stop)
+            batch_seconds = time.perf_counter() - began
+            if len(outputs) != len(todo) or any(len(group) != n for group in outputs):
+                raise SamplingError(f"sampler returned {[len(g) for g in outputs]} samples for {len(todo)} prompts "
+                                    f"x n={n}")
+            rows = [(i, j, c) for i, group in zip(todo, outputs) for j, c in enumerate(group)]
+            row_answers = [answers[i] for i, _, _ in rows]
+            completions = [c.text for _, _, c in rows]
+            lengths = [c.n_tokens for _, _, c in rows]
+            sent = dict(zip(todo, texts))  # rewards score what the model read + its completion, as GRPO and PPO do
+            rewards = reward_fn([sent[i] for i, _, _ in rows], completions, answers=row_answers, lengths=lengths)
         generate_seconds += batch_seconds
-        if len(outputs) != len(todo) or any(len(group) != n for group in outputs):
-            raise SamplingError(f"sampler returned {[len(g) for g in outputs]} samples for {len(todo)} prompts x n={n}")
-        rows = [(i, j, c) for i, group in zip(todo, outputs) for j, c in enumerate(group)]
         row_prompts = [prompts[i] for i, _, _ in rows]
-        row_answers = [answers[i] for i, _, _ in rows]
-        completions = [c.text for _, _, c in rows]
-        lengths = [c.n_tokens for _, _, c in rows]
-        sent = dict(zip(todo, texts))  # rewards score what the model read + its completion, as GRPO and PPO do
-        rewards = reward_fn([sent[i] for i, _, _ in rows], completions, answers=row_answers, lengths=lengths)
         correct = [is_correct(text, answer) for text, answer in zip(completions, row_answers)]
         frame = pl.DataFrame({
             "run_id": [run_id] * len(rows),
@@ -287,9 +289,11 @@ def chat_renderer(model_path: str) -> Callable[[str], str]:
 def run_sample_stage(cfg: SampleConfig, store: Store, *, log: LogFn = no_log, progress: bool = True) -> SampleReport:
     """The whole stage from its config: problems, reward, backend, then `sample_problems`."""
     problems = select_problems(store, cfg)
-    reward_fn = build_reward_fn(cfg)
-    render = chat_renderer(cfg.model_path) if cfg.chat_template else None
-    with open_sampler(cfg) as sampler:
+    with ExitStack() as stack:
+        with store.released():  # other processes may read the store while the models load (a vLLM server starts)
+            reward_fn = build_reward_fn(cfg)
+            render = chat_renderer(cfg.model_path) if cfg.chat_template else None
+            sampler = stack.enter_context(open_sampler(cfg))
         return sample_problems(
             sampler, problems, store, run_id=sample_run_id(cfg, problems["problem_id"].to_list()), n=cfg.n,
             reward_fn=reward_fn,

@@ -151,8 +151,18 @@ def _where(table: str, equals: dict[str, object]) -> tuple[str, list]:
 class Store:
     """An open DuckDB connection on the workspace's store file, schema ensured."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection):
-        self.con = con
+    def __init__(self, con: duckdb.DuckDBPyConnection, path: Path, *, read_only: bool = False):
+        self.con, self.path, self.read_only = con, path, read_only
+
+    @contextmanager
+    def released(self) -> Iterator[None]:
+        """Close the connection for the block and open it again after, waiting as `open_store` does: DuckDB lets one
+        process hold the file, so `alignflow data stats` can read the store while a stage samples in the block."""
+        self.con.close()
+        try:
+            yield
+        finally:
+            self.con = _connect(self.path, read_only=self.read_only, wait=LOCK_WAIT_SECONDS)
 
     def _run(self, sql: str, params: list | None = None) -> list[tuple]:
         # duckdb 2.x refuses further work on a connection (register, ...) while a result is
@@ -404,11 +414,23 @@ def open_store(path: str | Path, *, read_only: bool = False, wait: float = LOCK_
     if read_only:
         require_store(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    store = Store(_connect(path, read_only=read_only, wait=wait), path, read_only=read_only)
+    try:
+        if read_only:
+            store.check_version()  # readers refuse a newer store too, not only writers
+        else:
+            store.ensure_schema()
+        yield store
+    finally:
+        store.con.close()
+
+
+def _connect(path: Path, *, read_only: bool, wait: float) -> duckdb.DuckDBPyConnection:
+    """A connection to the store file, retried while another process holds it, up to `wait` seconds."""
     deadline = time.monotonic() + wait
     while True:
         try:
-            con = duckdb.connect(str(path), read_only=read_only)
-            break
+            return duckdb.connect(str(path), read_only=read_only)
         except duckdb.IOException as exc:
             first = str(exc).splitlines()[0]
             if "lock" not in first:  # e.g. a file that is not a DuckDB database
@@ -416,12 +438,3 @@ def open_store(path: str | Path, *, read_only: bool = False, wait: float = LOCK_
             if time.monotonic() >= deadline:
                 raise StoreError(f"store {path} is in use by another alignflow process ({first})") from None
             time.sleep(0.2)
-    try:
-        store = Store(con)
-        if read_only:
-            store.check_version()  # readers refuse a newer store too, not only writers
-        else:
-            store.ensure_schema()
-        yield store
-    finally:
-        con.close()

@@ -4,6 +4,8 @@ run with no duplicate rows, the run id, chat templates, one-line errors."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import polars as pl
 import pytest
@@ -78,6 +80,32 @@ def test_weighted_reward_spec_adds_overlong_shaping(store, problems):
     rows = store.read("samples", run_id="run").sort(KEY)
     # lengths 1..4 with max_len 4, cache 2: penalty 0 up to 2 tokens, -(3-2)/2 = -0.5 at 3, -(4-2)/2 = -1 at 4
     assert rows["reward"].to_list() == [2.0, 0.0, 2.0 - 0.5, 0.0 - 1.0] * 6
+
+
+class ReadsTheStoreMeanwhile:
+    """Delegates to a sampler; during each batch another process opens the store (no waiting) and counts its
+    problems, as `alignflow data stats` would while a stage samples."""
+
+    def __init__(self, sampler, store_path, subprocess_env):
+        self.sampler, self.store_path, self.env, self.counts = sampler, store_path, subprocess_env, []
+
+    def generate(self, prompts, **kwargs):
+        script = ("import sys; from pipeline_lib.store.db import open_store\n"
+                  "with open_store(sys.argv[1], read_only=True, wait=0) as store: print(store.count('problems'))")
+        reader = subprocess.run([sys.executable, "-c", script, str(self.store_path)], capture_output=True, text=True,
+                                env=self.env, timeout=120)
+        assert reader.returncode == 0, reader.stderr.strip().splitlines()[-1]
+        self.counts.append(int(reader.stdout))
+        return self.sampler.generate(prompts, **kwargs)
+
+
+def test_other_processes_read_the_store_while_a_batch_samples(workspace, store, problems, subprocess_env):
+    """The stage holds the store file (DuckDB lets one process have it) only between batches: a reader that would
+    have failed with 'in use by another alignflow process' reads it during every batch; the rows are all written."""
+    answers = dict(zip(problems["prompt"], problems["answer"]))
+    sampler = ReadsTheStoreMeanwhile(GoldEveryOtherSampler(answers), workspace.store_path, subprocess_env)
+    report = _sample(sampler, problems, store, batch_size=3)
+    assert sampler.counts == [problems.height] * 2 and report.n_rows == 6 * 4
 
 
 def test_crash_then_resume_equals_one_uninterrupted_run(workspace, tmp_path, problems, hf_sampler):
