@@ -438,6 +438,8 @@ def sample(
     temperature: float = typer.Option(1.0, "--temperature"),
     backend: str = typer.Option("hf", "--backend", help="hf | vllm"),
     max_problems: Optional[int] = typer.Option(None, "--max-problems"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code",
+                                           help="Run the model dir's own Python code (off by default)."),
 ) -> None:
     """N scored samples per problem into the samples table (resumable). The model is named by its absolute
     path, so the run and its `samples.policy` label are the same from any directory."""
@@ -447,6 +449,7 @@ def sample(
     cfg = validate_config(SampleConfig, {
         "model_path": str(model.resolve()), "problems_source": problems, "split": split, "n": n, "backend": backend,
         "max_new_tokens": max_new_tokens, "temperature": temperature, "max_problems": max_problems,
+        "trust_remote_code": trust_remote_code,
     }, origin="alignflow sample")
     require_model_dir(model)
     require_store(resolve_workspace().store_path)  # a workspace never ingested into holds no problems
@@ -510,6 +513,8 @@ def evaluate(
     ks: Optional[str] = typer.Option(None, "--ks", help="Comma-separated K values (<= n); default: the powers "
                                                           "of 2 up to n, and n."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code",
+                                           help="Run the model dir's own Python code (off by default)."),
 ) -> None:
     """Pass@K / Maj@K of a model on held-out problems."""
     from pipeline_lib.config import EvalConfig, validate_config
@@ -518,7 +523,7 @@ def evaluate(
     cfg = validate_config(EvalConfig, {
         "model_path": str(model.resolve()), "model_name": name, "problems_source": problems, "split": split, "n": n,
         "ks": None if ks is None else [k.strip() for k in ks.split(",") if k.strip()],  # the config parses them
-        "max_new_tokens": max_new_tokens,
+        "max_new_tokens": max_new_tokens, "trust_remote_code": trust_remote_code,
     }, origin="alignflow eval")
     require_model_dir(model)
     require_store(resolve_workspace().store_path)  # a workspace never ingested into holds no problems

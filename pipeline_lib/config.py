@@ -507,6 +507,9 @@ class SampleConfig(Config):
     another `n` is an error; its rows are not checked against the rest of the config."""
     policy_name: str | None = None
     """samples.policy label; None uses model_path."""
+    trust_remote_code: bool = False
+    """Allow model code shipped with the policy's or reward model's checkpoint (in process and in the started vLLM
+    server; off by default: it would run the checkpoint's Python)."""
 
     @model_validator(mode="after")
     def _check_backend_and_rewards(self):
@@ -893,6 +896,8 @@ class EvalConfig(Config):
     """Device of the hf backend."""
     batch_size: int = Field(32, ge=1)
     """Prompts per generate call."""
+    trust_remote_code: bool = False
+    """Allow model code shipped with the model's checkpoint (off by default: it would run the checkpoint's Python)."""
 
     @model_validator(mode="after")
     def _check_backend_and_ks(self):
@@ -924,7 +929,7 @@ class EvalConfig(Config):
             max_problems=self.max_problems, n=self.n, max_new_tokens=self.max_new_tokens,
             temperature=self.temperature, top_p=self.top_p, seed=self.seed, chat_template=self.chat_template,
             backend=self.backend, vllm_url=self.vllm_url, device=self.device, batch_size=self.batch_size,
-            policy_name=self.label,
+            policy_name=self.label, trust_remote_code=self.trust_remote_code,
         )
 
 

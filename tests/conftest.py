@@ -1,8 +1,11 @@
-"""Shared fixtures: offline settings, a fresh workspace per test, torch kept to the machine's cores."""
+"""Shared fixtures: offline settings, a fresh workspace per test, torch kept to the machine's cores, model classes
+and dirs that stand in for unusual checkpoints."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -86,5 +89,54 @@ def dropping():
 
         name = {"position_ids": "_DropsPositions", "attention_mask": "_DropsMask"}[argument]
         return type(name, (base,), {"forward": forward, "__module__": base.__module__})
+
+    return make
+
+
+REMOTE_CODE = """
+from pathlib import Path
+
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel, PreTrainedTokenizerFast
+
+Path({marker!r}).touch()
+
+
+class CustomConfig(LlamaConfig):
+    model_type = "alignflow_custom_llama"
+
+
+class CustomModel(LlamaModel):
+    config_class = CustomConfig
+
+
+class CustomForCausalLM(LlamaForCausalLM):
+    config_class = CustomConfig
+
+
+class CustomTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+@pytest.fixture(scope="session")
+def remote_code_copy():
+    """`remote_code_dir, marker = remote_code_copy(model_dir, out)`: a copy of a tiny Llama dir (a policy, or a reward
+    or value model on one) whose config and tokenizer load only through the dir's own `custom.py` (`auto_map`; Llama
+    subclasses of model_type `alignflow_custom_llama`), which creates the file `marker` when it is imported."""
+
+    def make(model_dir: Path, out: Path) -> tuple[Path, Path]:
+        shutil.copytree(model_dir, out)
+        marker = out.with_name(f"{out.name}.code-ran")
+        (out / "custom.py").write_text(REMOTE_CODE.format(marker=str(marker)))
+        config = json.loads((out / "config.json").read_text())
+        config["model_type"] = "alignflow_custom_llama"
+        config["auto_map"] = {"AutoConfig": "custom.CustomConfig", "AutoModel": "custom.CustomModel",
+                              "AutoModelForCausalLM": "custom.CustomForCausalLM"}
+        (out / "config.json").write_text(json.dumps(config))
+        tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+        tokenizer_config.update(tokenizer_class="CustomTokenizer",
+                                auto_map={"AutoTokenizer": [None, "custom.CustomTokenizer"]})
+        (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+        return out, marker
 
     return make

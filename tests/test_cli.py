@@ -25,6 +25,7 @@ def test_help_everywhere(tmp_path, command):
     assert result.returncode == 0, result.stderr
     assert "Usage" in result.stdout
     assert not (tmp_path / "ws").exists()  # asking for help creates no workspace
+    assert ("--trust-remote-code" in result.stdout) == (command in (["sample"], ["eval"]))  # off unless given
 
 
 @pytest.mark.parametrize("args, expected", [

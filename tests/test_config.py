@@ -581,3 +581,13 @@ def test_a_pipeline_evaluates_each_stage_with_its_eval_settings():
     assert type(sft_eval) is EvalConfig
     assert (sft_eval.model_path, sft_eval.label, sft_eval.n, sft_eval.ks, sft_eval.problems_source) == (
         "/ws/models/sft/abc/final", "sft", 4, (1, 4), "demo")
+
+
+def test_an_evaluation_samples_with_its_own_trust_remote_code():
+    """Off unless set; an eval config that sets it (`alignflow eval --trust-remote-code`, a pipeline's eval section)
+    hands it to the sampling run it reads."""
+    assert EvalConfig(model_path="m").sample_config.trust_remote_code is False
+    assert EvalConfig(model_path="m", trust_remote_code=True).sample_config.trust_remote_code is True
+    cfg = validate_config(PipelineConfig, {"base": {}, "sft": {"model_path": "from:base"},
+                                           "eval": {"trust_remote_code": True}})
+    assert cfg.eval_config("sft", "/ws/models/sft/abc/final").sample_config.trust_remote_code is True

@@ -191,23 +191,25 @@ def check_reward_specs(specs: Sequence[Mapping[str, Any]]) -> None:
 
 
 def build_reward(specs: Sequence[Mapping[str, Any]], *, reward_model_path: str | None = None,
-                 device: Any = "cpu", chat_prompts: bool = False) -> CombinedReward:
+                 device: Any = "cpu", chat_prompts: bool = False, trust_remote_code: bool = False) -> CombinedReward:
     """`combined_reward` of config specs, a `reward_model` component given a scorer of `reward_model_path`
-    on `device`; a bad spec is a one-line AlignflowError naming the rewards. `chat_prompts`: the prompts to
-    score are chat-rendered; a reward model trained on the other form gets a warning."""
+    on `device` (its checkpoint's own code runs only with `trust_remote_code`); a bad spec is a one-line
+    AlignflowError naming the rewards. `chat_prompts`: the prompts to score are chat-rendered; a reward model
+    trained on the other form gets a warning."""
     specs = [dict(spec) for spec in specs]
     for spec in specs:
         if spec.get("name") == "reward_model":
             from pipeline_lib.models import RewardModel, load_tokenizer
             from pipeline_lib.rewards.model import RewardModelScorer
 
-            model = RewardModel.from_pretrained(reward_model_path, device=device)
+            model = RewardModel.from_pretrained(reward_model_path, device=device, trust_remote_code=trust_remote_code)
             if model.chat_prompts is not None and model.chat_prompts != chat_prompts:
                 forms = ("plain-text", "chat-rendered")
                 warnings.warn(f"reward model {reward_model_path} was trained on {forms[model.chat_prompts]} prompts "
                               f"but scores {forms[chat_prompts]} ones here; set chat_template "
                               f"{str(model.chat_prompts).lower()} to match", RuntimeWarning, stacklevel=2)
-            spec["scorer"] = RewardModelScorer(model, load_tokenizer(reward_model_path))
+            tokenizer = load_tokenizer(reward_model_path, trust_remote_code=trust_remote_code)
+            spec["scorer"] = RewardModelScorer(model, tokenizer)
     try:
         return combined_reward(specs)
     except ValueError as exc:

@@ -39,11 +39,11 @@ class HFSampler:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "auto", dtype: str = "auto",
-                        add_special_tokens: bool = True) -> "HFSampler":
+                        add_special_tokens: bool = True, trust_remote_code: bool = False) -> "HFSampler":
         from pipeline_lib.models import load_policy, load_tokenizer
 
-        return cls(load_policy(path, dtype=dtype, device=device), load_tokenizer(path),
-                   add_special_tokens=add_special_tokens)
+        return cls(load_policy(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code),
+                   load_tokenizer(path, trust_remote_code=trust_remote_code), add_special_tokens=add_special_tokens)
 
     def _generation_kwargs(self, temperature: float, top_p: float) -> dict:
         """Explicit sampling settings: `generate` otherwise fills unset ones from the model's

@@ -231,7 +231,7 @@ def select_problems(store: Store, cfg: SampleConfig) -> pl.DataFrame:
 def build_reward_fn(cfg: SampleConfig) -> RewardFn:
     """The total of cfg.rewards' weighted sum (the per-component values are not stored per sample)."""
     combined = build_reward(cfg.rewards, reward_model_path=cfg.reward_model_path, device=cfg.device,
-                            chat_prompts=cfg.chat_template)
+                            chat_prompts=cfg.chat_template, trust_remote_code=cfg.trust_remote_code)
 
     def reward_fn(prompts: list[str], completions: list[str], *, answers: list[str | None],
                   lengths: list[int]) -> list[float]:
@@ -248,7 +248,8 @@ def open_sampler(cfg: SampleConfig) -> Iterator[Sampler]:
     if cfg.backend == "hf":
         from pipeline_lib.sampling.hf import HFSampler
 
-        yield HFSampler.from_pretrained(cfg.model_path, device=cfg.device, add_special_tokens=add_special_tokens)
+        yield HFSampler.from_pretrained(cfg.model_path, device=cfg.device, add_special_tokens=add_special_tokens,
+                                        trust_remote_code=cfg.trust_remote_code)
         return
     from pipeline_lib.sampling.vllm import VLLMSampler, VLLMServer
 
@@ -263,7 +264,8 @@ def open_sampler(cfg: SampleConfig) -> Iterator[Sampler]:
         finally:
             sampler.close()
         return
-    with VLLMServer(cfg.model_path, max_model_len=cfg.vllm_max_model_len) as server:
+    with VLLMServer(cfg.model_path, max_model_len=cfg.vllm_max_model_len,
+                    trust_remote_code=cfg.trust_remote_code) as server:
         sampler = server.sampler(add_special_tokens=add_special_tokens)
         try:
             yield sampler
@@ -271,11 +273,11 @@ def open_sampler(cfg: SampleConfig) -> Iterator[Sampler]:
             sampler.close()
 
 
-def chat_renderer(model_path: str) -> Callable[[str], str]:
+def chat_renderer(model_path: str, *, trust_remote_code: bool = False) -> Callable[[str], str]:
     """Prompt -> the tokenizer's chat template applied to one user turn, opening the assistant turn."""
     from pipeline_lib.models import load_tokenizer
 
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
     if not tokenizer.chat_template:
         raise SamplingError(f"chat_template=True but the tokenizer in {model_path} has no chat template")
 
@@ -292,7 +294,8 @@ def run_sample_stage(cfg: SampleConfig, store: Store, *, log: LogFn = no_log, pr
     with ExitStack() as stack:
         with store.released():  # other processes may read the store while the models load (a vLLM server starts)
             reward_fn = build_reward_fn(cfg)
-            render = chat_renderer(cfg.model_path) if cfg.chat_template else None
+            render = (chat_renderer(cfg.model_path, trust_remote_code=cfg.trust_remote_code)
+                      if cfg.chat_template else None)
             sampler = stack.enter_context(open_sampler(cfg))
         return sample_problems(
             sampler, problems, store, run_id=sample_run_id(cfg, problems["problem_id"].to_list()), n=cfg.n,

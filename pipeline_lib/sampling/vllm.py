@@ -230,7 +230,8 @@ class VLLMServer:
     It runs in its own process group (`start_new_session`): the engine's worker processes survive a
     SIGKILL of the API process otherwise. Stop = SIGTERM to the group, SIGKILL after `stop_timeout`.
     `weight_updates` exposes the reload routes; `nccl_weight_transfer` also enables vLLM's NCCL weight
-    transfer (GPU only; `cuda_devices` keeps the server off the trainer's GPU)."""
+    transfer (GPU only; `cuda_devices` keeps the server off the trainer's GPU). The model dir's own code runs only
+    with `trust_remote_code`."""
 
     def __init__(
         self,
@@ -245,6 +246,7 @@ class VLLMServer:
         nccl_weight_transfer: bool = False,
         cuda_devices: str | None = None,
         extra_args: Sequence[str] = (),
+        trust_remote_code: bool = False,
         startup_timeout: float = 300.0,
         stop_timeout: float = 30.0,
         log_path: str | Path | None = None,
@@ -266,6 +268,7 @@ class VLLMServer:
         self.nccl_weight_transfer = nccl_weight_transfer
         self.cuda_devices = cuda_devices
         self.extra_args = list(extra_args)
+        self.trust_remote_code = trust_remote_code
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.log_path = Path(log_path) if log_path else \
@@ -295,6 +298,8 @@ class VLLMServer:
             cmd.append("--enforce-eager")  # no CUDA graphs on CPU; eager is no slower there
         if self.nccl_weight_transfer:  # the trainer pushes tensors by NCCL (sampling/weight_transfer.py)
             cmd += ["--weight-transfer-config", '{"backend": "nccl"}']
+        if self.trust_remote_code:  # the model dir's own Python, as load_policy(trust_remote_code=True) runs it
+            cmd.append("--trust-remote-code")
         return cmd + self.extra_args
 
     def start(self) -> "VLLMServer":

@@ -201,7 +201,7 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                           trust_remote_code=cfg.trust_remote_code).eval()
         ref.requires_grad_(False)
     reward_fn = build_reward(cfg.rewards, reward_model_path=cfg.reward_model_path, device=device,
-                             chat_prompts=any(templated))
+                             chat_prompts=any(templated), trust_remote_code=cfg.trust_remote_code)
     policy_loss = LOSSES[cfg.loss]
     mini_batch = min(cfg.mini_batch_size or cfg.rows_per_step, cfg.rows_per_step)
     optimizer = make_optimizer(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -220,7 +220,8 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
 
     with open_policy_sampler(cfg.backend, policy, tokenizer, sync_dir=out_dir / "vllm_sync",
                              add_special_tokens=add_special_tokens,
-                             vllm_max_model_len=cfg.vllm_max_model_len) as (sampler, sync):
+                             vllm_max_model_len=cfg.vllm_max_model_len,
+                             trust_remote_code=cfg.trust_remote_code) as (sampler, sync):
         for step in range(start_step, cfg.max_steps):
             step_started = time.perf_counter()
             # ---- rollout: G samples per prompt from θ_old; dynamic sampling keeps informative groups, refills

@@ -135,11 +135,13 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
     # an RM scores the prompt as the policy read it (chat-rendered with chat_template, as the RM stage renders
     # chat-shaped pairs) + the completion, in its own tokens; the sampling stage scores the same text
     reward_fn = build_reward(cfg.rewards, reward_model_path=cfg.reward_model_path, device=device,
-                             chat_prompts=any(templated))
+                             chat_prompts=any(templated), trust_remote_code=cfg.trust_remote_code)
     critic_path = cfg.reward_model_path if cfg.critic_init == "reward_model" else cfg.policy_path
-    if cfg.critic_init == "reward_model" and load_tokenizer(critic_path).get_vocab() != tokenizer.get_vocab():
-        raise AlignflowError(f"critic_init=reward_model: the tokenizer of {cfg.reward_model_path} differs from the "
-                             "policy's, so its backbone cannot read the rollouts; use critic_init=policy")
+    if cfg.critic_init == "reward_model":
+        critic_tokenizer = load_tokenizer(critic_path, trust_remote_code=cfg.trust_remote_code)
+        if critic_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise AlignflowError(f"critic_init=reward_model: the tokenizer of {cfg.reward_model_path} differs from "
+                                 "the policy's, so its backbone cannot read the rollouts; use critic_init=policy")
     critic = ValueModel.from_policy(critic_path, dtype="float32", device=device,
                                     trust_remote_code=cfg.trust_remote_code).eval()
     # the policy, its reference and the critic read each rollout whole: it must fit the fewest positions of them (a
@@ -168,7 +170,8 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
 
     with open_policy_sampler(cfg.backend, policy, tokenizer, sync_dir=out_dir / "vllm_sync",
                              add_special_tokens=add_special_tokens,
-                             vllm_max_model_len=cfg.vllm_max_model_len) as (sampler, sync):
+                             vllm_max_model_len=cfg.vllm_max_model_len,
+                             trust_remote_code=cfg.trust_remote_code) as (sampler, sync):
         for step, indices in prompt_stream:
             if step >= cfg.max_steps:
                 break

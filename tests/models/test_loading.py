@@ -14,6 +14,11 @@ from safetensors.torch import save_file
 
 from pipeline_lib.models import RewardModel, ValueModel, build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.models.loading import ModelLoadError, resolve_device, resolve_dtype, save_model
+from pipeline_lib.rewards.registry import build_reward
+from pipeline_lib.sampling.hf import HFSampler
+from pipeline_lib.sampling.stage import chat_renderer
+from pipeline_lib.sampling.vllm import VLLMServer
+from pipeline_lib.train.rollout import open_policy_sampler
 
 CORPUS = ["12+34=46", "07+93=100", "hello world"]
 
@@ -125,7 +130,9 @@ def test_dir_without_config_or_weights_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("loader", [load_policy, load_tokenizer, RewardModel.from_policy,
-                                    RewardModel.from_pretrained, ValueModel.from_policy, ValueModel.from_pretrained])
+                                    RewardModel.from_pretrained, ValueModel.from_policy, ValueModel.from_pretrained,
+                                    build_reward, HFSampler.from_pretrained, chat_renderer, VLLMServer,
+                                    open_policy_sampler])
 def test_trust_remote_code_defaults_false(loader):
     assert inspect.signature(loader).parameters["trust_remote_code"].default is False
 

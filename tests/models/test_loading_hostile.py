@@ -108,7 +108,8 @@ def test_every_stage_config_keeps_remote_code_off_by_default():
     configs = [obj for obj in vars(config_module).values()
                if isinstance(obj, type) and issubclass(obj, BaseModel) and "trust_remote_code" in obj.model_fields]
     names = {cls.__name__ for cls in configs}
-    assert {"SFTConfig", "RMConfig", "DPOConfig", "GRPOConfig", "DAPOConfig", "PPOConfig"} <= names
+    assert {"SFTConfig", "RMConfig", "DPOConfig", "GRPOConfig", "DAPOConfig", "PPOConfig", "SampleConfig", "EvalConfig",
+            "PipelineEvalConfig"} <= names
     assert all(cls.model_fields["trust_remote_code"].default is False for cls in configs)
     # no config can allow pickle weights at all: only a caller of the library can
     assert not [cls for cls in vars(config_module).values()

@@ -7,6 +7,8 @@ import math
 import pytest
 
 from pipeline_lib.errors import AlignflowError
+from pipeline_lib.model_dirs import ModelLoadError
+from pipeline_lib.models import RewardModel, build_tiny_model, load_tokenizer
 from pipeline_lib.rewards import registry
 from pipeline_lib.rewards.registry import REWARDS, build_reward, combined_reward, register_reward
 
@@ -121,3 +123,21 @@ def test_build_reward_sums_weighted_components():
     total, parts = reward(["1+1="] * 2, ["2", "3"], answers=["2", "2"], lengths=[1, 4])
     assert parts["verifier"] == [1.0, 0.0] and parts["overlong"] == [0.0, -1.0]
     assert total == [2.0, -1.0]
+
+
+def test_a_reward_model_with_its_own_code_loads_only_with_trust_remote_code(tmp_path, remote_code_copy):
+    """A reward model dir whose backbone and tokenizer are its own code: refused in one line and the code never runs,
+    unless the stage sets trust_remote_code; then it scores as the same weights under the stock classes do."""
+    tiny = build_tiny_model(tmp_path / "tiny", ["12+34=46", "hello world"])
+    plain = RewardModel.from_policy(tiny, device="cpu", seed=1).save_pretrained(tmp_path / "rm", load_tokenizer(tiny))
+    remote, marker = remote_code_copy(plain, tmp_path / "rm-remote")
+    specs = [{"name": "reward_model"}]
+    with pytest.raises(ModelLoadError, match="contains custom code") as refused:
+        build_reward(specs, reward_model_path=str(remote))
+    assert "\n" not in str(refused.value) and not marker.exists()
+    texts = (["12+34="] * 2, ["46", "hello"])
+    scored, _ = build_reward(specs, reward_model_path=str(remote), trust_remote_code=True)(
+        *texts, answers=[None] * 2, lengths=[1, 1])
+    assert marker.exists()
+    stock, _ = build_reward(specs, reward_model_path=str(plain))(*texts, answers=[None] * 2, lengths=[1, 1])
+    assert scored == pytest.approx(stock, abs=1e-5)

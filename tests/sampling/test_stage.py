@@ -12,6 +12,8 @@ import pytest
 
 from pipeline_lib.config import SampleConfig
 from pipeline_lib.errors import AlignflowError
+from pipeline_lib.model_dirs import ModelLoadError
+from pipeline_lib.models import RewardModel, load_tokenizer
 from pipeline_lib.sampling.base import Completion, SamplingError
 from pipeline_lib.sampling.stage import (
     build_reward_fn,
@@ -237,3 +239,28 @@ def test_bad_inputs_are_one_line_errors(store, tiny_model_dir):
         build_reward_fn(SampleConfig.model_construct(model_path="m", rewards=[{"name": "bleu"}]))
     with pytest.raises(SamplingError, match=r"missing column\(s\) \['answer'\]"):
         _sample(GoldEveryOtherSampler({}), pl.DataFrame({"problem_id": ["a"], "prompt": ["1+1="]}), store)
+
+
+def test_a_policy_and_reward_model_with_their_own_code_sample_only_with_trust_remote_code(store, tiny_model_dir,
+                                                                                           tmp_path, remote_code_copy):
+    """The hf backend's policy (model, tokenizer, chat template) and the reward model scoring its samples load
+    through their dirs' own code: refused in one line, the code never run and no row written, unless the config
+    sets trust_remote_code; then the rows are those of the same weights under the stock classes."""
+    rm = RewardModel.from_policy(tiny_model_dir, device="cpu", seed=1).save_pretrained(tmp_path / "rm",
+                                                                                     load_tokenizer(tiny_model_dir))
+    policy, policy_ran = remote_code_copy(tiny_model_dir, tmp_path / "policy")
+    reward_model, rm_ran = remote_code_copy(rm, tmp_path / "rm-remote")
+    settings = dict(max_problems=2, n=2, max_new_tokens=4, chat_template=True, device="cpu",
+                    rewards=({"name": "verifier"}, {"name": "reward_model"}))
+    remote = SampleConfig(model_path=str(policy), reward_model_path=str(reward_model), **settings)
+    with pytest.raises(ModelLoadError, match="contains custom code") as refused:
+        run_sample_stage(remote, store, progress=False)
+    assert "\n" not in str(refused.value) and not policy_ran.exists() and not rm_ran.exists()
+    assert store.count("samples") == 0
+    trusted = run_sample_stage(remote.model_copy(update={"trust_remote_code": True}), store, progress=False)
+    assert policy_ran.exists() and rm_ran.exists() and trusted.n_rows == 4
+    stock = run_sample_stage(SampleConfig(model_path=str(tiny_model_dir), reward_model_path=str(rm), **settings), store,
+                             progress=False)
+    rows = [store.read("samples", run_id=report.run_id).sort(KEY) for report in (trusted, stock)]
+    assert rows[0]["completion"].to_list() == rows[1]["completion"].to_list()
+    assert rows[0]["reward"].to_list() == pytest.approx(rows[1]["reward"].to_list(), abs=1e-5)

@@ -200,6 +200,8 @@ def test_missing_env_and_bad_model_dir_are_one_line_errors(tiny_model_dir, tmp_p
 def test_the_server_reads_safetensors_only(tiny_model_dir, tmp_path):
     """vLLM's default load format would read *.bin pickles: the dir is checked and the format pinned."""
     assert "--load-format safetensors" in " ".join(VLLMServer(tiny_model_dir, python=sys.executable).command())
+    assert "--trust-remote-code" not in VLLMServer(tiny_model_dir, python=sys.executable).command()  # only when asked
+    assert "--trust-remote-code" in VLLMServer(tiny_model_dir, python=sys.executable, trust_remote_code=True).command()
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     (pickled / "config.json").write_bytes((tiny_model_dir / "config.json").read_bytes())

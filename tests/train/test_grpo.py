@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from pipeline_lib.config import ConfigError, DAPOConfig, GRPOConfig, validate_config
 from pipeline_lib.errors import AlignflowError
+from pipeline_lib.model_dirs import ModelLoadError
 from pipeline_lib.models import RewardModel, build_tiny_model, load_policy, load_tokenizer, sequence_logprobs
 from pipeline_lib.rewards.registry import combined_reward
 from pipeline_lib.sampling import Completion, SamplingError
@@ -527,3 +528,17 @@ def test_a_prompt_longer_than_the_context_is_refused_before_step_1(tiny, problem
                                              r".* has 256 tokens \+ max_new_tokens 6 > 256; leave them out of the "
                                              r"data \(the longest has 256 tokens\)$"):
         train_grpo(dapo_config(tiny), data, tmp_path / "out")
+
+
+def test_a_policy_and_reward_model_with_their_own_code_train_only_with_trust_remote_code(tiny, reward_model, problems,
+                                                                                         tmp_path, remote_code_copy):
+    """The policy and the reward model scoring its rollouts load through their dirs' own code: refused in one line,
+    the code never run, unless the config sets trust_remote_code."""
+    policy, policy_ran = remote_code_copy(tiny, tmp_path / "policy")
+    rm, rm_ran = remote_code_copy(reward_model, tmp_path / "rm-remote")
+    cfg = small_config(policy, max_steps=1, reward_model_path=str(rm), rewards=({"name": "reward_model"},))
+    with pytest.raises(ModelLoadError, match="contains custom code") as refused:
+        train_grpo(cfg, problems, tmp_path / "refused")
+    assert "\n" not in str(refused.value) and not policy_ran.exists() and not rm_ran.exists()
+    assert train_grpo(cfg.model_copy(update={"trust_remote_code": True}), problems, tmp_path / "trusted").is_dir()
+    assert policy_ran.exists() and rm_ran.exists()

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from pipeline_lib.config import PPOConfig
 from pipeline_lib.errors import AlignflowError
+from pipeline_lib.model_dirs import ModelLoadError
 from pipeline_lib.models import RewardModel, ValueModel, build_tiny_model, load_tokenizer
 from pipeline_lib.sampling import SamplingError
 from pipeline_lib.store.db import open_store
@@ -261,3 +262,21 @@ def test_rollout_prompts_of_pairs_are_one_per_conversation_not_per_display_text(
                               for m in prompts["prompt_messages"].to_list() if m is not None)
             user_turn = [json.dumps([{"role": "user", "content": "plain"}])] if chat_template else []
             assert messages == sorted([json.dumps(turns), json.dumps(one_turn), *user_turn])
+
+
+def test_models_with_their_own_code_train_only_with_trust_remote_code(tiny, reward_model, problems, tmp_path,
+                                                                      remote_code_copy):
+    """A reward model dir of its own code as the critic only (critic_init reward_model, verifier reward): its
+    tokenizer, compared with the policy's, and its backbone load only with trust_remote_code, refused in one line
+    otherwise with the code never run; with it, a policy of its own code and that reward model scoring train too."""
+    rm, rm_ran = remote_code_copy(reward_model, tmp_path / "rm-remote")
+    critic_only = small_config(tiny, rm, max_steps=1, rewards=[{"name": "verifier"}])
+    with pytest.raises(ModelLoadError, match="contains custom code") as refused:
+        train_ppo(critic_only, problems, tmp_path / "refused")
+    assert "\n" not in str(refused.value) and not rm_ran.exists()
+    assert train_ppo(critic_only.model_copy(update={"trust_remote_code": True}), problems, tmp_path / "critic").is_dir()
+    assert rm_ran.exists()
+    policy, policy_ran = remote_code_copy(tiny, tmp_path / "policy")
+    scored = small_config(policy, rm, max_steps=1, trust_remote_code=True)
+    assert scored.rewards[0]["name"] == "reward_model" and train_ppo(scored, problems, tmp_path / "scored").is_dir()
+    assert policy_ran.exists()
