@@ -415,7 +415,13 @@ def run(
             cfg.check_force(force)
         except ConfigError as exc:
             fail(f"{config}: {exc}")
+    if stage not in ("ingest", "pipeline"):  # a mistyped --workspace holds no store: refused, not created
+        from pipeline_lib.store.db import require_store
+
+        require_store(resolve_workspace().store_path)
     with run_lock():
+        if stage not in ("ingest", "prepare", "pipeline"):
+            require_stored_rows(cfg)
         stage_flow = load_flow(stage)
         if stage == "pipeline":
             outputs = stage_flow(cfg, force=tuple(force))
@@ -454,7 +460,7 @@ def sample(
     require_model_dir(model)
     require_store(resolve_workspace().store_path)  # a workspace never ingested into holds no problems
     with run_lock():
-        require_problems(cfg)
+        require_stored_rows(cfg)
         sample_and_echo(load_flow("sample"), cfg)
 
 
@@ -478,13 +484,18 @@ def samples_held() -> int:
         return store.count("samples")
 
 
-def require_problems(cfg) -> None:
-    """--problems and --split of `sample` and `eval`: problems the store holds, checked under the run lock before
-    Prefect starts (a mistyped source failed only after Prefect's server had booted, leaving a failed run)."""
+def require_stored_rows(cfg) -> None:
+    """The store rows a stage config selects (`--problems`/`--split` of `sample` and `eval`, a stage config's
+    `source`, `problems_source` and `split`), checked under the run lock before Prefect starts: a mistyped source
+    failed only after Prefect's server had booted, leaving a failed run. A stage reading a sampling run is left to
+    the stage."""
     from pipeline_lib.config import stored_selection
     from pipeline_lib.store.db import open_store
 
-    table, where = stored_selection(cfg)
+    selection = stored_selection(cfg)
+    if selection is None:
+        return
+    table, where = selection
     with open_store(resolve_workspace().store_path, read_only=True) as store:
         store.check_selected(table, **where)
 
@@ -528,7 +539,7 @@ def evaluate(
     require_model_dir(model)
     require_store(resolve_workspace().store_path)  # a workspace never ingested into holds no problems
     with run_lock():
-        require_problems(cfg)
+        require_stored_rows(cfg)
         echo_result("eval", load_flow("eval")(cfg))
 
 

@@ -383,6 +383,33 @@ def test_sample_and_eval_refuse_problems_the_store_does_not_hold_before_prefect_
         "mlartifacts", "models", "prefect", "run.lock", "store.duckdb"]
 
 
+def test_a_stage_run_refuses_a_workspace_without_a_store_and_rows_it_does_not_hold_before_prefect_starts(tmp_path):
+    """`run sft` on a mistyped --workspace created a new one and failed 47 s later (Prefect booted) with a message
+    that did not name it; a mistyped `source` failed after Prefect had started. Both are one line now, with no
+    Prefect server booted; a stage reading a sampling run leaves it to the stage."""
+    from pipeline_lib.models import build_tiny_model
+    from pipeline_lib.store.db import open_store
+    from pipeline_lib.store.ingest import ingest_file
+
+    model = build_tiny_model(tmp_path / "m", ["1+2=3"], hidden_size=32, num_layers=1)
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"model_path: {model}\ndata: problems\nsource: dmeo\n")
+    workspace = tmp_path / "typo"
+    result = alignflow("run", "sft", "-c", str(config), workspace=workspace)
+    assert (result.returncode, result.stderr.strip()) == (
+        2, f"error: no store at {workspace / 'store.duckdb'}; run `alignflow ingest` first")
+    assert not workspace.exists()
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    with open_store(workspace / "store.duckdb") as store:
+        ingest_file(DATA / "demo" / "problems.jsonl", store, source="demo")
+    result = alignflow("run", "sft", "-c", str(config), workspace=workspace)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: no problems rows in the store with source='dmeo', split='train'; it holds "
+                                     "source='demo', split='test': 200 rows; source='demo', split='train': 9800 rows")
+    assert not (workspace / "prefect" / "prefect.db").exists() and not (workspace / "mlflow.db").exists()
+
+
 def test_forcing_a_stage_the_preset_does_not_run_is_one_line(tmp_path):
     preset = tmp_path / "p.yaml"
     preset.write_text("base: {corpus_sources: [demo]}\nsft: {model_path: 'from:base'}\n")
