@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError,
+                      model_validator)
 
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.sampling.base import MIN_TEMPERATURE
@@ -36,6 +37,19 @@ def _greedy_or_sampled(temperature: float) -> float:
 
 # a sampling run's temperature (0 = greedy); an RL rollout's must sample: Field(ge=MIN_TEMPERATURE)
 SamplingTemperature = Annotated[float, Field(ge=0), AfterValidator(_greedy_or_sampled)]
+
+
+def _auto_or_count(value: object) -> object:
+    if value == "auto":
+        return value
+    count = int(value) if isinstance(value, str) and value.strip().isdigit() else value  # a UI parameter's text
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count < INT_LIMIT:
+        raise ValueError(f"expected 'auto' or an integer >= 1, got {value!r}")
+    return count
+
+
+# a training stage's torchrun processes: `auto` or a count
+Processes = Annotated[int | Literal["auto"], BeforeValidator(_auto_or_count)]
 
 
 class ConfigError(AlignflowError, ValueError):
@@ -331,6 +345,11 @@ class TrainLoopConfig(Config):
     """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
     trust_remote_code: bool = False
     """Allow model code shipped with a hub checkpoint (off by default: it would run the checkpoint's Python)."""
+    processes: Processes = "auto"
+    """torchrun processes the stage trains in (DDP: each takes batch_size / processes rows of every update).
+    `auto`: one per visible CUDA GPU when `device` is `auto` or `cuda` and more than one is visible, else 1 (in
+    this process); an int >= 1 is used as given (2 on CPU trains on gloo, as the tests do). Not part of the
+    stage's keys: the result is the same up to float rounding (`KEEPING_FIELDS`)."""
 
     @model_validator(mode="after")
     def _accumulation_divides_batch(self):
@@ -958,9 +977,10 @@ MODEL_FIELDS = ("model_path", "policy_path", "reward_model_path")  # the referen
 FORCEABLE = (*STAGE_ORDER, "eval")  # what a pipeline run's `force` may name
 
 
-KEEPING_FIELDS = frozenset({"save_every"})
-"""Config fields that change how a run is kept, not what it trains or logs. (`log_every` and `eval_every` change the
-run's logged curves: they stay in its keys.)"""
+KEEPING_FIELDS = frozenset({"save_every", "processes"})
+"""Config fields that change how a run is kept or where it runs, not what it trains or logs (`processes`: the same
+updates up to float rounding; a checkpoint resumed under another world size says so). (`log_every` and
+`eval_every` change the run's logged curves: they stay in its keys.)"""
 
 
 def config_key(cfg: BaseModel) -> str:
