@@ -4,12 +4,14 @@ the process that launched them is killed or interrupted."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import polars as pl
@@ -83,9 +85,13 @@ def test_torchrun_and_its_workers_end_with_the_process_that_launched_them(tiny, 
     """A launcher SIGKILLed takes torchrun along (PR_SET_PDEATHSIG) and torchrun its workers; one interrupted
     (Ctrl-C: SIGINT, KeyboardInterrupt) that lives on has stopped torchrun and its workers. Either way no process
     of the stage is left."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # TMPDIR: the run dir that a SIGKILLed launcher cannot remove stays under the test's dir
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tiny), str(tmp_path / "out")], env=env, cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    stage: list[psutil.Process] = []
+    watchdog = threading.Timer(150, launcher.kill)  # a launcher that hangs ends its output: the reads below end
+    watchdog.start()
     try:
         for line in launcher.stdout:
             if line.startswith("step 1 |"):  # rank 0's metrics reached the launcher: every process is up
@@ -100,7 +106,11 @@ def test_torchrun_and_its_workers_end_with_the_process_that_launched_them(tiny, 
         _, alive = psutil.wait_procs(stage, timeout=30)
         assert not alive
         assert (launcher.poll() is None) == (ending == signal.SIGINT)
-    finally:
+    finally:  # a failed check leaves nothing running either
+        watchdog.cancel()
+        for process in stage:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
         launcher.kill()
         launcher.wait()
         launcher.stdout.close()
