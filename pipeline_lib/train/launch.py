@@ -11,12 +11,15 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
 import polars as pl
 import torch
+import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from pipeline_lib.config import REPO_ROOT, DPOConfig, RMConfig, SFTConfig
 from pipeline_lib.errors import AlignflowError
@@ -57,8 +60,8 @@ def train_stage(train: Callable[..., Path], cfg: TrainConfig, frames: Mapping[st
 
 def train_in_processes(module: str, cfg: TrainConfig, frames: Mapping[str, pl.DataFrame], out_dir: Path,
                        log: LogFn, *, processes: int, **options: str | Path) -> Path:
-    """`torchrun --standalone --nproc_per_node <processes> -m <module> --config run.json --metrics metrics.jsonl`,
-    the run file (config, frames, options) and the metrics file in a temp dir of their own. Rank 0's metrics go to
+    """`torchrun --standalone --nproc_per_node <processes> -m <module> --config run.json --metrics metrics.jsonl`
+    (`run_torchrun`), the run file (config, frames, options) and the metrics file in a temp dir of their own. Rank 0's metrics go to
     `log` as they come, at full precision; the workers' other output passes through to this process's. torchrun
     runs with this process's `pipeline_lib` first on its path (the same code trains), in a session of its own (a
     Ctrl-C reaches this process alone), and dies with this thread (PR_SET_PDEATHSIG; its workers die with it);
@@ -72,7 +75,7 @@ def train_in_processes(module: str, cfg: TrainConfig, frames: Mapping[str, pl.Da
         out_lines: deque[str] = deque(maxlen=KEPT_LINES)
         err_lines: deque[str] = deque(maxlen=KEPT_LINES)
         with subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+                [sys.executable, "-m", __name__, "--standalone", "--nproc_per_node", str(processes),
                  "-m", module, "--config", str(run_file), "--metrics", str(metrics)],
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)}, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=die_with_parent()) as agent:
@@ -134,3 +137,20 @@ def _stop(agent: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         agent.kill()
         agent.wait()
+
+
+def run_torchrun(argv: Sequence[str] | None = None) -> None:
+    """torchrun (`torch.distributed.run`) less the traceback of the exception that ends it when a worker failed or
+    a signal stopped it (after it stopped its workers): the workers print their own `error: ...` line and torchrun
+    logs each failed rank's exit code, so the traceback of torchrun's own code only hid them. Exit 1, or 128 + the
+    signal."""
+    try:
+        torchrun.run(torchrun.parse_args(argv))
+    except ChildFailedError:
+        sys.exit(1)
+    except SignalException as exc:
+        sys.exit(128 + exc.sigval)
+
+
+if __name__ == "__main__":
+    run_torchrun()
