@@ -607,9 +607,11 @@ def run_main(config_cls: type[C], train: Callable[..., Path], argv: Sequence[str
         cfg, frames, out_dir, options = read_run_file(args.config, config_cls)
         final = train(cfg, **frames, out_dir=out_dir, log=log, **options)
     except AlignflowError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        # one write per line (print writes its end apart): torchrun's workers (`python -u`) share its pipes, and
+        # `train.launch` reads these lines whole
+        print(f"error: {exc}\n", end="", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    print(f"{FINAL_LINE}{final}", flush=True)
+    print(f"{FINAL_LINE}{final}\n", end="", flush=True)
