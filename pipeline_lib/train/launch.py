@@ -61,12 +61,12 @@ def train_stage(train: Callable[..., Path], cfg: TrainConfig, frames: Mapping[st
 def train_in_processes(module: str, cfg: TrainConfig, frames: Mapping[str, pl.DataFrame], out_dir: Path,
                        log: LogFn, *, processes: int, **options: str | Path) -> Path:
     """`torchrun --standalone --nproc_per_node <processes> -m <module> --config run.json --metrics metrics.jsonl`
-    (`run_torchrun`), the run file (config, frames, options) and the metrics file in a temp dir of their own. Rank 0's metrics go to
-    `log` as they come, at full precision; the workers' other output passes through to this process's. torchrun
-    runs with this process's `pipeline_lib` first on its path (the same code trains), in a session of its own (a
-    Ctrl-C reaches this process alone), and dies with this thread (PR_SET_PDEATHSIG; its workers die with it);
-    an interrupt here (KeyboardInterrupt, a failing `log`) stops it before it propagates. A non-zero exit is a
-    one-line TrainLaunchError. Returns the final model dir that the workers printed."""
+    (`run_torchrun`), the run file (config, frames, options) and the metrics file in a temp dir of their own.
+    Rank 0's metrics go to `log` as they come, at full precision; the workers' other output passes through to this
+    process's. torchrun runs with this process's `pipeline_lib` first on its path (the same code trains), in a
+    session of its own (a Ctrl-C reaches this process alone), and dies with this thread (PR_SET_PDEATHSIG; its
+    workers die with it); an interrupt here (KeyboardInterrupt, a failing `log`) stops it before it propagates. A
+    non-zero exit is a one-line TrainLaunchError. Returns the final model dir that the workers printed."""
     with tempfile.TemporaryDirectory(prefix="alignflow-torchrun-") as tmp:
         run_file = write_run_file(Path(tmp) / "run.json", cfg, frames, out_dir, **options)
         metrics = Path(tmp) / "metrics.jsonl"
