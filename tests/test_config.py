@@ -602,4 +602,3 @@ def test_a_pipeline_evaluates_each_stage_with_its_eval_settings():
     assert type(sft_eval) is EvalConfig
     assert (sft_eval.model_path, sft_eval.label, sft_eval.n, sft_eval.ks, sft_eval.problems_source) == (
         "/ws/models/sft/abc/final", "sft", 4, (1, 4), "demo")
-
