@@ -1,7 +1,7 @@
-"""Training tasks (SFT, reward model, DPO): store tables in, a final model dir out, metrics and the model to
-MLflow, the key result as a Prefect artifact. Cached on the config and the inputs' fingerprint (a rerun of an
-unchanged stage is a Prefect cache hit); retries=0: a rerun after a crash resumes from the stage's checkpoint;
-force drops the stage dir and retrains."""
+"""Training tasks (SFT, reward model, DPO): store tables in, a final model dir out (trained in this process or
+under torchrun, `train.launch.train_stage`), metrics and the model to MLflow, the key result as a Prefect
+artifact. Cached on the config and the inputs' fingerprint (a rerun of an unchanged stage is a Prefect cache hit);
+retries=0: a rerun after a crash resumes from the stage's checkpoint; force drops the stage dir and retrains."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pipeline_lib.store.db import open_store
 from pipeline_lib.train.common import final_metrics
 from pipeline_lib.train.data import stage_dir
 from pipeline_lib.train.dpo import load_dpo_data, train_dpo
+from pipeline_lib.train.launch import train_stage
 from pipeline_lib.train.rm import load_rm_data, train_rm
 from pipeline_lib.train.sft import load_sft_data, train_sft
 from tasks.common import CACHED, artifact_key, current_workspace, run_tags
@@ -99,7 +100,7 @@ def sft_task(cfg: SFTConfig, inputs_fingerprint: str = "", force: bool = False) 
         shutil.rmtree(out_dir, ignore_errors=True)
     history: list[tuple[int, dict[str, float]]] = []
     with tracking.stage_run(workspace, stage, cfg, tags=run_tags(inputs_fingerprint)) as log:
-        final = train_sft(cfg, rows, out_dir, log=recording(log, history), eval_rows=eval_rows)
+        final = train_stage(train_sft, cfg, {"rows": rows, "eval_rows": eval_rows}, out_dir, recording(log, history))
         tracking.log_model(final)
         log_curves(history, SFT_CURVES, f"{stage}_curves.png")
     metrics = {**final_metrics(final), "data/rows": float(rows.height)}
@@ -119,7 +120,7 @@ def rm_task(cfg: RMConfig, inputs_fingerprint: str = "", force: bool = False) ->
         shutil.rmtree(out_dir, ignore_errors=True)
     history: list[tuple[int, dict[str, float]]] = []
     with tracking.stage_run(workspace, "rm", cfg, tags=run_tags(inputs_fingerprint)) as log:
-        final = train_rm(cfg, data, out_dir, log=recording(log, history))
+        final = train_stage(train_rm, cfg, {"data": data}, out_dir, recording(log, history))
         tracking.log_model(final)
         log_curves(history, RM_CURVES, "rm_curves.png")
     create_markdown_artifact(result_table(f"Reward model ({cfg.loss}) -> {final}", final_metrics(final),
@@ -139,7 +140,8 @@ def dpo_task(cfg: DPOConfig, inputs_fingerprint: str = "", force: bool = False) 
     keys = ["eval/pref_accuracy", "eval/logp_margin"]
     history: list[tuple[int, dict[str, float]]] = []
     with tracking.stage_run(workspace, "dpo", cfg, tags=run_tags(inputs_fingerprint)) as log:
-        final = train_dpo(cfg, pairs, out_dir, log=recording(log, history), cache_dir=workspace.root / "cache")
+        final = train_stage(train_dpo, cfg, {"pairs": pairs}, out_dir, recording(log, history),
+                            cache_dir=workspace.root / "cache")
         tracking.log_model(final)
         metrics = final_metrics(final)
         tracking.log_figure(before_after_figure(metrics, keys), "dpo_before_after.png")

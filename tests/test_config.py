@@ -21,6 +21,7 @@ from pipeline_lib.config import (
     SampleConfig,
     SFTConfig,
     TinyModelConfig,
+    config_key,
     load_config,
     load_yaml,
     validate_config,
@@ -266,6 +267,26 @@ def test_booleans_take_only_true_or_false_and_integers_only_integers(model, data
 def test_every_training_stage_takes_deterministic_off_by_default(model, required):
     assert validate_config(model, required).deterministic is False
     assert validate_config(model, required | {"deterministic": True}).deterministic is True
+
+
+@pytest.mark.parametrize("value", [0, -2, 2.5, "many", "", None, 2**63])
+@pytest.mark.parametrize(("model", "required"), [
+    (SFTConfig, {"model_path": "m"}), (RMConfig, {"model_path": "m"}), (DPOConfig, {"policy_path": "m"}),
+])
+def test_a_training_stage_takes_auto_or_a_positive_count_of_processes(model, required, value):
+    assert validate_config(model, required).processes == "auto"
+    assert validate_config(model, required | {"processes": 2}).processes == 2
+    assert validate_config(model, required | {"processes": "4"}).processes == 4  # a UI parameter's text
+    with pytest.raises(ConfigError) as err:
+        validate_config(model, required | {"processes": value}, origin="cfg.yaml")
+    assert str(err.value) == f"cfg.yaml: processes: expected 'auto' or an integer >= 1, got {value!r}"
+
+
+def test_processes_is_no_part_of_a_stages_keys():
+    """Where a stage trains changes its results by float rounding only (`KEEPING_FIELDS`, as save_every)."""
+    cfg = DPOConfig(policy_path="m")
+    assert config_key(cfg.model_copy(update={"processes": 8})) == config_key(cfg)
+    assert config_key(cfg.model_copy(update={"beta": 0.2})) != config_key(cfg)
 
 
 @pytest.mark.parametrize(("model", "data", "message"), [

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError,
+                      model_validator)
 
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.sampling.base import MIN_TEMPERATURE
@@ -37,6 +38,19 @@ def _greedy_or_sampled(temperature: float) -> float:
 
 # a sampling run's temperature (0 = greedy); an RL rollout's must sample: Field(ge=MIN_TEMPERATURE)
 SamplingTemperature = Annotated[float, Field(ge=0), AfterValidator(_greedy_or_sampled)]
+
+
+def _auto_or_count(value: object) -> object:
+    if value == "auto":
+        return value
+    count = int(value) if isinstance(value, str) and value.strip().isdigit() else value  # a UI parameter's text
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count < INT_LIMIT:
+        raise ValueError(f"expected 'auto' or an integer >= 1, got {value!r}")
+    return count
+
+
+# a training stage's torchrun processes: `auto` or a count
+Processes = Annotated[int | Literal["auto"], BeforeValidator(_auto_or_count)]
 
 
 class ConfigError(AlignflowError, ValueError):

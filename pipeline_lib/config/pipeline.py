@@ -33,9 +33,10 @@ MODEL_FIELDS = ("model_path", "policy_path", "reward_model_path")  # the referen
 FORCEABLE = (*STAGE_ORDER, "eval")  # what a pipeline run's `force` may name
 
 
-KEEPING_FIELDS = frozenset({"save_every"})
-"""Config fields that change how a run is kept, not what it trains or logs. (`log_every` and `eval_every` change the
-run's logged curves: they stay in its keys.)"""
+KEEPING_FIELDS = frozenset({"save_every", "processes"})
+"""Config fields that change how a run is kept or where it runs, not what it trains or logs (`processes`: the same
+updates up to float rounding; a checkpoint resumed under another world size says so). (`log_every` and
+`eval_every` change the run's logged curves: they stay in its keys.)"""
 
 
 def config_key(cfg: BaseModel) -> str:

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from pipeline_lib.config.base import (
     DEVICE_PATTERN,
     Config,
+    Processes,
     RewardSpecs,
     Seed,
     _check_reward_specs,
@@ -60,6 +61,11 @@ class TrainLoopConfig(Config):
     """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
     trust_remote_code: bool = False
     """Allow model code shipped with a hub checkpoint (off by default: it would run the checkpoint's Python)."""
+    processes: Processes = "auto"
+    """torchrun processes the stage trains in (DDP: each takes batch_size / processes rows of every update).
+    `auto`: one per visible CUDA GPU when `device` is `auto` or `cuda` and more than one is visible, else 1 (in
+    this process); an int >= 1 is used as given (2 on CPU trains on gloo, as the tests do). Not part of the
+    stage's keys: the result is the same up to float rounding (`KEEPING_FIELDS`)."""
 
     @model_validator(mode="after")
     def _accumulation_divides_batch(self):

@@ -490,9 +490,9 @@ def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=Non
 def save_final(model: nn.Module, tokenizer, out_dir: Path, *, metrics: dict | None = None, run_key: str) -> Path:
     """Atomically write the final HF-style model dir (safetensors) as `out_dir/final`; drop the checkpoint.
 
-    Its marker file records the metrics, `run_key` and every file's size (`finished_final` checks them). A failed
-    write is a one-line CheckpointWriteError that leaves no `final` dir and keeps the last checkpoint, so a rerun
-    resumes from it."""
+    Its marker file records the metrics, `run_key`, every file's size (`finished_final` checks them) and where it
+    trained (`_topology`: world size and device type). A failed write is a one-line CheckpointWriteError that leaves
+    no `final` dir and keeps the last checkpoint, so a rerun resumes from it."""
     final = out_dir / "final"
     tmp = out_dir / ".final.tmp"
     try:
@@ -503,8 +503,8 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, *, metrics: dict | No
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         sizes = {str(file.relative_to(tmp)): file.stat().st_size for file in sorted(tmp.rglob("*")) if file.is_file()}
-        (tmp / FINAL_MARKER).write_text(json.dumps({"metrics": metrics or {}, "run_key": run_key, "files": sizes},
-                                                   indent=2))
+        (tmp / FINAL_MARKER).write_text(json.dumps({"metrics": metrics or {}, "run_key": run_key, "files": sizes,
+                                                    "topology": _topology(model)}, indent=2))
         _fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

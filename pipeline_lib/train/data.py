@@ -29,7 +29,7 @@ from pipeline_lib import code_version
 from pipeline_lib.config import config_key, model_paths, validate_config
 from pipeline_lib.errors import AlignflowError, one_line, text_start
 from pipeline_lib.fingerprint import content_id, frame_fingerprint, keyed_dir, model_fingerprint
-from pipeline_lib.logfns import print_log
+from pipeline_lib.logfns import jsonl_log, print_log
 from pipeline_lib.model_dirs import resolve_model_dir
 from pipeline_lib.models.heads import PackedGroups
 from pipeline_lib.models.logprobs import CHOSEN, REJECTED
@@ -574,6 +574,17 @@ def read_run_file(path: str | Path, config_cls: type[C]) -> tuple[C, dict[str, p
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+FINAL_LINE = "final model: "
+"""What `run_main` prints before the final model's path (`train.launch` reads it)."""
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """On Linux, a function that has the kernel SIGKILL the calling process when its parent (the thread that started
+    it) dies; None elsewhere. Resolved here, before a fork, so a `preexec_fn` only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _die_with_torchrun() -> None:
@@ -584,27 +595,32 @@ def _die_with_torchrun() -> None:
     the same out_dir: its checkpoint write failed on a temp dir the orphan had replaced. An agent that died before
     the request (while the worker imported torch) has left this worker a new parent: it kills itself then. Only
     an agent killed in the worker's first milliseconds, before `pipeline_lib.train` is imported, goes unnoticed."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+    if "TORCHELASTIC_RUN_ID" not in os.environ or (request := die_with_parent()) is None:
         return
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    request()
     if os.getppid() != LAUNCH_PARENT:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def run_main(config_cls: type[C], train: Callable[..., Path], argv: Sequence[str] | None = None) -> None:
     """`--config run.json` -> train(cfg, **frames, out_dir=, log=print_log, **options); one-line errors, exit 2.
-    A torchrun worker dies with its torchrun (`_die_with_torchrun`)."""
+    `--metrics FILE` logs to FILE as JSON lines instead (`jsonl_log`; the loops log on rank 0 only). A torchrun
+    worker dies with its torchrun (`_die_with_torchrun`)."""
     _die_with_torchrun()
     parser = argparse.ArgumentParser(description=train.__doc__)
     parser.add_argument("--config", required=True, help="run file: stage config + data paths + out_dir")
+    parser.add_argument("--metrics", type=Path, help="append each step's metrics to this file as JSON lines")
     args = parser.parse_args(argv)
+    log = print_log if args.metrics is None else jsonl_log(args.metrics)
     try:
         cfg, frames, out_dir, options = read_run_file(args.config, config_cls)
-        final = train(cfg, **frames, out_dir=out_dir, log=print_log, **options)
+        final = train(cfg, **frames, out_dir=out_dir, log=log, **options)
     except AlignflowError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        # one write per line (print writes its end apart): torchrun's workers (`python -u`) share its pipes, and
+        # `train.launch` reads these lines whole
+        print(f"error: {exc}\n", end="", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    print(f"final model: {final}", flush=True)
+    print(f"{FINAL_LINE}{final}\n", end="", flush=True)

@@ -257,3 +257,38 @@ def test_dpo_flow_logs_before_after_and_caches_reference_logps(flow_workspace, t
     assert len(list((flow_workspace.root / "cache" / "ref_logps").glob("*.safetensors"))) == 1
     metrics = final_metrics(final)
     assert {"eval/pref_accuracy_start", "eval/pref_accuracy"} <= set(metrics)
+
+
+def test_sft_in_two_torchrun_processes_logs_every_step_as_one_process_does(flow_workspace, tiny, the_run):
+    """processes: 2 trains the stage under torchrun (gloo, 2 rows per rank): rank 0's metrics reach the MLflow run
+    at every step, at full precision, equal to one process's on the same global batch, and the held-out rows go
+    along (eval/loss). processes is no part of the stage's keys: one process finds the stage finished."""
+    cfg = SFTConfig(model_path=tiny, **(FAST | {"max_steps": 3}), processes=2)
+    final = Path(sft_flow(cfg))
+    assert json.loads((final / FINAL_MARKER).read_text())["topology"] == {"world_size": 2, "device": "cpu"}
+    run, _ = the_run(flow_workspace, "sft")
+    client = MlflowClient(flow_workspace.tracking_uri)
+
+    def losses(run_id: str) -> dict[int, float]:
+        return {metric.step: metric.value for metric in client.get_metric_history(run_id, "train/loss")}
+
+    in_two = losses(run.info.run_id)
+    assert sorted(in_two) == [1, 2, 3] and {"eval/loss", "train/grad_norm"} <= set(run.data.metrics)
+    one_process = cfg.model_copy(update={"processes": 1})
+    assert sft_task.fn(one_process) == str(final)  # same stage dir and run key: nothing to train
+    assert sft_task.fn(one_process, force=True) == str(final)  # trained again, in this process
+    assert json.loads((final / FINAL_MARKER).read_text())["topology"]["world_size"] == 1
+    in_one = losses(tracking.find_runs(flow_workspace, "attributes.run_name = 'sft'")[0].info.run_id)  # the newest
+    assert in_one.keys() == in_two.keys()
+    # print_log's 4 digits would be off by up to 5e-4 on a loss near 3
+    assert all(abs(in_one[step] - in_two[step]) < 1e-5 for step in in_one), (in_one, in_two)
+
+
+def test_dpo_in_two_torchrun_processes_caches_reference_logps_in_the_workspace(flow_workspace, tiny, the_run):
+    """The task's cache_dir reaches the torchrun workers through the run file's options."""
+    final = Path(dpo_flow(DPOConfig(policy_path=tiny, lr=1e-3, eval_fraction=0.2, **FAST, processes=2)))
+    assert json.loads((final / FINAL_MARKER).read_text())["topology"]["world_size"] == 2
+    run, _ = the_run(flow_workspace, "dpo")
+    assert {"train/loss", "rewards/margins", "eval/pref_accuracy"} <= set(run.data.metrics)
+    assert len(list((flow_workspace.root / "cache" / "ref_logps").glob("*.safetensors"))) == 1
+    assert not (final.parent / "cache").exists()  # not the default out_dir/cache
