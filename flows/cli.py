@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shlex
 import signal
 import sys
 import threading
@@ -62,8 +61,7 @@ def echo_result(stage: str, result, cached: bool = False) -> None:
         report = IngestReport(**result)
         typer.echo(report.summary())
         if report.quarantined:
-            typer.echo(f"why {report.quarantined} rows were quarantined: alignflow -w {shlex.quote(str(resolve_workspace().root))} "
-                       f"data quarantine --source {shlex.quote(report.source)}")
+            typer.echo(report.quarantine_hint(resolve_workspace().root))
     elif stage == "sample":
         from pipeline_lib.sampling.stage import SampleReport
 
@@ -196,7 +194,7 @@ def ingest(
     from pipeline_lib.store.ingest import IngestError, check_readable
 
     try:  # a missing, damaged or empty file, a dir, a FIFO: before the flow starts, whose server takes seconds
-        check_readable(cfg.resolved_path, cfg.format, cfg.max_record_bytes)
+        check_readable(cfg.resolved_path, cfg.format, cfg.max_record_bytes, cfg.split)
     except IngestError as exc:
         fail(str(exc))
     with run_lock():

@@ -37,7 +37,10 @@ def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str,
     cfg.check_force(force)
     with tracking.pipeline_run(current_workspace(), cfg.name, cfg, tags=run_tags()) as pipeline_run_id:
         for ingest_cfg in cfg.ingest:  # each file's counts on stdout, as `alignflow ingest` prints them
-            sys.stdout.write(IngestReport(**ingest_flow(ingest_cfg)).summary() + "\n")
+            report = IngestReport(**ingest_flow(ingest_cfg))
+            sys.stdout.write(report.summary() + "\n")
+            if report.quarantined:
+                sys.stdout.write(report.quarantine_hint(current_workspace().root) + "\n")
         check_selections_task(cfg.stored_selections())  # a mistyped source fails here, not after stages trained
         base = cfg.base
         if base is not None and base.corpus_sources is None:

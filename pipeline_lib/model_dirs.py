@@ -109,7 +109,9 @@ def check_weights(model_dir: Path, *, allow_pickle: bool = False) -> bool:
     Checks the files transformers will read: config.json's `transformers_weights` if set, else model.safetensors
     or its index (whose shards must be safetensors inside the dir), and only without any, pickle weights."""
     if not (model_dir / "config.json").is_file():
-        raise ModelLoadError(f"model dir {model_dir}: no config.json; expected a Hugging Face model directory")
+        final = model_dir / "final"  # a stage's dir (models/<stage>/<key>) holds its model in final/
+        hint = f" (a stage's dir? its model is {final})" if (final / "config.json").is_file() else ""
+        raise ModelLoadError(f"model dir {model_dir}: no config.json; expected a Hugging Face model directory{hint}")
     explicit = _explicit_weights(model_dir)
     if explicit is not None:
         if not explicit.is_file():

@@ -88,6 +88,17 @@ def test_a_model_dir_loading_would_refuse_fails_before_the_stage_starts(tmp_path
         assert not (tmp_path / "ws").exists()
 
 
+def test_a_stage_dir_given_for_its_model_points_at_final(tmp_path):
+    """A stage's dir (models/<stage>/<key>) holds its model in final/: the error says where."""
+    stage_dir = tmp_path / "models" / "sft" / "abc"
+    (stage_dir / "final").mkdir(parents=True)
+    (stage_dir / "final" / "config.json").write_text("{}")
+    result = alignflow("sample", "--model", str(stage_dir), workspace=tmp_path / "ws")
+    assert (result.returncode, result.stderr.strip()) == (2, (
+        f"error: --model: model dir {stage_dir}: no config.json; expected a Hugging Face model directory (a stage's "
+        f"dir? its model is {stage_dir / 'final'})"))
+
+
 def test_a_policy_dir_given_as_the_reward_model_fails_before_the_stage_starts(tmp_path):
     policy = tmp_path / "policy"  # what the check reads of a policy dir: its config and a safetensors file
     policy.mkdir()

@@ -281,7 +281,7 @@ def check_ingest_files(cfg: BaseModel, origin: str = "config") -> None:
                 f" (looked in the working directory and in the alignflow checkout {REPO_ROOT})")
             raise ConfigError(f"{origin}: field '{field}': no such file {ingest.path!r}{where}")
         try:
-            check_readable(resolved, ingest.format, ingest.max_record_bytes)
+            check_readable(resolved, ingest.format, ingest.max_record_bytes, ingest.split)
         except IngestError as exc:  # ingest would refuse it, after the pipeline ingested the files before it
             raise ConfigError(f"{origin}: field '{field}': {exc}") from None
 

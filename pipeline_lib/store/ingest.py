@@ -11,6 +11,7 @@ import io
 import json
 import os
 import re
+import shlex
 import stat
 import time
 import zlib
@@ -97,6 +98,13 @@ class IngestReport:
                      f"--source NAME` removes a source)")
         return line
 
+    def quarantine_hint(self, workspace: Path) -> str:
+        """The command that shows why rows were quarantined (empty when none was)."""
+        if not self.quarantined:
+            return ""
+        return (f"why {self.quarantined} rows were quarantined: alignflow -w {shlex.quote(str(workspace))} data "
+                f"quarantine --source {shlex.quote(self.source)}")
+
     def metrics(self) -> dict[str, float]:
         """`ingest/<count>` metrics for the tracking log."""
         names = ("rows_read", "accepted", "duplicates", "quarantined", "seconds")
@@ -133,12 +141,13 @@ def ingest_file(
         raise IngestError(f"{path}: unknown format {format!r}; expected auto, {', '.join(FORMATS)}")
     if max_record_bytes <= 0:
         raise IngestError(f"{path}: max_record_bytes must be > 0, got {max_record_bytes}")
-    split = "train" if split is None else split.strip()
-    if not split:
-        raise IngestError(f"{path}: split is blank; expected a split name such as train or test")
     suffix = suffix_of(path)
     source = source or path.name[: -len(suffix)]
     lines, line_nos, pre_bad, fmt = _read_records(path, suffix, format, max_record_bytes)
+    _refuse_split(path, fmt, split)
+    split = "train" if split is None else split.strip()
+    if not split:
+        raise IngestError(f"{path}: split is blank; expected a split name such as train or test")
     rows = _screen(lines, fmt, max_record_bytes, pre_bad)
     accepted, bad = shape_records(fmt, rows, split=split)
     # the file as named, not the target of a symlink: a Hugging Face snapshot's train.parquet links to a blob whose
@@ -182,11 +191,22 @@ def _placement(columns: list[str], row: tuple) -> str:
     return f"{row[-1]} under " + ", ".join(f"{column} {value!r}" for column, value in zip(columns, row))
 
 
-def check_readable(path: Path, format: str = "auto", max_record_bytes: int = 1_000_000) -> str:
+def check_readable(path: Path, format: str = "auto", max_record_bytes: int = 1_000_000,
+                   split: str | None = None) -> str:
     """The format ingest_file would read `path` as, or the IngestError it would raise for the file as a whole
-    (unknown type, unreadable, no records, no detectable format), without touching the store: the CLI and
-    preset loading call it before a run starts, so such a file fails in one line at once."""
-    return _read_records(path, suffix_of(path), format, max_record_bytes)[3]
+    (unknown type, unreadable, no records, no detectable format, a split for records that have none), without
+    touching the store: the CLI and preset loading call it before a run starts, so such a file fails in one line at
+    once."""
+    fmt = _read_records(path, suffix_of(path), format, max_record_bytes)[3]
+    _refuse_split(path, fmt, split)
+    return fmt
+
+
+def _refuse_split(path: Path, fmt: str, split: str | None) -> None:
+    """A split given for records that go to a table without one (pairs, rankings) would be ignored silently."""
+    if split is not None and TABLE_OF[fmt] != "problems":
+        raise IngestError(f"{path}: split {split!r} given, but its {fmt} records go to {TABLE_OF[fmt]}, which has no "
+                          "split (only problems do); leave split out")
 
 
 def _read_records(

@@ -138,18 +138,23 @@ def test_a_source_no_stored_row_matches_fails_before_the_first_stage(flow_worksp
     """A mistyped problems source of a late stage used to fail only when that stage started, after the base and
     every earlier stage had trained."""
     cfg = validate_config(PipelineConfig, {
-        "ingest": [{"path": "data/demo/problems.jsonl", "source": "demo"}],
+        "ingest": [{"path": "data/demo/problems.jsonl", "source": "demo"},
+                   {"path": "data/hh-rlhf/harmless-base-test.jsonl.gz"}],
         "base": {}, "sft": {"model_path": "from:base", "source": "demo"},
         "grpo": {"policy_path": "from:sft", "problems_source": "dem0"}})
     with pytest.raises(StoreError, match=r"^grpo: no problems rows in the store with source='dem0', split='train'; "
                                          r"it holds source='demo', split='test': 200 rows; source='demo', "
                                          r"split='train': 9800 rows$"):
         pipeline_flow(cfg)
-    assert sorted(run.info.run_name for run in tracking.find_runs(flow_workspace, "")) == ["ingest", "pipeline"]
+    assert sorted(run.info.run_name for run in tracking.find_runs(flow_workspace, "")) == \
+        ["ingest", "ingest", "pipeline"]
     assert not any(flow_workspace.models_dir.rglob("*"))
-    # the ingest's counts are on stdout, as `alignflow ingest` prints them
-    assert "problems.jsonl (problem -> problems): read 10000 = accepted 10000 + duplicates 0 + quarantined 0\n" \
-        in capsys.readouterr().out
+    # each ingest's counts are on stdout, as `alignflow ingest` prints them, with where to see what was quarantined
+    out = capsys.readouterr().out
+    assert "problems.jsonl (problem -> problems): read 10000 = accepted 10000 + duplicates 0 + quarantined 0\n" in out
+    assert ("harmless-base-test.jsonl.gz (hh -> preference_pairs): read 2312 = accepted 2308 + duplicates 0 + "
+            f"quarantined 4\nwhy 4 rows were quarantined: alignflow -w {flow_workspace.root} data quarantine "
+            "--source harmless-base-test\n") in out
 
 
 @pytest.mark.slow

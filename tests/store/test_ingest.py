@@ -291,6 +291,19 @@ def test_the_split_argument_is_stripped_as_a_records_split_is_and_a_blank_one_is
         ingest_file(path, store, split=" ")
 
 
+def test_a_split_for_records_without_one_is_refused_not_ignored(tmp_path, store):
+    """Pairs and rankings have no split: `--split test` on them was accepted and ignored silently."""
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}])
+    expected = (r"pairs\.jsonl: split 'test' given, but its pairs records go to preference_pairs, which has no split "
+                r"\(only problems do\); leave split out$")
+    with pytest.raises(IngestError, match=expected):
+        ingest_file(path, store, split="test")
+    with pytest.raises(IngestError, match=expected):
+        check_readable(path, split="test")
+    assert store.count("preference_pairs") == 0
+    assert ingest_file(path, store).accepted == 1 and check_readable(path) == "pairs"
+
+
 def test_a_table_of_problems_reads_each_row_from_the_alternative_column_that_holds_its_value(tmp_path, store):
     """A parquet table merging GSM8K-like and MATH-like rows has every column in every row, null where a row uses
     another: each row's prompt is its first non-null of question/prompt/problem, its answer its `answer` or else the
