@@ -234,7 +234,26 @@ def encode(
         print(f"note: {rows_cut} of {len(ends)} rows are cut to the model's {length} positions (under max_length "
               f"{max_length}): prompts lose their first tokens, then completions their last", file=sys.stderr,
               flush=True)
+    warn_unknown_tokens(tokenizer, out_prompts + out_completions)
     return Encoded(out_prompts, out_completions)
+
+
+UNKNOWN_SHARE = 0.01
+
+
+def warn_unknown_tokens(tokenizer: PreTrainedTokenizerBase, rows: Sequence[Sequence[int]]) -> None:
+    """A warning when over 1% of the tokens are the tokenizer's unknown token: its vocabulary does not cover the
+    data (the tiny model's character tokenizer knows only its corpus_sources' characters), and the model would
+    train on text it cannot see, with no other sign of it."""
+    unknown = tokenizer.unk_token_id
+    total = sum(len(row) for row in rows)
+    if unknown is None or not total:
+        return
+    count = sum(row.count(unknown) for row in rows)
+    if count > UNKNOWN_SHARE * total:
+        print(f"warning: {count} of {total} tokens ({count / total:.0%}) are the tokenizer's unknown token "
+              f"{tokenizer.unk_token!r}: its vocabulary does not cover this data (a tiny model's tokenizer holds only "
+              "the characters of its corpus_sources; build it with these sources too)", file=sys.stderr, flush=True)
 
 
 def text_ids(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
@@ -271,6 +290,7 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, ma
         print(f"warning: {cut} of {len(texts)} texts (prompt + response) are longer than max_length = {max_length} "
               "tokens and lost their first tokens, as the reward model's scorer cuts them; raise max_length to "
               "keep them whole", file=sys.stderr, flush=True)
+    warn_unknown_tokens(tokenizer, ids)
     return Encoded(ids, [[] for _ in ids])
 
 

@@ -4,6 +4,7 @@ held-out split and the run file of `python -m pipeline_lib.train.<stage> --confi
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import polars as pl
@@ -161,6 +162,22 @@ def test_a_chat_row_ends_with_the_templates_end_of_turn_where_the_model_stops_on
     assert plain_end.completion_ids[0][-1] == tokenizer.eos_token_id
     chatml.chat_template = "{% for m in messages %}{{ m['content'] + '\\n\\n' }}{% endfor %}"
     assert encode_frame(chatml, frame, "completion", max_length=64, stops={eos, im_end}).completion_ids[0][-1] == eos
+
+
+def test_data_the_tokenizer_cannot_read_is_a_warning(tokenizer, capsys):
+    """The tiny model's tokenizer knows its corpus' characters only: HH-RLHF text became `<unk>` tokens, and the
+    rows trained with no other sign of it."""
+    capsys.readouterr()
+    encode(tokenizer, ["1+1=", "2+2="], ["2", "4"], max_length=16)
+    encode_texts(tokenizer, ["1+1=2"], max_length=16)
+    assert "unknown token" not in capsys.readouterr().err
+    encode(tokenizer, ["Human: What is the capital of France?"], ["Paris"], max_length=64)
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"warning: (\d+) of (\d+) tokens \(\d+%\) are the tokenizer's unknown token '<unk>': its "
+                        r"vocabulary does not cover this data \(a tiny model's tokenizer holds only the characters of "
+                        r"its corpus_sources; build it with these sources too\)\n", err), err
+    encode_texts(tokenizer, ["1+1=2 Paris"], max_length=16)
+    assert "unknown token" in capsys.readouterr().err
 
 
 def test_a_completion_longer_than_the_row_is_cut_with_a_warning(tokenizer, capsys):
