@@ -24,7 +24,7 @@ def group_advantages(rewards: Tensor, *, group_size: int, scale: bool = True, ep
 
     rewards: (B·G,), groups are consecutive runs of `group_size`. std is the POPULATION std
     (1/G Σ (r_j - mean)², as in the seeds' formula); the eps sits outside the sqrt, (r - mean) / (std + eps), as
-    DESIGN writes it (the seed article puts it inside, sqrt(1/G Σ (r_j - mean)² + eps)).
+    TRL and verl add it (the seed article writes it inside, sqrt(1/G Σ (r_j - mean)² + eps)).
     scale=False returns r_i - mean(r) (Dr.GRPO). Returns (B·G,) in the rewards' float dtype (at least float32).
 
     The group statistics are taken in float64: a group of equal float32 rewards then has a mean equal to each
