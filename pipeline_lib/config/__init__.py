@@ -35,6 +35,7 @@ from pipeline_lib.config.training import (
     DAPOConfig,
     DPOConfig,
     GRPOConfig,
+    OnlineRLConfig,
     PPOConfig,
     RMConfig,
     SFTConfig,
@@ -44,8 +45,8 @@ from pipeline_lib.config.training import (
 __all__ = [
     "DEVICE_PATTERN", "FORCEABLE", "FROM", "KEEPING_FIELDS", "MODEL_FIELDS", "POLICY_STAGES", "REF_FIELDS",
     "REF_TARGETS", "REPO_ROOT", "STAGE_ORDER", "Config", "ConfigError", "DAPOConfig", "DPOConfig", "EvalConfig",
-    "GRPOConfig", "IngestConfig", "PPOConfig", "PipelineConfig", "PipelineEvalConfig", "RMConfig", "SFTConfig",
-    "SampleConfig", "TinyModelConfig", "TrainLoopConfig", "check_ingest_files", "check_preset", "config_key",
-    "format_validation_error", "load_config", "load_yaml", "model_paths", "shipped_path", "stored_selection",
-    "validate_config",
+    "GRPOConfig", "IngestConfig", "OnlineRLConfig", "PPOConfig", "PipelineConfig", "PipelineEvalConfig", "RMConfig",
+    "SFTConfig", "SampleConfig", "TinyModelConfig", "TrainLoopConfig", "check_ingest_files", "check_preset",
+    "config_key", "format_validation_error", "load_config", "load_yaml", "model_paths", "shipped_path",
+    "stored_selection", "validate_config",
 ]

@@ -198,7 +198,31 @@ def _check_mini_batches(mini_batch_size: int | None, rows_per_step: int, rows_fr
                          f"step ({rows_from}) into equal updates: expected a divisor of {rows_per_step}")
 
 
-class GRPOConfig(Config):
+class OnlineRLConfig(Config):
+    """Where and how the online RL stages (GRPO, DAPO, PPO) sample their rollouts and run; their algorithm fields are
+    their own."""
+
+    backend: Literal["hf", "vllm"] = "hf"
+    """`hf`: in-process transformers generate on the live policy; `vllm`: a vLLM server in its own venv that
+    reloads the policy's saved weights before every rollout."""
+    vllm_max_model_len: int | None = Field(None, ge=16)
+    """Context length the vLLM server reserves KV cache for; None: the sampling client's default (256)."""
+    log_every: int = Field(1, ge=1)
+    """Log metrics every N steps."""
+    seed: Seed = 0
+    """Seeds the prompt order, each rollout's sampling and the mini-batch order."""
+    deterministic: bool = False
+    """torch's deterministic kernels (`torch.use_deterministic_algorithms`, deterministic cuDNN, no benchmarking)
+    for the HF rollouts and the updates, so two CUDA runs of one config on the same GPU and software give the same
+    weights; slower on CUDA, and an op without such a kernel is an error. CPU training is deterministic already;
+    vLLM sampling (`backend: vllm`) is not covered."""
+    device: str = Field("auto", pattern=DEVICE_PATTERN)
+    """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
+    trust_remote_code: bool = False
+    """Allow model code shipped with a hub checkpoint (off by default: it would run the checkpoint's Python)."""
+
+
+class GRPOConfig(OnlineRLConfig):
     """GRPO (DeepSeekMath, arXiv:2402.03300): G samples per prompt from θ_old, group-normalized advantages,
     clipped surrogate + β·k3 KL to the reference, μ updates per rollout. Defaults are the paper's."""
 
@@ -264,26 +288,8 @@ class GRPOConfig(Config):
     """DAPO dynamic sampling: keep only groups with 0 < #correct < G (raw verifier outcome) and refill."""
     max_refill_rounds: int = Field(4, ge=0)
     """Extra rollout rounds to refill a batch emptied by dynamic sampling; after them it trains on what it has."""
-    backend: Literal["hf", "vllm"] = "hf"
-    """`hf`: in-process transformers generate on the live policy; `vllm`: a vLLM server in its own venv that
-    reloads the policy's saved weights before every rollout."""
-    vllm_max_model_len: int | None = Field(None, ge=16)
-    """Context length the vLLM server reserves KV cache for; None: the sampling client's default (256)."""
     save_every: int = Field(50, ge=1)
     """Write a resumable checkpoint (policy, optimizer, scheduler, RNG, data position) every N steps."""
-    log_every: int = Field(1, ge=1)
-    """Log metrics every N steps."""
-    seed: Seed = 0
-    """Seeds the prompt order, each rollout's sampling and the mini-batch order."""
-    deterministic: bool = False
-    """torch's deterministic kernels (`torch.use_deterministic_algorithms`, deterministic cuDNN, no benchmarking)
-    for the HF rollouts and the updates, so two CUDA runs of one config on the same GPU and software give the same
-    weights; slower on CUDA, and an op without such a kernel is an error. CPU training is deterministic already;
-    vLLM sampling (`backend: vllm`) is not covered."""
-    device: str = Field("auto", pattern=DEVICE_PATTERN)
-    """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
-    trust_remote_code: bool = False
-    """Allow model code shipped with a hub checkpoint (off by default: it would run the checkpoint's Python)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -361,7 +367,7 @@ class DAPOConfig(GRPOConfig):
     """Keep only groups with 0 < #correct < G and refill (DAPO §3.2)."""
 
 
-class PPOConfig(Config):
+class PPOConfig(OnlineRLConfig):
     """PPO for RLHF (InstructGPT; Ziegler et al. 2019): actor, frozen reference, reward model and critic;
     sequence reward + per-token KL penalty, GAE, clipped policy and value losses over several epochs."""
 
@@ -432,26 +438,8 @@ class PPOConfig(Config):
     """Weight of the value loss in actor + critic loss."""
     whiten_advantages: bool = True
     """Normalize advantages over the batch's valid tokens (mean 0, std 1)."""
-    backend: Literal["hf", "vllm"] = "hf"
-    """`hf`: in-process transformers generate on the live policy; `vllm`: a vLLM server that reloads the
-    policy's saved weights before every rollout."""
-    vllm_max_model_len: int | None = Field(None, ge=16)
-    """Context length the vLLM server reserves KV cache for; None: the sampling client's default (256)."""
     save_every: int = Field(50, ge=1)
     """Write a resumable checkpoint (actor, critic, optimizer, scheduler, RNG, KL coefficient) every N steps."""
-    log_every: int = Field(1, ge=1)
-    """Log metrics every N steps."""
-    seed: Seed = 0
-    """Seeds the prompt order, each rollout's sampling and the mini-batch order."""
-    deterministic: bool = False
-    """torch's deterministic kernels (`torch.use_deterministic_algorithms`, deterministic cuDNN, no benchmarking)
-    for the HF rollouts and the updates, so two CUDA runs of one config on the same GPU and software give the same
-    weights; slower on CUDA, and an op without such a kernel is an error. CPU training is deterministic already;
-    vLLM sampling (`backend: vllm`) is not covered."""
-    device: str = Field("auto", pattern=DEVICE_PATTERN)
-    """`auto` (CUDA with bf16 autocast when available, else CPU fp32), `cpu`, `cuda` or `cuda:N`."""
-    trust_remote_code: bool = False
-    """Allow model code shipped with a hub checkpoint (off by default: it would run the checkpoint's Python)."""
 
     @model_validator(mode="after")
     def _check_rewards_and_critic(self):
