@@ -447,7 +447,12 @@ def test_an_error_inside_a_stage_shows_once_in_prefects_lines_then_as_the_error_
     from pipeline_lib.store.db import open_store
     from pipeline_lib.store.ingest import ingest_file
 
-    if task == "prepare":
+    problems = tmp_path / "p.jsonl"
+    problems.write_text('{"question": "1+2=", "answer": "3"}\n')
+    (tmp_path / "ws").mkdir()
+    with open_store(tmp_path / "ws" / "store.duckdb") as store:
+        ingest_file(problems, store, split="test")
+    if task == "prepare":  # the store holds source 'p' alone
         config = tmp_path / "prepare.yaml"
         config.write_text("corpus_sources: [demo]\n")
         args = ["run", "prepare", "--config", str(config)]
@@ -455,11 +460,6 @@ def test_an_error_inside_a_stage_shows_once_in_prefects_lines_then_as_the_error_
                    "(alignflow ingest data/demo/problems.jsonl --source demo)")
     else:
         model = build_tiny_model(tmp_path / "m", ["1+2=3"], hidden_size=32, num_layers=1, max_position_embeddings=64)
-        problems = tmp_path / "p.jsonl"
-        problems.write_text('{"question": "1+2=", "answer": "3"}\n')
-        (tmp_path / "ws").mkdir()
-        with open_store(tmp_path / "ws" / "store.duckdb") as store:
-            ingest_file(problems, store, split="test")
         args = ["sample", "--model", str(model), "--max-new-tokens", "100"]
         message = "prompts[0] ('1+2=') has 4 tokens + max_new_tokens 100, over the model's max_position_embeddings 64"
     result = alignflow(*args, workspace=tmp_path / "ws")
