@@ -121,6 +121,8 @@ def require_free_port(port: int, option: str) -> None:
     """A one-line AlignflowError if 127.0.0.1:`port` is taken: a server started there would exit, and the health
     check would find whatever already answers (another workspace's UI)."""
     with socket.socket() as sock:
+        # as the servers bind: a port left in TIME_WAIT by a UI stopped a moment ago is free to them
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:

@@ -74,3 +74,26 @@ def test_a_port_in_use_is_a_one_line_error_before_any_server_starts(tmp_path, su
     assert result.stderr.strip() == (f"error: port {ports[taken]} on 127.0.0.1 is in use (another `alignflow ui` or "
                                      f"server?); choose another with {taken}")
     assert "UI:" not in result.stdout
+
+
+def test_a_port_left_in_time_wait_by_a_stopped_ui_is_free():
+    """A UI stopped a moment ago leaves its accepted connections in TIME_WAIT on its ports for a minute; the servers
+    bind over them (SO_REUSEADDR), so `alignflow ui` started again must not call the port in use."""
+    from flows.deployments import require_free_port
+
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()  # the server side closes first: its end of the connection waits in TIME_WAIT
+            client.recv(1)
+    require_free_port(port, "--prefect-port")
+    with socket.socket() as holder:  # a port some process listens on is still refused
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        with pytest.raises(Exception, match=f"port {port} on 127.0.0.1 is in use"):
+            require_free_port(port, "--prefect-port")
