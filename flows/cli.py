@@ -502,9 +502,10 @@ def require_model_dir(model: Path) -> None:
     """--model of `sample` and `eval`: a dir with a config and safetensors weights, checked before Prefect starts."""
     if model.is_file():
         fail(f"{model}: a file; expected a model dir")
+    from pipeline_lib.model_dirs import ModelLoadError, check_weights, stage_model_hint  # no torch
+
     if not model.is_dir():
-        fail(f"{model}: no such model dir")
-    from pipeline_lib.model_dirs import ModelLoadError, check_weights  # no torch
+        fail(f"{model}: no such model dir{stage_model_hint(model)}")
 
     try:
         check_weights(model)

@@ -103,15 +103,26 @@ def _explicit_weights(model_dir: Path) -> Path | None:
     return model_dir / name
 
 
+def stage_model_hint(path: Path) -> str:
+    """Where the model is, for a path that names a training stage's dirs instead of one model: a stage run's dir
+    (models/<stage>/<key>) holds it in final/; a stage's dir (models/<stage>, or models/<stage>/final, which does
+    not exist) holds one run per key, the newest named. Empty for any other path."""
+    if (path / "final" / "config.json").is_file():
+        return f" (a stage's dir? its model is {path / 'final'})"
+    stage = path.parent if path.name == "final" and not path.exists() else path
+    runs = sorted(stage.glob("*/final/config.json"), key=lambda config: config.stat().st_mtime) \
+        if stage.is_dir() else []
+    return f" (a stage's dir? its newest model is {runs[-1].parent})" if runs else ""
+
+
 def check_weights(model_dir: Path, *, allow_pickle: bool = False) -> bool:
     """Validate `model_dir` holds a config and loadable weights; return whether they are safetensors.
 
     Checks the files transformers will read: config.json's `transformers_weights` if set, else model.safetensors
     or its index (whose shards must be safetensors inside the dir), and only without any, pickle weights."""
     if not (model_dir / "config.json").is_file():
-        final = model_dir / "final"  # a stage's dir (models/<stage>/<key>) holds its model in final/
-        hint = f" (a stage's dir? its model is {final})" if (final / "config.json").is_file() else ""
-        raise ModelLoadError(f"model dir {model_dir}: no config.json; expected a Hugging Face model directory{hint}")
+        raise ModelLoadError(f"model dir {model_dir}: no config.json; expected a Hugging Face model directory"
+                             f"{stage_model_hint(model_dir)}")
     explicit = _explicit_weights(model_dir)
     if explicit is not None:
         if not explicit.is_file():

@@ -99,6 +99,22 @@ def test_a_stage_dir_given_for_its_model_points_at_final(tmp_path):
         f"dir? its model is {stage_dir / 'final'})"))
 
 
+def test_a_stage_s_models_dir_given_for_a_model_points_at_its_newest_run(tmp_path):
+    """models/<stage> holds one run per key; models/<stage>/final does not exist: both errors name the newest run's
+    model."""
+    stage = tmp_path / "models" / "sft"
+    for key, mtime in (("new", 2_000_000_000), ("old", 1_000_000_000)):
+        (stage / key / "final").mkdir(parents=True)
+        (stage / key / "final" / "config.json").write_text("{}")
+        os.utime(stage / key / "final" / "config.json", (mtime, mtime))
+    hint = f" (a stage's dir? its newest model is {stage / 'new' / 'final'})"
+    result = alignflow("eval", "--model", str(stage), workspace=tmp_path / "ws")
+    assert (result.returncode, result.stderr.strip()) == (2, (
+        f"error: --model: model dir {stage}: no config.json; expected a Hugging Face model directory{hint}"))
+    result = alignflow("sample", "--model", str(stage / "final"), workspace=tmp_path / "ws")
+    assert (result.returncode, result.stderr.strip()) == (2, f"error: {stage / 'final'}: no such model dir{hint}")
+
+
 def test_a_policy_dir_given_as_the_reward_model_fails_before_the_stage_starts(tmp_path):
     policy = tmp_path / "policy"  # what the check reads of a policy dir: its config and a safetensors file
     policy.mkdir()
