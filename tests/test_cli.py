@@ -477,7 +477,8 @@ def test_an_error_inside_a_stage_shows_once_in_prefects_lines_then_as_the_error_
     else:
         model = build_tiny_model(tmp_path / "m", ["1+2=3"], hidden_size=32, num_layers=1, max_position_embeddings=64)
         args = ["sample", "--model", str(model), "--max-new-tokens", "100"]
-        message = "prompts[0] ('1+2=') has 4 tokens + max_new_tokens 100, over the model's max_position_embeddings 64"
+        message = ("prompts[0] ('1+2=') has 4 tokens + max_new_tokens 100, over the model's max_position_embeddings "
+                   "64; sample problems whose prompts fit (a --problems source) or fewer new tokens")
     result = alignflow(*args, workspace=tmp_path / "ws")
     assert result.returncode == 2
     # Prefect's task run line names the task; its echoes (flow exception, both `Finished in state Failed`) are

@@ -131,7 +131,8 @@ class HFSampler:
         if limit is not None and prompt_len + max_new_tokens > limit:
             longest = int(lengths.argmax())
             raise SamplingError(f"prompts[{longest}] ({text_start(prompts[longest])}) has {prompt_len} tokens + "
-                                f"max_new_tokens {max_new_tokens}, over the model's max_position_embeddings {limit}")
+                                f"max_new_tokens {max_new_tokens}, over the model's max_position_embeddings {limit}; "
+                                "sample problems whose prompts fit (a --problems source) or fewer new tokens")
         # fork_rng: a seeded call must not reset the RNG stream of a training loop calling us.
         devices = [device.index if device.index is not None else torch.cuda.current_device()] \
             if device.type == "cuda" else []

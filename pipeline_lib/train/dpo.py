@@ -20,7 +20,7 @@ from pipeline_lib import code_version
 from pipeline_lib.config import DPOConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.filters import west_of_n_of_run
-from pipeline_lib.fingerprint import content_id, fingerprint_path
+from pipeline_lib.fingerprint import content_id, model_fingerprint
 from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.losses import dpo_loss
 from pipeline_lib.model_dirs import resolve_model_dir
@@ -143,27 +143,20 @@ def packed_pairs(model: nn.Module, encoded: Encoded, *, pad_id: int, device: tor
                          unit="pairs", fallback="each pair runs as two rows", ctx=ctx)
 
 
-def weights_fingerprint(model_path: str | Path) -> str:
-    """Fingerprint of a model dir's safetensors files, in subdirs too (names and bytes; size + mtime past 256 MB):
-    the weights `check_weights` lets transformers read all lie inside the dir."""
-    model_dir = resolve_model_dir(model_path)
-    files = sorted(model_dir.rglob("*.safetensors"))
-    return content_id(*(f"{file.relative_to(model_dir)}:{fingerprint_path(file)}" for file in files))
-
-
 def reference_logps(model: nn.Module, encoded: Encoded, *, packed: Collection[int], policy_path: str, cache_dir: Path,
                     pad_id: int, device: torch.device, batch_size: int, ctx: Dist) -> Tensor:
     """log π_ref(y|x) of every row, computed once and cached at cache_dir/ref_logps/<key>.safetensors.
 
-    The key hashes the reference weights, the tokenized data, the numeric setting (device type, dtype, which pairs
-    run packed: the float sums differ in their last bits) and the code, so a rerun, a resumed run or another stage on
-    the same data reuses the file. Rank 0 computes and writes (atomically); every rank then reads the same file. A
+    The key hashes the reference model's dir (`model_fingerprint`: its weights and its config, which changes the
+    log-probs as much), the tokenized data, the numeric setting (device type, dtype, which pairs run packed: the
+    float sums differ in their last bits) and the code, so a rerun, a resumed run or another stage on the same data
+    reuses the file. Rank 0 computes and writes (atomically); every rank then reads the same file. A
     peft model is evaluated with its adapters disabled: that is the reference, without a second copy of the
     weights."""
     dtype = "bf16" if device.type == "cuda" else "fp32"
     layout = content_id(*map(str, sorted(packed)))
-    key = content_id(weights_fingerprint(policy_path), encoded.fingerprint(), device.type, dtype, layout,
-                     code_version())
+    key = content_id(model_fingerprint(resolve_model_dir(policy_path)), encoded.fingerprint(), device.type, dtype,
+                     layout, code_version())
     path = Path(cache_dir) / "ref_logps" / f"{key[:32]}.safetensors"
     if ctx.is_main and not path.is_file():
         adapters_off = model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext()

@@ -354,7 +354,8 @@ def test_bad_arguments_are_one_line_errors(hf_sampler):
     with pytest.raises(SamplingError, match=r"prompts\[1\]: empty"):
         hf_sampler.generate(["1+1=", ""], n=1, max_new_tokens=4)
     with pytest.raises(SamplingError, match=r"^prompts\[1\] \('12\+34='\) has \d+ tokens \+ max_new_tokens 300, "
-                                            r"over the model's max_position_embeddings 256$"):
+                                            r"over the model's max_position_embeddings 256; sample problems whose "
+                                            r"prompts fit \(a --problems source\) or fewer new tokens$"):
         hf_sampler.generate(["1=", "12+34="], n=1, max_new_tokens=300)
     with pytest.raises(SamplingError, match="top_p"):
         hf_sampler.generate(["1+1="], n=1, max_new_tokens=4, top_p=0)

@@ -181,6 +181,29 @@ def test_reference_logps_are_cached_by_weights_and_data(tiny, tmp_path):
     assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 4
 
 
+def test_the_reference_cache_key_follows_the_model_s_config_and_weights_in_subdirs(tiny, tmp_path):
+    """Identical weights under an edited config.json give other log-probs: the key covered the safetensors alone, so
+    DPO trained against the log-probs of the config before the edit (step 1's margins not 0)."""
+    tokenizer = load_tokenizer(tiny)
+    encoded = encode_pairs(tokenizer, toy_pairs(6), max_length=64)
+    edited = tmp_path / "edited"
+    shutil.copytree(tiny, edited)
+    kwargs = dict(packed=frozenset(range(6)), cache_dir=tmp_path / "cache", pad_id=tokenizer.pad_token_id,
+                  device=torch.device("cpu"), batch_size=4, ctx=Dist())
+    before = reference_logps(load_policy(edited, device="cpu"), encoded, policy_path=str(edited), **kwargs)
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 0.5}))
+    model = load_policy(edited, device="cpu")
+    after = reference_logps(model, encoded, policy_path=str(edited), **kwargs)
+    direct = logprob_sums(model, encoded, list(range(6)), packed=range(6), pad_id=tokenizer.pad_token_id,
+                          device=torch.device("cpu"), batch_size=12).flatten()
+    assert torch.allclose(after, direct, atol=1e-5) and not torch.allclose(after, before, atol=1e-3)
+    (edited / "shards").mkdir()  # weights in a subdir are part of the key too
+    (edited / "model.safetensors").rename(edited / "shards" / "model.safetensors")
+    reference_logps(model, encoded, policy_path=str(edited), **kwargs)
+    assert len(list((tmp_path / "cache" / "ref_logps").glob("*.safetensors"))) == 3
+
+
 class _DropsWideMasks(transformers.LlamaForCausalLM):
     """One that drops the packed mask of rows over 20 columns only (as a window or a position limit bites on long
     rows): the toy pairs fit, the two long ones do not."""
@@ -296,18 +319,3 @@ def test_dpo_raises_held_out_preference_accuracy_and_margin_over_its_sft_start(t
     assert m["eval/rewards_accuracy"] >= m["eval/rewards_accuracy_start"] + 0.4  # measured 0.207 -> 0.773
 
 
-def test_weights_fingerprint_covers_shards_in_subdirs(tiny, tmp_path):
-    """The reference cache key follows every safetensors file the model dir holds, not only the top-level ones."""
-    from pipeline_lib.train.dpo import weights_fingerprint
-
-    model_dir = tmp_path / "sharded"
-    shutil.copytree(tiny, model_dir)
-    (model_dir / "shards").mkdir()
-    (model_dir / "model.safetensors").rename(model_dir / "shards" / "model.safetensors")
-    before = weights_fingerprint(model_dir)
-    with (model_dir / "shards" / "model.safetensors").open("r+b") as handle:
-        handle.seek(-1, 2)
-        last = handle.read(1)
-        handle.seek(-1, 2)
-        handle.write(bytes([last[0] ^ 1]))
-    assert weights_fingerprint(model_dir) != before
