@@ -235,10 +235,15 @@ def run_best_of_n_stage(store: Store, *, run_id: str) -> dict[str, float]:
     samples = run_samples(store, run_id)
     best = best_of_n(samples).join(samples.select("prompt_id", "completion", "is_correct").unique(),
                                    on=["prompt_id", "completion"], how="left")
-    return {"filter/prompts": best.height, "filter/best_reward_mean": float(best["reward"].mean()),
-            "filter/all_reward_mean": float(samples["reward"].fill_nan(None).mean()),  # NaN: unscored, as in best_of_n
-            "filter/best_accuracy": float(best["is_correct"].cast(pl.Float64).mean()),
-            "filter/all_accuracy": float(samples["is_correct"].cast(pl.Float64).mean())}
+
+    def mean(values: pl.Series) -> float:  # NaN where no value counts (no prompt had a whole, scored sample)
+        value = values.cast(pl.Float64).fill_nan(None).mean()  # NaN rewards: unscored, as in best_of_n
+        return float("nan") if value is None else float(value)
+
+    return {"filter/prompts": best.height,
+            "filter/skipped_unscored": samples["prompt_id"].n_unique() - best.height,  # no whole, scored sample
+            "filter/best_reward_mean": mean(best["reward"]), "filter/all_reward_mean": mean(samples["reward"]),
+            "filter/best_accuracy": mean(best["is_correct"]), "filter/all_accuracy": mean(samples["is_correct"])}
 
 
 def run_dynamic_filter_stage(store: Store, *, run_id: str, group_size: int) -> dict[str, int]:

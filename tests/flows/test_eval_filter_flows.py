@@ -5,6 +5,7 @@ tells their runs apart by in the Prefect and MLflow UIs."""
 from __future__ import annotations
 
 import json
+import math
 
 import polars as pl
 import pytest
@@ -170,6 +171,16 @@ def test_filter_flows_on_a_sampling_run(insert_samples, flow_workspace, the_run,
     dyn = filter_flow("dynamic", "r1", group_size=4)
     assert dyn == {"filter/groups_total": 3, "filter/groups_kept": 1, "filter/dropped_all_correct": 1,
                    "filter/dropped_all_wrong": 1}
+
+
+def test_best_of_n_of_a_run_without_a_whole_scored_sample_reports_nan_means(insert_samples, flow_workspace):
+    """Every sample cut at max_new_tokens (a preset with few new tokens): the stage crashed on float(None)."""
+    with open_store(flow_workspace.store_path) as store:
+        insert_samples(store, SAMPLES.with_columns(run_id=pl.lit("cut"), finish_reason=pl.lit("length")))
+    stats = filter_task.fn("best_of_n", "cut")
+    assert (stats["filter/prompts"], stats["filter/skipped_unscored"]) == (0, 3)
+    assert math.isnan(stats["filter/best_reward_mean"]) and math.isnan(stats["filter/best_accuracy"])
+    assert stats["filter/all_accuracy"] == 6 / 12  # every sample still counts in the run's own figures
 
 
 def test_west_of_n_pairs_go_under_their_source_and_dpo_trains_on_one_runs_alone(insert_samples, flow_workspace):
