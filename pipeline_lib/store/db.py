@@ -329,6 +329,13 @@ class Store:
             return self._run(f"SELECT {stored}, count(*) AS n FROM {table} t JOIN {name} f ON {on} WHERE {differs} "
                              f"GROUP BY ALL ORDER BY n DESC, {stored}")
 
+    def stored_answers(self, source: str, frame: pl.DataFrame) -> dict[str, str]:
+        """prompt -> answer of the problems `source` already holds with a prompt of `frame` (one answer each: ingest
+        refuses a second one)."""
+        with self._registered(frame.select("prompt").unique()) as name:
+            return dict(self._run(f"SELECT p.prompt, min(p.answer) FROM problems p JOIN {name} f ON p.prompt = f.prompt "
+                                  "WHERE p.source = ? GROUP BY p.prompt", [source]))
+
     def sampled_prompt_ids(self, run_id: str) -> set[str]:
         """Prompt ids that already have samples in `run_id` (resumable sampling)."""
         rows = self._run("SELECT DISTINCT prompt_id FROM samples WHERE run_id = ?", [run_id])

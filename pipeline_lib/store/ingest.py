@@ -27,7 +27,9 @@ from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import content_id, fingerprint_path
 from pipeline_lib.store.db import Store, position
 from pipeline_lib.store.parquet import ParquetError, read_parquet_lines
-from pipeline_lib.store.shapes import FIELDS, HH_TURN, SCHEMAS, TABLE_OF, TOO_DEEP, Rows, pair_id, shape_records
+from pipeline_lib.store.shapes import (
+    FIELDS, HH_TURN, SCHEMAS, TABLE_OF, TOO_DEEP, Rows, one_answer_per_prompt, pair_id, shape_records,
+)
 
 FORMATS = ("pairs", "hh", "chat", "ranking", "problem")
 SUFFIXES = (".jsonl.gz", ".json.gz", ".csv.gz", ".jsonl", ".json", ".parquet", ".csv")
@@ -150,12 +152,15 @@ def ingest_file(
         raise IngestError(f"{path}: split is blank; expected a split name such as train or test")
     rows = _screen(lines, fmt, max_record_bytes, pre_bad)
     accepted, bad = shape_records(fmt, rows, split=split)
+    table = TABLE_OF[fmt]
+    if table == "problems":
+        accepted, conflicts = one_answer_per_prompt(accepted, store.stored_answers(source, accepted))
+        bad += conflicts
     # the file as named, not the target of a symlink: a Hugging Face snapshot's train.parquet links to a blob whose
     # name has no suffix, so neither the user nor `position` (row or line) would know it
     quarantine = _quarantine_frame(lines, line_nos, sorted(rows.bad + bad), source, os.path.abspath(path))
     n_records = rows.n_records
     del lines, rows  # free the raw lines and the parsed frame before hashing and inserting (peak memory)
-    table = TABLE_OF[fmt]
     candidates = _with_ids(table, accepted, source)
     del accepted
     # first occurrence wins inside the file; the store's anti-join skips ids it already holds

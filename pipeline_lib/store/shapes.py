@@ -361,4 +361,25 @@ def _problem(frame: pl.DataFrame, split: str) -> tuple[pl.DataFrame, list[tuple[
         pl.col("_prompt").alias("prompt"),
         pl.col("_final").alias("answer"),
         pl.Series("meta", metas, dtype=pl.String),
+        "_idx",  # for `one_answer_per_prompt`, which drops it
     ), bad
+
+
+def one_answer_per_prompt(problems: pl.DataFrame, stored: dict[str, str]
+                          ) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
+    """The problems (with `_idx`, which this drops) whose prompt has no other gold answer: neither in `stored`
+    (prompt -> answer the source already holds) nor in an earlier row of the file. A second answer made a second
+    problem, and evaluation then scored every sample against both: a problem is corrected by deleting its source
+    and ingesting again. Returns (kept problems, (line index, reason) of the others)."""
+    first_answers = dict(stored)
+    keep, bad = [], []
+    for row, (idx, prompt, answer) in enumerate(problems.select("_idx", "prompt", "answer").iter_rows()):
+        first = first_answers.setdefault(prompt, answer)
+        if first == answer:
+            keep.append(row)
+            continue
+        where = "the store holds it under this source" if prompt in stored else "an earlier record has it"
+        bad.append((idx, f"another answer ({first!r}) for this prompt: {where}; one prompt has one gold answer "
+                         "(to correct a source's answers, `alignflow data delete --source` it and ingest again)"))
+    kept = problems[keep] if keep else problems.clear()
+    return kept.drop("_idx"), bad

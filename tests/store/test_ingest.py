@@ -579,6 +579,32 @@ def test_problem_bad_rows(tmp_path, store):
     }
 
 
+def test_a_prompt_has_one_gold_answer_per_source(tmp_path, store):
+    """A second answer for a stored prompt made a second problem: evaluation scored every sample against both (a
+    model answering 42 to '17+25=' got at most half). It is quarantined, in the file and against the store, until
+    the source is deleted and ingested again; the same prompt under another source is another dataset's."""
+    path = tmp_path / "p.jsonl"
+    first = [("17+25=", "41"), ("1+1=", "2"), ("2+2=", "4"), ("2+2=", "#### 5"), ("2+2=", "4")]
+    report = ingest_file(write_jsonl(path, [{"question": q, "answer": a} for q, a in first]), store)
+    check_invariant(report)
+    assert (report.accepted, report.duplicates, report.quarantined) == (3, 1, 1)
+    assert quarantine(store) == {4: "another answer ('4') for this prompt: an earlier record has it; one prompt has "
+                                    "one gold answer (to correct a source's answers, `alignflow data delete --source` "
+                                    "it and ingest again)"}
+    second = [("17+25=", "42"), ("1+1=", "2"), ("3+3=", "6")]
+    report = ingest_file(write_jsonl(path, [{"question": q, "answer": a} for q, a in second]), store, split="test")
+    check_invariant(report)
+    assert (report.accepted, report.duplicates, report.quarantined) == (1, 1, 1)
+    assert "another answer ('41') for this prompt: the store holds it under this source" in \
+        store.read("quarantine").filter(pl.col("line_no") == 1)["reason"].item()
+    other = ingest_file(path, store, source="other")  # another source: its own gold answers
+    assert (other.accepted, other.duplicates, other.quarantined) == (1, 2, 0)  # 1+1=2, 3+3=6 stay under p
+    store.delete_source("p")
+    store.delete_source("other")
+    assert ingest_file(path, store, source="p", split="test").accepted == 3
+    assert store.read("problems", source="p").filter(pl.col("prompt") == "17+25=")["answer"].to_list() == ["42"]
+
+
 def test_math_records_take_the_last_boxed_answer_of_their_solution(tmp_path, store):
     """MATH (hendrycks): problem + solution, no answer field. The answer is the content of the solution's last
     \\boxed{} (nested braces kept), the solution goes to meta.solution as GSM8K's does; MATH-500's own `answer`
