@@ -1,6 +1,6 @@
 """Answer extraction and equivalence for verifiable problems (GSM8K, arithmetic), with regexes and Fraction only.
 
-Model text is never evaluated: a number token's own power (`2^10`) is computed from its digits, nothing else.
+Model text is never evaluated: a number token's own power (`2^10`, `2**10`) is computed from its digits, nothing else.
 Every scan is bounded: only the last MAX_SCAN_CHARS characters are read,
 a number longer than MAX_NUMBER_CHARS characters (MAX_ANSWER_CHARS in an extracted or gold answer, whose
 canonical text can be longer) or with a power or exponent beyond 10**±MAX_EXPONENT is ignored."""
@@ -30,18 +30,30 @@ _CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
 # One number token: optional sign and `$` (the sign before or after it: `-$5`, `$-5`); digits with optional thousands
 # separators (commas, or the no-break, thin and narrow no-break spaces of `1 000 000`, one kind per number; a plain
 # space is not one: `2 100-dollar bills` are 2) and decimals (or `.5`); then an optional integer power (`2^10`,
-# `10^{-2}`) or exponent (`2e3`, or a power of ten: `2 × 10^3`, `2 \times 10^{3}`, `2\cdot10^3`, `2 x 10^3`, braces
-# optional); then an optional `/denominator`, itself with an optional power. An exponent the token cannot read (`2^x`,
-# `4^0.5`, `(3/2)^2`, `2^10^2`) is captured as `unread`: the token is then no number, and the scan goes on after it.
-# An exponent with no number before it (`cm^{2}`, `x^-2`, `e^{10}`) is matched whole (no `body`), so its digits are
-# never a number. The lookbehind keeps tokens from starting inside a word (`x2`; a CJK character is no such word:
-# `答案是72`) or after a minus that belongs to an expression (`16-3` yields 16 and 3, not -3). Every repetition is
-# over a character class disjoint from what follows it and no lookahead rejects a whole token: no catastrophic
-# backtracking, one pass over the text. A readable power: an integer exponent, in braces or not followed by a decimal
-# part or a letter (`4^0.5`, `2^10x`). A clock time is one token and no number (`time`, below).
-_POWER = (rf"{_INLINE_SPACE}?\^{_INLINE_SPACE}?"
+# `10^{-2}`, Python's `2**10`: see `_POWER_SIGN`) or exponent (`2e3`, or a power of ten: `2 × 10^3`, `2 \times 10^{3}`,
+# `2\cdot10^3`, `2 x 10^3`, braces optional); then an optional `/denominator`, itself with an optional power. An
+# exponent the token cannot read (`2^x`, `4^0.5`, `(3/2)^2`, `2^10^2`, `2**n`) is captured as `unread`: the token is
+# then no number, and the scan goes on after it. An exponent with no number before it (`cm^{2}`, `x^-2`, `e^{10}`,
+# `x**2`) is matched whole (no `body`), so its digits are never a number. The lookbehind keeps tokens from starting
+# inside a word (`x2`; a CJK character is no such word: `答案是72`) or after a minus that belongs to an expression (`16-3`
+# yields 16 and 3, not -3). Every repetition is over a character class disjoint from what follows it and no lookahead
+# rejects a whole token: no catastrophic backtracking, one pass over the text. A readable power: an integer exponent, in
+# braces or not followed by a decimal part or a letter (`4^0.5`, `2^10x`). A clock time is one token and no number
+# (`time`, below).
+# `^`, or Python's `**` written without spaces or with one on each side (`2**10`, `2 ** 10`). A `**` with a space on
+# one side only is markdown bold's (`**42** 7`, `5 **6 apples**`: CommonMark's flanking rules), never a power; and
+# only a digit, `(`, `{`, a sign or a one-letter variable after a `**` makes it an exponent (`2**n`), so a bold number
+# followed by punctuation or a word stays a number (`**42**.`, `**5**th`).
+_POWER_SIGN = rf"(?:{_INLINE_SPACE}?\^{_INLINE_SPACE}?|\*\*|{_INLINE_SPACE}\*\*{_INLINE_SPACE})"
+_POWER = (rf"{_POWER_SIGN}"
           r"(?P<{0}_brace>\{{)?(?P<{0}>[-+]?\d+)(?({0}_brace)\}}|(?!\.\d|\w))")
-_EXPONENT = rf"{_INLINE_SPACE}?\^{_INLINE_SPACE}?(?:\{{[^{{}}]*\}}|\([^()]*\)|[-+]?[\w.]+)"
+_CARET_EXPONENT = rf"{_INLINE_SPACE}?\^{_INLINE_SPACE}?(?:\{{[^{{}}]*\}}|\([^()]*\)|[-+]?[\w.]+)"
+_STAR_EXPONENT = (rf"(?:\*\*|{_INLINE_SPACE}\*\*{_INLINE_SPACE})"
+                  r"(?:\{[^{}]*\}|\([^()]*\)|[-+]?(?:\d[\w.]*|[A-Za-z](?!\w)))")
+_EXPONENT = rf"(?:{_CARET_EXPONENT}|{_STAR_EXPONENT})"
+# A `**` exponent alone only after a one-letter variable or a bracket (`x**2`, `f(x)**2`): after a word or elsewhere it
+# is markdown bold's (`答案是**42**`, `is**42**`)
+_BARE_STAR_EXPONENT = r"(?:(?<=[A-Za-z])(?<![A-Za-z]{2})|(?<=[)\]]))"
 # A clock time: hour 0-23, minutes and optional seconds 00-59, an optional am/pm (`3:00 PM`, `12:30:45`, `8:00 a.m.`).
 # Tried before a number at the same place, so `3:00` is neither 3 nor 00 (a ratio written like a time, `10:45`, is
 # read as one too: text, as a ratio answer is).
@@ -55,11 +67,11 @@ _NUMBER = re.compile(
     rf"|{_INLINE_SPACE}?(?:[×·⋅x*]|\\times|\\cdot){_INLINE_SPACE}?10{_POWER.format('pow')})?"
     rf"(?:{_INLINE_SPACE}?/{_INLINE_SPACE}?(?P<den_sign>-)?(?P<den>\d+(?:\.\d+)?)(?:{_POWER.format('den_pow')})?)?"
     rf"(?P<unread>[)\]]?{_EXPONENT})?)"
-    rf"|{_EXPONENT}"
+    rf"|{_CARET_EXPONENT}|{_BARE_STAR_EXPONENT}{_STAR_EXPONENT}"
 )
 _GROUP_SEPARATORS = re.compile("[,\u00a0\u2009\u202f]")
 # The characters a number token or clock time can hold (ASCII: a cut through CJK text keeps it)
-_CUT_TOKEN = re.compile(r"[0-9A-Za-z_.,:^{}\\$/+\-\u00a0\u2009\u202f]*")
+_CUT_TOKEN = re.compile(r"[0-9A-Za-z_.,:^*{}\\$/+\-\u00a0\u2009\u202f]*")
 _UNSIGNED_START = frozenset("0123456789.$")
 # GSM8K's `#### 72`, not a markdown heading whose line goes on after its number (`#### 2. Add the costs`)
 _HASHES = re.compile(r"####(?![ \t]*\d+[.)][ \t]+[^\W\d_])")
@@ -116,7 +128,8 @@ _VULGAR = {"½": (1, 2), "⅓": (1, 3), "⅔": (2, 3), "¼": (1, 4), "¾": (3, 4
 _VULGAR_TEXT = {char: f"{numerator}/{denominator}" for char, (numerator, denominator) in _VULGAR.items()}
 _VULGAR_CHAR = f"[{''.join(_VULGAR)}]"
 _INTEGER = rf"\d{{1,{MAX_NUMBER_CHARS}}}"
-_WHOLE = rf"(?<![^\W{_CJK}]|[.,^])({_INTEGER})"  # a whole number that starts a token
+# a whole number that starts a token (not the exponent of `2**10` or `2 ** 10`)
+_WHOLE = rf"(?<![^\W{_CJK}]|[.,^])(?<!\d\*\*)(?<!\d{_INLINE_SPACE}\*\*{_INLINE_SPACE})({_INTEGER})"
 _MIXED_VULGAR = re.compile(rf"(?:{_WHOLE} ?)?({_VULGAR_CHAR})")
 # A mixed number in LaTeX: a whole number right before a fraction of integers (`1\frac{1}{2}`, `2 \frac34`) is
 # their sum, as it is read, not the digits run together (`11/2`)
@@ -410,7 +423,7 @@ def extract_answer(text: str | None, *, numeric: bool = False) -> str | None:
     number in the text. A clock time is never a number (`3:00` is not 3). Numbers come back
     canonical: commas, `$`, `%`, units and trailing zeros/periods stripped (`$1,234.50` -> `1234.5`,
     `1{,}000` and `1 000` with a thin or no-break space -> `1000`), powers evaluated (`1.2 \\times 10^{3}` ->
-    `1200`, `2^10` -> `1024`), fractions as `p/q` (`\\frac{3}{4}` -> `3/4`). Only the last MAX_SCAN_CHARS
+    `1200`, `2^10` and `2**10` -> `1024`), fractions as `p/q` (`\\frac{3}{4}` -> `3/4`). Only the last MAX_SCAN_CHARS
     characters are read."""
     if not isinstance(text, str):
         return None

@@ -215,6 +215,10 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
     data_step = int(extra.get("data_step", start_step))
     # optimizer steps over the whole run, resumes included: dynamic sampling can leave every step without one
     updates = int(extra.get("updates", 0))
+    # steps with a non-zero advantage, resumes included: groups whose rewards are all equal (a model the verifier
+    # scores 0 on every sample) give advantages of exactly 0, and the updates they make carry no policy gradient. A
+    # checkpoint written before this count existed says nothing of its steps: they are taken to have had a signal.
+    signal_steps = int(extra.get("signal_steps", start_step))
     prompt_stream = batches(len(prompts), cfg.prompts_per_step, seed=cfg.seed, start_step=data_step)
     metrics: dict[str, float] = {}
 
@@ -236,7 +240,9 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                 batch = grouped_completions_batch(tokenizer, rollout.prompts, rollout.completions,
                                                   add_special_tokens=add_special_tokens).to(device)
                 advantages = group_advantages(torch.tensor(rollout.rewards), group_size=cfg.group_size,
-                                              scale=cfg.scale_rewards).to(device)  # (N,)
+                                              scale=cfg.scale_rewards)  # (N,)
+                signal_steps += bool(advantages.any())  # on the CPU, before the copy: no device sync
+                advantages = advantages.to(device)
                 n_rows = len(batch)
                 # the config makes mini_batch divide a full step; a step short of groups (dynamic sampling gave up
                 # refilling) is split into nearly equal mini-batches of at most mini_batch rows, not a short last one
@@ -298,12 +304,21 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                 log(metrics, done)
             if done % cfg.save_every == 0 and done < cfg.max_steps:
                 save_checkpoint(out_dir, step=done, model=policy, optimizer=optimizer, scheduler=scheduler,
-                                extra={"data_step": rollout.data_step, "updates": updates}, run_key=stage_key)
+                                extra={"data_step": rollout.data_step, "updates": updates,
+                                       "signal_steps": signal_steps}, run_key=stage_key)
 
     if updates == 0:
         warnings.warn(f"{stage}: no step of {cfg.max_steps} kept a group with 0 < #correct < G, so the final model "
                       "is the start policy (it solves every problem or none; raise max_refill_rounds or pick problems "
                       "it solves sometimes)", RuntimeWarning, stacklevel=2)
+    elif signal_steps == 0:
+        # all-zero advantages zero the clipped surrogate's gradient, and the k3 KL term's gradient is zero at
+        # π = π_ref: only weight decay (then the KL's pull back to the reference) moves the weights off the start
+        unchanged = "the start policy" + (" but for weight decay" if cfg.weight_decay else "")
+        warnings.warn(f"{stage}: no step of {cfg.max_steps} had a group whose rewards differ, so every advantage was 0 "
+                      f"and the policy gradient zero throughout: the final model is {unchanged} (it solves every "
+                      "problem or none, or the rewards cannot tell its samples apart; pick problems it solves "
+                      "sometimes)", RuntimeWarning, stacklevel=2)
     metrics["train/seconds"] = time.perf_counter() - started
     return save_final(policy, tokenizer, out_dir, metrics=metrics, run_key=stage_key)
 

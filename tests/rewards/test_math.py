@@ -330,6 +330,83 @@ def test_is_correct_reads_powers(completion, gold, expected):
     assert is_correct(completion, gold) is expected
 
 
+# ---- Python's `**` is a power like `^` (issue: `2**10` was read as its base 2), markdown bold's `**` is not
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("The answer is 2**10", "1024"),  # read as 2 before: the base
+        ("2**10", "1024"),  # read as 10 before: the exponent
+        ("The answer is 2 ** 10", "1024"),
+        ("The answer is 2**10.", "1024"),
+        (r"\boxed{2**10}", "1024"),  # the text `2**10` before
+        ("#### 2**10", "1024"),
+        ("the answer is 2**{10}", "1024"),
+        ("1/2**3", "1/8"),  # a power on the denominator
+        ("2*10**3", "2000"),  # a power of ten
+        ("2 * 10**-3", "0.002"),
+        ("2**-2", "0.25"),
+        ("-2**2", "-4"),  # the power binds before the sign, as in Python
+        ("1.5**2", "2.25"),
+        ("The answer is 10**400", None),  # beyond MAX_EXPONENT: refused, never computed, never 10
+        ("9**9**9", None),  # a tower, as 2^10^2: no number
+        ("The answer is 10**10**10", None),
+        ("The answer is 2**n", None),  # an exponent it cannot read leaves no number
+        ("The answer is 2**n + 1", None),
+        ("The answer is 2**(10)", None),
+        ("The answer is 4**0.5", None),
+        ("2**0.5", None),  # read as 0.5 before
+        ("2**10x", None),
+        ("(3/2)**2", None),
+        ("x**2", None),  # an exponent with no number before it
+        ("f(x)**2", None),
+        ("The answer is 2**10 + 1", None),  # an unfinished expression
+    ],
+)
+def test_a_python_power_is_read_as_the_caret_power_never_as_its_base(text, expected):
+    assert extract_answer(text) == expected
+    assert extract_answer(text, numeric=True) == expected
+    assert extract_answer(text.replace("**", "^")) == expected  # `**` reads as `^` does
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold", "expected"),
+    [
+        ("The answer is 2**10", "2", False),  # True before: the base
+        ("The answer is 10**400", "10", False),  # True before
+        ("The answer is 10**10**10", "10", False),  # True before
+        ("2**10", "10", False),  # True before: the exponent, read as the last number
+        ("The answer is 2**n", "2", False),  # True before
+        ("The answer is 2**10", "1024", True),  # False before
+        ("The answer is 1024", "2**10", True),  # a gold answer written as a Python power; False before
+    ],
+)
+def test_is_correct_never_takes_a_python_powers_base(completion, gold, expected):
+    assert is_correct(completion, gold) is expected
+
+
+def test_markdown_bold_around_numbers_and_powers_is_never_a_power():
+    """A `**` with a space on one side, or with punctuation, a word or nothing after it, is markdown bold's: its
+    number stays a number. The bold-wrapped powers (the last rows) read as their values, not their bases."""
+    cases = {
+        "The answer is **42**": "42",
+        "The answer is **42**.": "42",
+        "**Answer:** 42": "42",
+        "**Answer: 42**": "42",
+        "The answer is: **$25**": "25",
+        "Total is **42** apples": "42",
+        "the **5**th": "5",
+        "答案是**42**": "42",
+        "is**42**": "42",
+        "The answer is **12** (12 apples)": "12",
+        "The answer is **2 1/2** cups": "5/2",
+        "The answer is **2**10**.": "1024",  # read as 2 before
+        "**Answer:** 2**10": "1024",  # read as 2 before
+        "So it is **2 ** 10** apples": "1024",  # read as 10 before
+    }
+    assert {text: extract_answer(text) for text in cases} == cases
+
+
 # written in at most MAX_NUMBER_CHARS characters, but canonically longer (1e100 is 101 digits)
 LONG_NUMBERS = [
     "1e100",
@@ -403,6 +480,14 @@ HOSTILE = {
     "powers on denominators": "1/2^" * 300_000,
     "huge power": "The answer is 9^999999",
     "long exponent": "2^" + "9" * 1_000_000,
+    "python power towers": "2**" * 500_000,
+    "spaced python power towers": "2 ** " * 300_000,
+    "huge python power": "The answer is 9**999999",
+    "long python exponent": "2**" + "9" * 1_000_000,
+    "unclosed python exponent parentheses": "x**(" * 300_000,
+    "unclosed python exponent braces": "2**{" * 300_000,
+    "bold numbers": "**42** " * 200_000,
+    "bold": "*" * 1_000_000,
     "arithmetic without an equals sign": "The answer is " + "1 + " * 300_000,
     "equals signs": "The answer is " + "1 = " * 300_000,
     "signs inside dollars": "$-" * 500_000,
@@ -437,7 +522,9 @@ def test_hostile_inputs_finish_fast_and_never_evaluate(name):
 
 def test_hostile_values_are_rejected_not_computed():
     assert extract_answer("1e999999") is None  # 10**999999 is never built
-    assert extract_answer("9**9**9") == "9"  # read as text, never as a power
+    assert extract_answer("9**9**9") is None  # a power tower leaves no number (was read as its base 9)
+    assert extract_answer("The answer is 9**999999") is None  # refused before any power is built
+    assert extract_answer("The answer is 10**400") is None
     assert extract_answer("__import__('os').system('x')") is None
     assert extract_answer("9" * 10_000_000) is None  # longer than MAX_NUMBER_CHARS
     assert extract_answer("x 1" + "0" * 150) is None
@@ -455,7 +542,7 @@ MALICIOUS = {
     "python program": ("import os\nos.system('touch MARKER')\nprint(42)", "42", 1.0),
     "eval bait": ("eval(\"__import__('os').system('touch MARKER')\")", "0", 0.0),
     "shell": ("$(touch MARKER) `touch MARKER`; rm -rf / ; echo 7", "7", 1.0),
-    "power tower": ("The answer is 10**10**10", "10000000000", 0.0),  # read as "10", never raised to a power
+    "power tower": ("The answer is 10**10**10", "10000000000", 0.0),  # no number, never raised to a power
     "a million nines": ("9" * 10**6, "9", 0.0),
     "deeply nested parens": ("(" * 100_000 + "1" + ")" * 100_000, "1", 0.0),
     "deeply nested boxes": ("\\boxed{" * 50_000 + "3" + "}" * 50_000, "3", 0.0),

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -336,6 +337,34 @@ def test_dapo_step_without_an_informative_group_updates_nothing(tiny, problems, 
     assert "train/loss" not in metrics
     before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_grpo_without_a_reward_difference_in_any_group_warns_that_the_policy_is_unchanged(tiny, problems, tmp_path,
+                                                                                        collect):
+    """The random model never answers correctly and the verifier is the only reward: every group's rewards are
+    equal, every advantage is 0. The steps still make their updates, with the KL term (β = 0.04), but the weights
+    stay the start ones, and the run says so at its end; rewards that differ inside a group (overlong shaping) do not
+    warn."""
+    verifier_only = ({"name": "verifier"},)
+    logged, log = collect()
+    with pytest.warns(RuntimeWarning, match=r"grpo: no step of 2 had a group whose rewards differ, so every advantage "
+                                            r"was 0 and the policy gradient zero throughout: the final model is the "
+                                            r"start policy \(it solves every problem or none"):
+        final = train_grpo(small_config(tiny, num_iterations=1, rewards=verifier_only), problems, tmp_path / "grpo",
+                           log=log)
+    assert final_metrics(final)["train/updates"] == 2  # updates were made: the warning is about what they carried
+    assert [metrics["rewards/std"] for _, metrics in logged] == [0.0, 0.0]
+    before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+    with pytest.warns(RuntimeWarning, match=r"the final model is the start policy but for weight decay \("):
+        train_grpo(small_config(tiny, max_steps=1, num_iterations=1, rewards=verifier_only, weight_decay=0.1),
+                   problems, tmp_path / "decay")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_grpo(small_config(tiny, max_steps=1, num_iterations=1), problems, tmp_path / "shaped")
+    assert not [w for w in caught if "had a group whose rewards differ" in str(w.message)]
 
 
 def test_the_learning_rate_schedule_follows_training_steps_not_updates(tiny, problems, tmp_path, collect):
