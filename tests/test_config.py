@@ -289,6 +289,14 @@ def test_processes_is_no_part_of_a_stages_keys():
     assert config_key(cfg.model_copy(update={"beta": 0.2})) != config_key(cfg)
 
 
+def test_model_paths_are_no_part_of_a_stages_config_key():
+    """Their content is in every key beside it (`model_paths`): the same model at another path is the same input."""
+    cfg = PPOConfig(policy_path="/ws/models/sft/abc/final", reward_model_path="/ws/models/rm/def/final")
+    moved = cfg.model_copy(update={"policy_path": "models/sft/abc/final/", "reward_model_path": "rm"})
+    assert config_key(moved) == config_key(cfg)
+    assert config_key(cfg.model_copy(update={"lr": 2e-5})) != config_key(cfg)
+
+
 @pytest.mark.parametrize(("model", "data", "message"), [
     (TinyModelConfig, {"seed": 1180591620717411303424},
      "field 'seed': Input should be less than or equal to 4294967295"),

@@ -41,8 +41,11 @@ updates up to float rounding; a checkpoint resumed under another world size says
 
 def config_key(cfg: BaseModel) -> str:
     """A config as cache keys and run keys read it: its JSON without `KEEPING_FIELDS`, so a new checkpoint
-    interval reuses a finished stage and resumes an interrupted one."""
-    return cfg.model_dump_json(exclude=set(KEEPING_FIELDS))
+    interval reuses a finished stage and resumes an interrupted one, and without the paths of its model dirs
+    (`MODEL_FIELDS`): every key holds their content's fingerprint beside this (`model_paths`), so the same model at
+    another path is the same input (a base rebuilt to the same files under a new key retrained every stage after it;
+    so did a path written relative instead of absolute)."""
+    return cfg.model_dump_json(exclude=set(KEEPING_FIELDS) | set(MODEL_FIELDS))
 
 
 def model_paths(cfg: BaseModel) -> list[str]:

@@ -33,8 +33,10 @@ SAMPLE_SCHEMA = {
 }
 # Fields that change where or how fast samples are made, not which samples: left out of the run id.
 # settings that do not change what is sampled; max_problems does (the hf backend's random stream follows the
-# batches, so the first 4 of 9 problems are batched differently from a run over all 9)
-_RUN_ID_EXCLUDE = {"run_id", "vllm_url", "vllm_max_model_len", "device", "policy_name"}
+# batches, so the first 4 of 9 problems are batched differently from a run over all 9). The model dirs enter by
+# their content's fingerprint, not their path: the same model at another path resumes the same run.
+_RUN_ID_EXCLUDE = {"run_id", "vllm_url", "vllm_max_model_len", "device", "policy_name", "model_path",
+                   "reward_model_path"}
 
 
 @dataclass(frozen=True)

@@ -196,6 +196,15 @@ def test_a_model_retrained_to_the_same_weights_leaves_the_next_stage_cached(flow
     assert model_fingerprint(reward_model) != before[1]
 
 
+def test_the_same_model_at_another_path_is_the_same_input(flow_workspace, tiny, tmp_path):
+    """A base rebuilt to the same files under a new key (a pair ingested into a corpus source added no character),
+    or a path written relative: the path was in the keys, so every stage after it trained again, to the same files."""
+    final = sft_flow(SFTConfig(model_path=tiny, **FAST))
+    copy = shutil.copytree(tiny, tmp_path / "elsewhere")
+    assert sft_flow(SFTConfig(model_path=str(copy), **FAST)) == final
+    assert len(tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'sft'")) == 1
+
+
 def test_a_forced_stage_leaves_the_next_unforced_run_a_cache_hit(flow_workspace, tiny):
     """`--force` on a config never run before (a changed stage forced at once): the next plain run hits its entry."""
     cfg = SFTConfig(model_path=tiny, **FAST)

@@ -154,6 +154,8 @@ def test_run_id_follows_sampling_config_and_model_weights(tiny_model_dir, tmp_pa
     assert sample_run_id(cfg, IDS) != sample_run_id(cfg.model_copy(update={"n": 8}), IDS)
     assert sample_run_id(cfg, IDS) != sample_run_id(cfg.model_copy(update={"max_problems": 2}), IDS)  # other batches
     assert sample_run_id(cfg.model_copy(update={"run_id": "mine"}), IDS) == "mine"
+    elsewhere = shutil.copytree(model_dir, tmp_path / "elsewhere")  # the same model at another path: the same run
+    assert sample_run_id(cfg.model_copy(update={"model_path": str(elsewhere)}), IDS) == sample_run_id(cfg, IDS)
     # the problems: without max_problems a new one extends the run; with it, another selection is another run
     assert sample_run_id(cfg, [*IDS, "p3"]) == sample_run_id(cfg, IDS)
     capped = cfg.model_copy(update={"max_problems": 2})
