@@ -88,12 +88,22 @@ def exit_soon_after_ctrl_c(grace_s: float = 10.0) -> None:
     """Ctrl-C raises KeyboardInterrupt as usual, so the stage stops the way Python stops (its vLLM server, an
     atomic checkpoint write). But the terminal's SIGINT also stops Prefect's temporary server, which shares this
     process group, and Prefect's client then retries that dead server for minutes. So the process exits by
-    itself `grace_s` after the first Ctrl-C, and at once on a second (exit code 130); the next run in the
-    workspace ends the MLflow and Prefect runs it left open."""
+    itself `grace_s` after the first Ctrl-C, marking a pipeline's MLflow run KILLED first, and at once on a second
+    (exit code 130); the next run in the workspace ends the Prefect runs (and any MLflow run) it left open."""
+
+    def leave() -> None:
+        threading.Timer(5.0, os._exit, args=(130,)).start()  # whatever MLflow's store does
+        tracking = sys.modules.get("pipeline_lib.tracking")  # imported iff an MLflow run may be open
+        if tracking is not None:
+            try:
+                tracking.end_interrupted_pipeline_run()
+            except Exception:  # noqa: BLE001 - exiting anyway; the next run in the workspace ends it
+                pass
+        os._exit(130)
 
     def on_ctrl_c(signum, frame) -> None:
         signal.signal(signal.SIGINT, lambda *_: os._exit(130))
-        deadline = threading.Timer(grace_s, os._exit, args=(130,))
+        deadline = threading.Timer(grace_s, leave)
         deadline.daemon = True
         deadline.start()
         raise KeyboardInterrupt

@@ -155,6 +155,18 @@ def pipeline_run(
     mlflow.end_run(status="FINISHED")
 
 
+def end_interrupted_pipeline_run() -> None:
+    """Mark KILLED the pipeline run this process holds open, if any: Ctrl-C during a stage ends the stage's run, but
+    the CLI exits (`exit_soon_after_ctrl_c`) while Prefect's client still retries its stopped server, before the
+    pipeline's flow unwinds to `pipeline_run`; the parent run was left RUNNING until the workspace's next run."""
+    run_id = os.environ.get(PARENT_ENV)
+    if run_id is None:
+        return
+    client = MlflowClient()  # the workspace's store: `pipeline_run` pointed MLflow at it
+    client.set_tag(run_id, "alignflow.error", "interrupted (Ctrl-C)")
+    client.set_terminated(run_id, status="KILLED")
+
+
 def _process_tags() -> dict[str, str]:
     """Who writes the run: host and pid (to tell a killed run from a live one), and the code that wrote it."""
     return {"alignflow.host": host_id(), "alignflow.pid": str(os.getpid()), **_code_version_tags()}

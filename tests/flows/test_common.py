@@ -27,9 +27,10 @@ from prefect.states import Failed, Running
 from flows.cli import start_prefect_server
 from flows.common import _api, on_record
 from flows.ingest import ingest_flow
+from pipeline_lib import tracking
 from pipeline_lib.config import ConfigError, IngestConfig
 from pipeline_lib.sampling.vllm import VLLMServerError
-from pipeline_lib.workspace import WorkspaceLockedError, host_id
+from pipeline_lib.workspace import Workspace, WorkspaceLockedError, host_id
 from tasks.common import retry_on_io
 from tasks.ingest import ingest_task
 
@@ -217,6 +218,29 @@ def test_the_next_run_crashes_the_flow_runs_of_a_killed_process_and_stops_its_pr
     assert [(name, state) for name, state, _, _ in prefect_flow_runs(workspace)][-2:] == [
         ("sft", "CRASHED"), ("prepare", "COMPLETED")]
     assert not list(records.glob("*.json"))
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_pipelines_stage_marks_the_pipelines_mlflow_run_killed(tmp_path):
+    """The stage's own run is ended KILLED as the interrupt unwinds it, but the CLI exits after its grace period while
+    Prefect's client retries the stopped server, before the pipeline flow unwinds: its parent run stayed RUNNING
+    until the workspace's next run."""
+    workspace = tmp_path / "ws"
+    preset = tmp_path / "p.yaml"
+    preset.write_text(f"name: p\ningest:\n  - {{path: {ROOT / 'data' / 'demo' / 'problems.jsonl'}, source: demo}}\n"
+                      "base: {corpus_sources: [demo], hidden_size: 32, num_layers: 1}\n"
+                      "sft: {model_path: 'from:base', source: demo, max_steps: 100000, save_every: 50}\n")
+    run = alignflow(workspace, "run", "pipeline", "--config", str(preset), stderr=subprocess.PIPE,
+                    start_new_session=True)
+    for line in iter(run.stderr.readline, ""):  # Prefect's lines of the task runs' output
+        if "sft" in line and "step " in line:  # SFT trains (the base stage logs steps too)
+            break
+    os.killpg(run.pid, signal.SIGINT)
+    assert run.wait(timeout=120) == 130
+    run.stderr.close()
+    runs = {run.info.run_name: run for run in tracking.find_runs(Workspace(workspace))}
+    assert (runs["p"].info.status, runs["sft"].info.status) == ("KILLED", "KILLED")
+    assert runs["p"].data.tags["alignflow.error"] == "interrupted (Ctrl-C)"
 
 
 @pytest.mark.parametrize(("error", "retried"), [
