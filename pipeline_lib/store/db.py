@@ -333,8 +333,8 @@ class Store:
         """prompt -> answer of the problems `source` already holds with a prompt of `frame` (one answer each: ingest
         refuses a second one)."""
         with self._registered(frame.select("prompt").unique()) as name:
-            return dict(self._run(f"SELECT p.prompt, min(p.answer) FROM problems p JOIN {name} f ON p.prompt = f.prompt "
-                                  "WHERE p.source = ? GROUP BY p.prompt", [source]))
+            return dict(self._run(f"SELECT p.prompt, min(p.answer) FROM problems p JOIN {name} f "
+                                  "ON p.prompt = f.prompt WHERE p.source = ? GROUP BY p.prompt", [source]))
 
     def sampled_prompt_ids(self, run_id: str) -> set[str]:
         """Prompt ids that already have samples in `run_id` (resumable sampling)."""
