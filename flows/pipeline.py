@@ -7,6 +7,8 @@ the stages that were cache hits (they have no run under it: their runs are those
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from flows.common import stage_flow
 from flows.dapo import dapo_flow
@@ -22,6 +24,7 @@ from flows.sample import sample_flow
 from flows.sft import sft_flow
 from pipeline_lib import tracking
 from pipeline_lib.config import PipelineConfig
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.store.ingest import IngestReport
 from tasks.common import current_workspace, run_tags
 from tasks.evaluation import compare_task
@@ -29,6 +32,17 @@ from tasks.store import check_selections_task, corpus_sources_task
 
 TRAINING_FLOWS = {"sft": sft_flow, "rm": rm_flow, "rs_sft": sft_flow, "dpo": dpo_flow,
                   "grpo": grpo_flow, "dapo": dapo_flow, "ppo": ppo_flow}
+
+
+@contextmanager
+def named(stage: str) -> Iterator[None]:
+    """A stage's one-line error starts with the stage's name, so the pipeline's last line says which one failed."""
+    try:
+        yield
+    except AlignflowError as exc:
+        if not str(exc).startswith(f"{stage}: "):
+            exc.args = (f"{stage}: {exc}",)
+        raise
 
 
 @stage_flow("pipeline")
@@ -54,20 +68,26 @@ def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str,
             outputs[stage] = output
             tracking.set_tags({f"outputs.{stage}": str(output)}, run_id=pipeline_run_id)
 
-        finished("base", prepare_model_flow(base, force="base" in force) if base else cfg.base_model_path)
+        with named("base"):
+            finished("base", prepare_model_flow(base, force="base" in force) if base else cfg.base_model_path)
         for stage in ("sft", "rm", "sample", "rs_sft", "dpo", "grpo", "dapo", "ppo"):
             if getattr(cfg, stage) is None:
                 continue
             stage_cfg = cfg.resolved(stage, outputs)
             if stage == "sample":
-                finished("sample", sample_flow(stage_cfg, force="sample" in force)["run_id"])
-                filter_flow("best_of_n", outputs["sample"])
-                filter_flow("west_of_n", outputs["sample"], source=cfg.west_of_n_source)
+                with named("sample"):
+                    finished("sample", sample_flow(stage_cfg, force="sample" in force)["run_id"])
+                with named("best_of_n"):
+                    filter_flow("best_of_n", outputs["sample"])
+                with named("west_of_n"):
+                    filter_flow("west_of_n", outputs["sample"], source=cfg.west_of_n_source)
                 continue
-            finished(stage, TRAINING_FLOWS[stage](stage_cfg, force=stage in force))
+            with named(stage):
+                finished(stage, TRAINING_FLOWS[stage](stage_cfg, force=stage in force))
         rows = []
         for stage in cfg.evaluated:
-            rows += eval_flow(cfg.eval_config(stage, outputs[stage]), force="eval" in force)
+            with named(f"eval-{stage}"):
+                rows += eval_flow(cfg.eval_config(stage, outputs[stage]), force="eval" in force)
         if rows:  # each model's Pass@K / Maj@K on the pipeline run too, so pipeline runs compare in one table
             tracking.log_metrics({f"eval/{row['model']}/{kind}_at_{row['k']}": row[f"{kind}_at_k"]
                                   for row in rows for kind in ("pass", "maj")}, run_id=pipeline_run_id)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.pipeline import TRAINING_FLOWS, pipeline_flow
+from flows.pipeline import TRAINING_FLOWS, named, pipeline_flow
 from flows.sft import sft_flow
 from pipeline_lib import tracking
 from pipeline_lib.config import (
@@ -31,6 +31,7 @@ from pipeline_lib.config import (
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.store.db import StoreError, open_store
 from pipeline_lib.store.ingest import ingest_file
+from pipeline_lib.train.common import NonFiniteLossError
 from tasks.store import LOADERS
 
 PRESET = Path(__file__).resolve().parents[2] / "flows" / "configs" / "demo.yaml"
@@ -219,17 +220,27 @@ def test_the_pipelines_check_selects_the_rows_each_stage_loader_reads(tmp_path):
 
 def test_a_pipeline_failing_at_a_later_stage_keeps_the_outputs_of_the_stages_before(flow_workspace, monkeypatch):
     """Each stage's `outputs.<stage>` tag is on the pipeline run as soon as it finishes: a pipeline that fails later
-    still shows what it made."""
+    still shows what it made. The stage's error (a training error names no stage) starts with the stage's name, in
+    the CLI's last line and the run's `alignflow.error`, and keeps its type."""
     def failing_sft(cfg, force=False):
-        raise AlignflowError("sft: failed on purpose")
+        raise NonFiniteLossError("train/loss is nan at step 2; stopping, no final model written")
 
     monkeypatch.setitem(TRAINING_FLOWS, "sft", failing_sft)
     cfg = validate_config(PipelineConfig, {
         "ingest": [{"path": "data/demo/problems.jsonl", "source": "demo"}],
         "base": {}, "sft": {"model_path": "from:base", "source": "demo"}})
-    with pytest.raises(AlignflowError, match="failed on purpose"):
+    with pytest.raises(NonFiniteLossError, match=r"^sft: train/loss is nan at step 2; stopping, no final model "
+                                                 r"written$"):
         pipeline_flow(cfg)
     (base,) = stage_runs(flow_workspace, "base")
     (parent,) = stage_runs(flow_workspace, "pipeline")
     assert parent.info.status == "FAILED" and "outputs.sft" not in parent.data.tags
+    assert parent.data.tags["alignflow.error"] == "NonFiniteLossError: sft: train/loss is nan at step 2; stopping, " \
+                                                  "no final model written"
     assert parent.data.tags["outputs.base"] == base.data.tags["alignflow.model_path"]
+
+
+def test_a_stage_error_that_names_its_stage_is_not_named_twice():
+    with pytest.raises(StoreError, match="^grpo: no problems rows$"):
+        with named("grpo"):
+            raise StoreError("grpo: no problems rows")
