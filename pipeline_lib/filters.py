@@ -27,7 +27,8 @@ def _require(samples: pl.DataFrame, columns: Sequence[str]) -> None:
 
 
 def _scored(samples: pl.DataFrame) -> pl.DataFrame:
-    """Rows that can win or lose a group: scored (null and NaN rewards are unscored samples), with text (an
+    """Rows that can win or lose a group: scored (null, NaN and infinite rewards are unscored samples: an infinite
+    one ties with its like and has no mean with its opposite, and West-of-N's meta is JSON), with text (an
     empty or whitespace-only completion, to Python's str.strip() as ingest tests it (shapes.BLANK), is no response
     to train on; the store refuses such pairs at ingest) and whole: a sample cut at max_new_tokens (finish_reason
     `length`) is no response either, and SFT and DPO end every completion they train on with eos, which would
@@ -36,7 +37,7 @@ def _scored(samples: pl.DataFrame) -> pl.DataFrame:
     reward = pl.col("reward").cast(pl.Float64)
     has_text = ~pl.col("completion").str.contains(BLANK)
     whole = (pl.col("finish_reason") != "length").fill_null(True) if "finish_reason" in samples.columns else True
-    return samples.with_columns(reward).filter(reward.is_not_null() & reward.is_not_nan() & has_text & whole)
+    return samples.with_columns(reward).filter(reward.is_finite() & has_text & whole)
 
 
 def best_of_n(samples: pl.DataFrame) -> pl.DataFrame:

@@ -65,9 +65,15 @@ def test_best_of_n_keeps_the_top_reward_lowest_index_on_ties():
 
 
 def test_best_of_n_ignores_unscored_samples():
-    frame = samples_frame({"p": [(None, False), (math.nan, False), (0.1, True)], "unscored": [(None, False)]})
+    frame = samples_frame({"p": [(None, False), (math.nan, False), (math.inf, False), (0.1, True), (-math.inf, False),
+                                 (-0.2, False)], "unscored": [(None, False)]})
     best = best_of_n(frame)
-    assert best["completion"].to_list() == ["p-2"]  # NaN would sort above every number if kept
+    assert best["completion"].to_list() == ["p-3"]  # NaN would sort above every number if kept, and inf win
+    pairs, skipped = west_of_n(frame)
+    assert (pairs["chosen"].to_list(), pairs["rejected"].to_list(), skipped) == (["p-3"], ["p-5"], 0)
+    strict = {"parse_constant": lambda name: pytest.fail(f"meta holds {name}, which is not JSON")}
+    assert json.loads(pairs["meta"][0], **strict) == {
+        "prompt_id": "p", "chosen_idx": 3, "rejected_idx": 5, "chosen_reward": 0.1, "rejected_reward": -0.2}
 
 
 def test_samples_cut_at_max_new_tokens_neither_win_nor_lose_a_group():
