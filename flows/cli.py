@@ -600,7 +600,7 @@ def serve(
     api = os.environ["PREFECT_API_URL"]
     cfg = load_preset(config)
     workspace = resolve_workspace().create()  # the flows it serves run there; Prefect's import makes PREFECT_HOME in it
-    from flows.deployments import build_deployments, check_not_served_elsewhere
+    from flows.deployments import build_deployments, check_not_served_elsewhere, pause_served
 
     # a config mistake first, server or not
     deployments = build_deployments(cfg, origin=str(config), workspace=workspace.root)
@@ -612,7 +612,12 @@ def serve(
     from prefect import serve as prefect_serve
 
     typer.echo(f"serving {len(deployments)} deployments on {api}: " + ", ".join(d.name for d in deployments))
-    prefect_serve(*deployments, print_starting_message=False)
+    try:
+        prefect_serve(*deployments, print_starting_message=False, pause_on_shutdown=False)
+    finally:
+        problem = pause_served(api, deployments)
+        if problem is not None:
+            typer.secho(f"warning: {problem}", fg=typer.colors.YELLOW, err=True)
 
 
 @app.command()

@@ -26,7 +26,8 @@ def _hub_offline() -> bool:
     """The env var is read at call time too: huggingface_hub reads it once at import, a later export counts."""
     from huggingface_hub import constants
 
-    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").strip().upper() in {"1", "ON", "YES", "TRUE"}
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").strip().upper() in {"1", "ON", "YES", "TRUE"}
+    return constants.HF_HUB_OFFLINE or offline
 
 
 def resolve_model_dir(path_or_id: str | Path, *, allow_pickle: bool = False) -> Path:

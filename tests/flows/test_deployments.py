@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -82,7 +83,8 @@ def test_a_name_prefect_refuses_is_a_one_line_config_error_before_anything_is_de
 def test_serve_reports_an_invalid_cron_in_one_line_without_a_server(tmp_path, subprocess_env):
     preset = tmp_path / "p.yaml"
     preset.write_text("name: p\nschedule_cron: every day\n")
-    env = subprocess_env | {"ALIGNFLOW_HOME": str(tmp_path / "ws"), "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"}
+    env = subprocess_env | {"ALIGNFLOW_HOME": str(tmp_path / "ws"),
+                            "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"}
     result = subprocess.run([sys.executable, "-m", "flows.cli", "serve", "--config", str(preset)], capture_output=True,
                             text=True, env=env, timeout=300)
     assert result.returncode == 2
@@ -152,6 +154,22 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_e
         with temporary_settings({PREFECT_API_URL: api}):
             applied = [stage_deployment.apply() for stage_deployment in build_deployments(demo)]
         assert len(applied) == 13
+        # stopped, serve pauses what it served (the pipeline's cron stops with it)
+        stop(served)
+        assert served.returncode == 0 and _deployment(api, "smoke")["paused"]
+        # stopped while its server is down, it exits in seconds with one warning, not after Prefect's runner spent
+        # about 70 s retrying the server to pause them, with tracebacks
+        restarted = datetime.now(timezone.utc)
+        served = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--config", str(preset)],
+                                  stdout=(tmp_path / "serve-2.log").open("w"), stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)
+        wait_for(lambda: _polled_since(api, "smoke", restarted), 120, "the runner polling again")
+        stop(server)
+        os.killpg(served.pid, signal.SIGTERM)
+        assert served.wait(30) == 0
+        last = (tmp_path / "serve-2.log").read_text().splitlines()[-1]
+        assert last == (f"warning: the Prefect server at {api} did not answer (ConnectError): the deployments were "
+                        "left unpaused")
     finally:
         if served is not None:
             stop(served)  # serve processes first: stopped after their server, they hang retrying it
@@ -169,6 +187,11 @@ def _deployment(api: str, name: str) -> dict | None:
     found = httpx.post(f"{api}/deployments/filter", json={"deployments": {"name": {"any_": [name]}}}, timeout=10)
     rows = found.json()
     return rows[0] if rows else None
+
+
+def _polled_since(api: str, name: str, since: datetime) -> bool:
+    polled = _deployment(api, name)["last_polled"]
+    return polled is not None and datetime.fromisoformat(polled) > since
 
 
 def _final_state(api: str, flow_run_id: str) -> str | None:

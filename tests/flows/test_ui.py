@@ -67,9 +67,9 @@ def test_a_port_in_use_is_a_one_line_error_before_any_server_starts(tmp_path, su
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", ports[taken]))
         holder.listen()
-        result = subprocess.run([sys.executable, "-m", "flows.cli", "ui", *(str(x) for kv in ports.items() for x in kv)],
-                                capture_output=True, text=True, timeout=120,
-                                env=subprocess_env | {"ALIGNFLOW_HOME": str(tmp_path / "ws")})
+        options = [str(x) for kv in ports.items() for x in kv]
+        result = subprocess.run([sys.executable, "-m", "flows.cli", "ui", *options], capture_output=True, text=True,
+                                timeout=120, env=subprocess_env | {"ALIGNFLOW_HOME": str(tmp_path / "ws")})
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip() == (f"error: port {ports[taken]} on 127.0.0.1 is in use (another `alignflow ui` or "
                                      f"server?); choose another with {taken}")
