@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from pipeline_lib.train.data import FINAL_LINE, die_with_parent, write_run_file
 TrainConfig = SFTConfig | RMConfig | DPOConfig
 POLL_SECONDS = 0.2  # how often the metrics file is read while torchrun trains
 STOP_SECONDS = 30  # how long an interrupted torchrun gets to stop its workers before it is killed
+RUN_DIR_PREFIX = ".torchrun-"  # the launch's temp dir in the stage's out_dir
 KEPT_LINES = 200  # the end of torchrun's output kept for the error and the final line (its failure report is ~40)
 
 
@@ -61,13 +63,17 @@ def train_stage(train: Callable[..., Path], cfg: TrainConfig, frames: Mapping[st
 def train_in_processes(module: str, cfg: TrainConfig, frames: Mapping[str, pl.DataFrame], out_dir: Path,
                        log: LogFn, *, processes: int, **options: str | Path) -> Path:
     """`torchrun --standalone --nproc_per_node <processes> -m <module> --config run.json --metrics metrics.jsonl`
-    (`run_torchrun`), the run file (config, frames, options) and the metrics file in a temp dir of their own.
+    (`run_torchrun`), the run file (config, frames, options) and the metrics file in a temp dir of their own in
+    `out_dir` (`.torchrun-*`: a launcher SIGKILLed cannot remove it, and the next launch into `out_dir` does).
     Rank 0's metrics go to `log` as they come, at full precision; the workers' other output passes through to this
     process's. torchrun runs with this process's `pipeline_lib` first on its path (the same code trains), in a
     session of its own (a Ctrl-C reaches this process alone), and dies with this thread (PR_SET_PDEATHSIG; its
     workers die with it); an interrupt here (KeyboardInterrupt, a failing `log`) stops it before it propagates. A
     non-zero exit is a one-line TrainLaunchError. Returns the final model dir that the workers printed."""
-    with tempfile.TemporaryDirectory(prefix="alignflow-torchrun-") as tmp:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob(f"{RUN_DIR_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=RUN_DIR_PREFIX, dir=out_dir) as tmp:
         run_file = write_run_file(Path(tmp) / "run.json", cfg, frames, out_dir, **options)
         metrics = Path(tmp) / "metrics.jsonl"
         metrics.touch()

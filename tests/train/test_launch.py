@@ -86,9 +86,9 @@ LAUNCHER = textwrap.dedent("""
 def test_torchrun_and_its_workers_end_with_the_process_that_launched_them(tiny, tmp_path, ending):
     """A launcher SIGKILLed takes torchrun along (PR_SET_PDEATHSIG) and torchrun its workers; one interrupted
     (Ctrl-C: SIGINT, KeyboardInterrupt) that lives on has stopped torchrun and its workers. Either way no process
-    of the stage is left."""
-    # TMPDIR: the run dir that a SIGKILLed launcher cannot remove stays under the test's dir
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
+    of the stage is left. The run dir that a SIGKILLed launcher cannot remove is in the stage's out_dir (it was in
+    $TMPDIR, for good), where the next launch removes it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tiny), str(tmp_path / "out")], env=env, cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     stage: list[psutil.Process] = []
@@ -108,6 +108,14 @@ def test_torchrun_and_its_workers_end_with_the_process_that_launched_them(tiny, 
         _, alive = psutil.wait_procs(stage, timeout=30)
         assert not alive
         assert (launcher.poll() is None) == (ending == signal.SIGINT)
+        left = [path.name for path in (tmp_path / "out").iterdir()]
+        if ending == signal.SIGKILL:
+            assert len(left) == 1 and left[0].startswith(".torchrun-"), left
+            cfg = SFTConfig(model_path=str(tiny), max_steps=1, batch_size=4, device="cpu", processes=2)
+            train_stage(train_sft, cfg, {"rows": ROWS}, tmp_path / "out", no_log)
+            assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["final"]
+        else:
+            assert not [name for name in left if name.startswith(".torchrun-")], left
     finally:  # a failed check leaves nothing running either
         watchdog.cancel()
         for process in stage:
