@@ -7,6 +7,7 @@ Loops stay explicit, one per algorithm; these helpers only remove copies of the 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -33,6 +34,7 @@ from pipeline_lib.model_dirs import FINAL_MARKER, missing_files, read_marker
 from pipeline_lib.models.logprobs import packs_pairs
 
 CHECKPOINT_DIR = "checkpoint"
+CHECKPOINT_FILES = ("state.pt", "python_rng.json")  # their sha256 is in trainer_state.json, written last
 
 
 class NonFiniteLossError(AlignflowError):
@@ -351,6 +353,15 @@ def _fsync_tree(path: Path) -> None:
     _fsync_dir(path)
 
 
+def replace_durably(tmp: Path, path: Path) -> None:
+    """`os.replace(tmp, path)` once tmp's data is on disk, then the rename made durable: a power cut cannot leave
+    `path` holding unwritten blocks."""
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
 def _fsync_dir(path: Path) -> None:
     """fsync a directory: makes the renames inside it durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -390,7 +401,8 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
 
     The checkpoint is written to a temp dir, fsynced and renamed over the previous one: a crash (or power cut)
     mid-write leaves the previous checkpoint intact, and a failed write (disk full) is a one-line
-    CheckpointWriteError."""
+    CheckpointWriteError. trainer_state.json records the sha256 of the other files (torch's zip reader checks no
+    CRC: a flipped byte in state.pt loaded as other weights)."""
     final = out_dir / CHECKPOINT_DIR
     tmp = out_dir / f".{CHECKPOINT_DIR}.tmp"
     old = out_dir / f".{CHECKPOINT_DIR}.old"
@@ -408,8 +420,10 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
         tmp.mkdir(parents=True)
         # torch.save reports a full disk as a RuntimeError ("unexpected pos ..."), not an OSError
         torch.save(state, tmp / "state.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "run_key": run_key, **_topology(model)}))
         (tmp / "python_rng.json").write_text(json.dumps([python_state[0], list(python_state[1]), python_state[2]]))
+        files = {name: _sha256(tmp / name) for name in CHECKPOINT_FILES}
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "run_key": run_key, "files": files,
+                                                            **_topology(model)}))
         _fsync_tree(tmp)
         if final.exists():  # else `old` may be the only good checkpoint (a crash between the renames): keep it
             shutil.rmtree(old, ignore_errors=True)
@@ -424,22 +438,36 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
     return final
 
 
-def _read_checkpoint(ckpt: Path) -> tuple[int, dict, dict, list] | None:
+def _sha256(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _read_checkpoint(ckpt: Path, run_key: str) -> tuple[int, dict, dict, list] | None:
     """(step, trainer_state.json, state, python RNG state) of a complete checkpoint dir; None when there is none
-    or it is unreadable (a truncated file: disk corruption, a power cut after the rename), with a warning naming
-    it."""
-    if not (ckpt / "trainer_state.json").exists():
+    or it is unreadable (a file missing, cut or changed since it was written: disk corruption, a power cut after
+    the rename; RNG states the generators refuse), with a warning naming it. Another run's is an OtherRunError."""
+    if not ckpt.exists():
         return None
     try:
         trainer_state = json.loads((ckpt / "trainer_state.json").read_text())
         step = int(trainer_state["step"])
+        _other_run(ckpt, trainer_state.get("run_key"), run_key)
+        digests = trainer_state.get("files")  # an older alignflow's checkpoint records none: it resumes unchecked
+        changed = [name for name in CHECKPOINT_FILES if digests and _sha256(ckpt / name) != digests.get(name)]
+        if changed:
+            raise ValueError(f"{', '.join(changed)} changed since it was written")
         python_rng = json.loads((ckpt / "python_rng.json").read_text())
         # weights_only: our own file, but never unpickle arbitrary objects
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
         missing = {"model", "optimizer", "scheduler", "torch_rng", "cuda_rng", "extra"} - set(state)
         if missing:
             raise KeyError(f"state.pt lacks {sorted(missing)}")
-    except (OSError, RuntimeError, EOFError, ValueError, KeyError, TypeError, pickle.UnpicklingError) as exc:
+        # states the generators take, tried on throwaway ones: load_checkpoint sets them after the weights
+        random.Random().setstate((python_rng[0], tuple(python_rng[1]), python_rng[2]))
+        torch.Generator().set_state(state["torch_rng"])
+    except (OSError, RuntimeError, EOFError, ValueError, KeyError, TypeError, AttributeError,
+            pickle.UnpicklingError) as exc:
         warnings.warn(f"checkpoint {ckpt} is unreadable ({one_line(exc)}); ignoring it", RuntimeWarning,
                       stacklevel=3)
         return None
@@ -458,13 +486,12 @@ def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=Non
     neither (an older alignflow's) resumes without."""
     # .old: a crash between the two renames of save_checkpoint left only the previous checkpoint
     for ckpt in (out_dir / CHECKPOINT_DIR, out_dir / f".{CHECKPOINT_DIR}.old"):
-        found = _read_checkpoint(ckpt)
+        found = _read_checkpoint(ckpt, run_key)
         if found is not None:
             break
     else:
         return None
     step, trainer_state, state, (version, internal, gauss) = found
-    _other_run(ckpt, trainer_state.get("run_key"), run_key)
     try:
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])

@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Collection
 from contextlib import nullcontext
 from pathlib import Path
 
 import polars as pl
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from pipeline_lib import code_version
 from pipeline_lib.config import DPOConfig
-from pipeline_lib.errors import AlignflowError
+from pipeline_lib.errors import AlignflowError, one_line
 from pipeline_lib.filters import west_of_n_of_run
 from pipeline_lib.fingerprint import content_id, model_fingerprint
 from pipeline_lib.logfns import LogFn, no_log
@@ -29,6 +31,7 @@ from pipeline_lib.models.loading import resolve_device
 from pipeline_lib.models.logprobs import model_positions, pair_logprob_sums, stop_token_ids, transformers_model
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
+    CheckpointWriteError,
     Dist,
     autocast,
     batches,
@@ -43,6 +46,7 @@ from pipeline_lib.train.common import (
     make_optimizer,
     make_scheduler,
     mean_over_ranks,
+    replace_durably,
     save_checkpoint,
     save_final,
     seed_everything,
@@ -150,25 +154,46 @@ def reference_logps(model: nn.Module, encoded: Encoded, *, packed: Collection[in
     The key hashes the reference model's dir (`model_fingerprint`: its weights and its config, which changes the
     log-probs as much), the tokenized data, the numeric setting (device type, dtype, which pairs run packed: the
     float sums differ in their last bits) and the code, so a rerun, a resumed run or another stage on the same data
-    reuses the file. Rank 0 computes and writes (atomically); every rank then reads the same file. A
-    peft model is evaluated with its adapters disabled: that is the reference, without a second copy of the
+    reuses the file. Rank 0 computes and writes (atomically and durably; a failed write is a one-line
+    CheckpointWriteError, a file that does not read back whole is computed again with a warning); every rank then
+    reads the same file. A peft model is evaluated with its adapters disabled: that is the reference, without a second copy of the
     weights."""
     dtype = "bf16" if device.type == "cuda" else "fp32"
     layout = content_id(*map(str, sorted(packed)))
     key = content_id(model_fingerprint(resolve_model_dir(policy_path)), encoded.fingerprint(), device.type, dtype,
                      layout, code_version())
     path = Path(cache_dir) / "ref_logps" / f"{key[:32]}.safetensors"
-    if ctx.is_main and not path.is_file():
+    if ctx.is_main and not _cached_whole(path, rows=len(encoded)):
         adapters_off = model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext()
         with adapters_off:
             logps = logprob_sums(model, encoded, list(range(len(encoded) // 2)), packed=packed, pad_id=pad_id,
                                  device=device, batch_size=batch_size).flatten()  # rows 2i, 2i + 1
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file({"logps": logps.contiguous()}, str(tmp))
-        os.replace(tmp, path)
+        try:
+            save_file({"logps": logps.contiguous()}, str(tmp))
+            replace_durably(tmp, path)
+        except (OSError, SafetensorError) as exc:  # a full disk
+            tmp.unlink(missing_ok=True)
+            raise CheckpointWriteError(f"{path}: cannot write the reference log-probs ({one_line(exc)})") from exc
     ctx.barrier()
     return load_file(str(path))["logps"]  # (2N,)
+
+
+def _cached_whole(path: Path, rows: int) -> bool:
+    """Whether `path` holds the reference log-probs of `rows` rows; one that is there but does not read back whole
+    (cut, damaged) gets a warning, and is computed again."""
+    if not path.is_file():
+        return False
+    try:
+        logps = load_file(str(path))["logps"]
+        if logps.shape != (rows,):
+            raise ValueError(f"{tuple(logps.shape)} log-probs for {rows} rows")
+    except (OSError, SafetensorError, KeyError, ValueError) as exc:
+        warnings.warn(f"{path} is unreadable ({one_line(exc)}); computing the reference log-probs again",
+                      RuntimeWarning, stacklevel=3)
+        return False
+    return True
 
 
 def preference_eval(model: nn.Module, encoded: Encoded, ref: Tensor, pair_ids: list[int], *, beta: float,

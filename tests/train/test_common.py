@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import io
 import json
 import math
@@ -216,6 +217,13 @@ def test_checkpoint_survives_a_crash_between_renames(tmp_path, monkeypatch):
     assert load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, run_key="run")[0] == 4
 
 
+def _record_sha256(ckpt: Path) -> None:
+    """trainer_state.json's digests made to match the files again, as if they had been written so."""
+    recorded = json.loads((ckpt / "trainer_state.json").read_text())
+    recorded["files"] = {name: hashlib.sha256((ckpt / name).read_bytes()).hexdigest() for name in recorded["files"]}
+    (ckpt / "trainer_state.json").write_text(json.dumps(recorded))
+
+
 def _resume_warnings(out_dir: Path) -> list[str]:
     """The warnings of resuming a fresh model from `out_dir`'s checkpoint, which must exist."""
     fresh, fresh_opt, fresh_sched = _trained_state(seed=1)
@@ -355,11 +363,22 @@ def test_failed_checkpoint_write_keeps_the_previous_one_in_one_line(tmp_path, mo
     assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
 
 
+def _flip_byte(path: Path, at: float) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("damage", ["empty state.pt", "half state.pt", "garbage state.pt", "no state.pt",
-                                    "bad trainer_state.json", "bad python_rng.json"])
+                                    "bad trainer_state.json", "bad python_rng.json", "no trainer_state.json",
+                                    "a flipped byte in state.pt", "a flipped bit in the optimizer state",
+                                    "python_rng.json refused by random", "torch_rng refused by torch"])
 def test_unreadable_checkpoint_is_skipped_with_a_warning(tmp_path, damage):
     """A checkpoint damaged after its rename (disk corruption, a power cut before the data reached the disk)
-    is ignored: the loop starts over, which costs time but gives the same seeded result."""
+    is ignored: the loop starts over, which costs time but gives the same seeded result. Before: a flipped byte
+    in state.pt loaded as other weights or optimizer moments (torch's zip reader checks no CRC; trainer_state.json
+    now holds each file's sha256), RNG states that parsed but the generators refused raised a traceback after the
+    weights were loaded, and a checkpoint without trainer_state.json was dropped without a warning."""
     model, optimizer, _ = _trained_state()
     ckpt = save_checkpoint(tmp_path, step=3, model=model, optimizer=optimizer, run_key="run")
     state = ckpt / "state.pt"
@@ -371,6 +390,19 @@ def test_unreadable_checkpoint_is_skipped_with_a_warning(tmp_path, damage):
         state.write_bytes(b"not a checkpoint at all" * 10)
     elif damage == "no state.pt":
         state.unlink()
+    elif damage == "no trainer_state.json":
+        (ckpt / "trainer_state.json").unlink()
+    elif damage == "a flipped byte in state.pt":
+        _flip_byte(state, 0.2)
+    elif damage == "a flipped bit in the optimizer state":
+        _flip_byte(state, 0.5)
+    elif damage == "python_rng.json refused by random":
+        (ckpt / "python_rng.json").write_text("[3, [1, 2, 3], null]")
+        _record_sha256(ckpt)  # parses, and matches its digest: random.setstate still refuses it
+    elif damage == "torch_rng refused by torch":
+        saved = torch.load(state, weights_only=True)
+        torch.save(saved | {"torch_rng": saved["torch_rng"].float()}, state)
+        _record_sha256(ckpt)
     else:
         (ckpt / damage.split()[1]).write_text('{"step": ')
     fresh, fresh_opt, _ = _trained_state(seed=1)

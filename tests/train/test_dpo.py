@@ -4,6 +4,7 @@ raises held-out preference accuracy and the chosen - rejected log-prob margin ov
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import random
@@ -18,11 +19,13 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 from pipeline_lib.config import DPOConfig, SFTConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.models import build_tiny_model, load_policy, load_tokenizer
-from pipeline_lib.train.common import Dist, NonFiniteLossError, final_metrics
+from pipeline_lib.train import dpo as dpo_module
+from pipeline_lib.train.common import CheckpointWriteError, Dist, NonFiniteLossError, final_metrics
 from pipeline_lib.train.data import holdout_split
 from pipeline_lib.train.dpo import encode_pairs, logprob_sums, packed_pairs, reference_logps, train_dpo
 from pipeline_lib.train.sft import sft_rows, train_sft
@@ -179,6 +182,37 @@ def test_reference_logps_are_cached_by_weights_and_data(tiny, tmp_path):
     assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 3
     reference_logps(model, encoded, **{**kwargs, "packed": {0, 5}})  # and another
     assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 4
+
+
+def test_a_damaged_reference_cache_file_is_computed_again_and_a_failed_write_is_one_line(tiny, tmp_path,
+                                                                                         monkeypatch):
+    """A cached file cut or damaged (a disk fault) failed every later DPO run on that data with a traceback, never
+    recomputed; a full disk while writing it was a traceback too."""
+    tokenizer, model = load_tokenizer(tiny), load_policy(tiny, device="cpu")
+    encoded = encode_pairs(tokenizer, toy_pairs(6), max_length=64)
+    kwargs = dict(packed=frozenset(range(6)), policy_path=str(tiny), cache_dir=tmp_path, pad_id=tokenizer.pad_token_id,
+                  device=torch.device("cpu"), batch_size=4, ctx=Dist())
+    ref = reference_logps(model, encoded, **kwargs).clone()  # not a view of the file that is damaged below
+    (cached,) = (tmp_path / "ref_logps").glob("*.safetensors")
+    for damage in (cached.read_bytes()[:100], b"", safetensors_bytes({"logps": torch.zeros(3)}),
+                   safetensors_bytes({"other": ref})):
+        cached.write_bytes(damage)
+        with pytest.warns(RuntimeWarning, match=rf"^{cached} is unreadable \(\w+: .*\); computing the reference "
+                                                "log-probs again$"):
+            assert torch.equal(reference_logps(model, encoded, **kwargs), ref)
+        assert torch.equal(load_file(cached)["logps"], ref)
+    cached.unlink()
+
+    def full_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dpo_module, "save_file", full_disk)
+    with pytest.raises(CheckpointWriteError) as failed:
+        reference_logps(model, encoded, **kwargs)
+    assert str(failed.value) == f"{cached}: cannot write the reference log-probs (OSError: [Errno 28] No space " \
+                                "left on device)"
+    assert list(cached.parent.iterdir()) == []  # no temp file left behind
 
 
 def test_the_reference_cache_key_follows_the_model_s_config_and_weights_in_subdirs(tiny, tmp_path):
