@@ -156,8 +156,8 @@ def reference_logps(model: nn.Module, encoded: Encoded, *, packed: Collection[in
     float sums differ in their last bits) and the code, so a rerun, a resumed run or another stage on the same data
     reuses the file. Rank 0 computes and writes (atomically and durably; a failed write is a one-line
     CheckpointWriteError, a file that does not read back whole is computed again with a warning); every rank then
-    reads the same file. A peft model is evaluated with its adapters disabled: that is the reference, without a second copy of the
-    weights."""
+    reads the same file. A peft model is evaluated with its adapters disabled: that is the reference, without a
+    second copy of the weights."""
     dtype = "bf16" if device.type == "cuda" else "fp32"
     layout = content_id(*map(str, sorted(packed)))
     key = content_id(model_fingerprint(resolve_model_dir(policy_path)), encoded.fingerprint(), device.type, dtype,
