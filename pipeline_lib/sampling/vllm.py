@@ -271,8 +271,8 @@ class VLLMServer:
         self.trust_remote_code = trust_remote_code
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
-        self.log_path = Path(log_path) if log_path else \
-            Path(tempfile.gettempdir()) / f"alignflow-vllm-{self.port}.log"
+        # without log_path, a new temp file at start: a predictable name in /tmp could be another user's symlink
+        self.log_path = Path(log_path) if log_path else None
         # a log we chose is removed after a clean run, kept when an error message points at it
         self._remove_log = log_path is None
         self.proc: subprocess.Popen | None = None
@@ -310,10 +310,14 @@ class VLLMServer:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /pause, /collective_rpc, /reset_prefix_cache, weight transfer
         if self.cuda_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cuda_devices  # the server's GPUs, apart from the trainer's
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = self.command()
         if sys.platform == "linux":  # a SIGKILLed parent runs no atexit: the kernel then stops the server
             command = [command[0], "-c", DIE_WITH_PARENT, str(os.getpid()), *command]
+        if self.log_path is None:  # created exclusively (O_EXCL, mode 0600) under a random name
+            handle, name = tempfile.mkstemp(prefix=f"alignflow-vllm-{self.port}-", suffix=".log")
+            self.log_path = Path(name)
+            os.close(handle)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL, start_new_session=True)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import sys
+import tempfile
 import warnings
 
 import httpx
@@ -179,6 +181,24 @@ def test_stop_ends_the_whole_process_group(server):
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.url}/health", timeout=2.0)
     server.stop()  # idempotent
+
+
+def test_the_default_log_is_a_new_private_file_not_a_name_another_user_could_plant(tiny_model_dir, tmp_path,
+                                                                                    monkeypatch):
+    """The log was $TMPDIR/alignflow-vllm-<port>.log, opened with truncation: a symlink another user planted there
+    emptied its target (the port is predictable). It is now created exclusively, under a random name, mode 0600."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    server = VLLMServer(tiny_model_dir, python=sys.executable, startup_timeout=60)
+    (tmp_path / f"alignflow-vllm-{server.port}.log").symlink_to(victim)
+    with pytest.raises(VLLMServerError) as exc:
+        server.start()  # the project venv has no vLLM: the server exits at once, and its log is kept
+    assert victim.read_text() == "precious"
+    assert server.log_path.parent == tmp_path and server.log_path.name.startswith(f"alignflow-vllm-{server.port}-")
+    assert stat.S_IMODE(server.log_path.stat().st_mode) == 0o600
+    assert str(exc.value).endswith(f"(log: {server.log_path})")
+    assert "No module named 'vllm'" in server.log_path.read_text()
 
 
 def test_start_failure_is_one_line_with_the_log_tail(tiny_model_dir, tmp_path):
