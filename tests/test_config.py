@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -491,6 +492,29 @@ def test_merge_keys_still_let_a_mapping_override_what_it_merged(tmp_path):
     nested = tmp_path / "nested.yaml"  # an anchor that itself overrides a merged key, merged before it is built
     nested.write_text("defaults:\n  train: &train\n    <<: {lr: 1.0, epochs: 1}\n    lr: 2.0\nsft:\n  <<: *train\n")
     assert load_yaml(nested) == {"defaults": {"train": {"lr": 2.0, "epochs": 1}}, "sft": {"lr": 2.0, "epochs": 1}}
+
+
+def test_a_yaml_alias_bomb_is_one_line_at_once(tmp_path):
+    """A 'billion laughs' preset (aliases of aliases, under 500 bytes) took 33 s and 1.6 GB to become one line with
+    8 levels and ran past 5 minutes with 9: pydantic walked and printed the expanded value. Aliases that expand to
+    a real preset's size, and a recursive one, still load."""
+    levels = [f"&l0 [{', '.join(['x'] * 10)}]"] + [f"&l{i} [{', '.join([f'*l{i - 1}'] * 10)}]" for i in range(1, 9)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("model_path: /m\nmax_steps: [\n  " + ",\n  ".join(levels) + "]\n")
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        load_config(SFTConfig, path)
+    assert str(err.value) == f"{path}: invalid YAML at line 7, column 3: its aliases expand to over 100,000 values " \
+                             "(an alias bomb?)"
+    assert time.monotonic() - started < 5  # the refusal comes before anything walks the expanded value
+    fine = tmp_path / "fine.yaml"  # 10^4 values through aliases: a list no preset field takes, refused as such
+    fine.write_text("model_path: /m\nmax_steps: [\n  " + ",\n  ".join(levels[:4]) + "]\n")
+    with pytest.raises(ConfigError, match=r"field 'max_steps': Input should be a valid integer \(got \[\["):
+        load_config(SFTConfig, fine)
+    recursive = tmp_path / "recursive.yaml"
+    recursive.write_text("model_path: &x [*x]\n")
+    with pytest.raises(ConfigError, match=r"field 'model_path': Input should be a valid string \(got \[\[\.\.\.\]\]\)"):
+        load_config(SFTConfig, recursive)
 
 
 @pytest.mark.parametrize(("n", "ks"), [(16, (1, 2, 4, 8, 16)), (12, (1, 2, 4, 8, 12)), (4, (1, 2, 4)), (1, (1,))])

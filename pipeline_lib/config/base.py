@@ -200,6 +200,32 @@ def _refuse_repeated_keys(root: yaml.Node | None) -> None:
                 first_lines[key] = key_node.start_mark.line + 1
 
 
+MAX_EXPANDED_NODES = 100_000
+"""A preset's values, counted with every alias expanded: a few hundred in a real one. A "billion laughs" file of
+400 bytes (aliases of aliases) expands to 10^8 and more, which pydantic then walks (minutes, gigabytes)."""
+
+
+def _refuse_alias_bombs(root: yaml.Node | None) -> None:
+    """A YAML error if the document, its aliases expanded, holds over MAX_EXPANDED_NODES nodes. Counted on the
+    composed graph, each distinct node once (a recursive alias, finite in memory, counts as one node)."""
+    sizes: dict[int, int] = {}
+    stack = [(root, False)] if root is not None else []
+    while stack:
+        node, children_counted = stack.pop()
+        children = [part for pair in node.value for part in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        if children_counted:
+            sizes[id(node)] = min(1 + sum(sizes.get(id(child), 1) for child in children), MAX_EXPANDED_NODES + 1)
+            if sizes[id(node)] > MAX_EXPANDED_NODES:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"its aliases expand to over {MAX_EXPANDED_NODES:,} values (an alias bomb?)",
+                    node.start_mark)
+        elif id(node) not in sizes:
+            sizes[id(node)] = 1  # while its children are counted: a child aliasing it counts as one
+            stack.append((node, True))
+            stack.extend((child, False) for child in children if id(child) not in sizes)
+
+
 class _PresetLoader(yaml.SafeLoader):
     """yaml.SafeLoader whose plain scalars read as YAML 1.2's: booleans are true/false (any case), so YAML 1.1's
     yes/no/on/off stay text (`source: no` names the source 'no', `chat_template: yes` is an error rather than true);
@@ -230,11 +256,13 @@ _PresetLoader.add_constructor("tag:yaml.org,2002:int", _PresetLoader.construct_d
 
 
 def _safe_load_unique(text: str) -> object:
-    """yaml.safe_load (with YAML 1.2 booleans: _PresetLoader), refusing repeated keys (_refuse_repeated_keys)."""
+    """yaml.safe_load (with YAML 1.2 booleans: _PresetLoader), refusing repeated keys (_refuse_repeated_keys) and
+    alias bombs (_refuse_alias_bombs)."""
     loader = _PresetLoader(text)
     try:
         root = loader.get_single_node()
         _refuse_repeated_keys(root)
+        _refuse_alias_bombs(root)
         return loader.construct_document(root) if root is not None else None
     finally:
         loader.dispose()
