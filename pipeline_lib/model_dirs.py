@@ -150,6 +150,22 @@ def check_weights(model_dir: Path, *, allow_pickle: bool = False) -> bool:
     return False
 
 
+def refuse_hub_kernels(model_dir: Path) -> None:
+    """A one-line ModelLoadError if config.json (or a sub-config in it) sets its attention implementation to a
+    Hugging Face Hub kernel repo (`kernels-community/flash-attn`): transformers would fetch and run that repo's
+    code whatever trust_remote_code says. For callers that do not trust the dir's code."""
+    pending = [json.loads((model_dir / "config.json").read_bytes())]
+    while pending:
+        config = pending.pop()
+        for key, value in config.items():
+            if isinstance(value, dict):
+                pending.append(value)
+            elif key in ("attn_implementation", "_attn_implementation") and isinstance(value, str) and "/" in value:
+                raise ModelLoadError(f"model dir {model_dir}: config.json's {key} {value!r} is a Hub kernel repo, "
+                                     "whose code transformers would run; remove it, or trust the dir's code "
+                                     "(trust_remote_code)")
+
+
 def read_marker(final: Path) -> dict:
     """A final's marker: a JSON object, else OSError/ValueError. Read with the json module that wrote it (its metrics
     may hold NaN, which orjson refuses)."""

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipeline_lib.errors import one_line
-from pipeline_lib.model_dirs import ModelLoadError, check_weights, resolve_model_dir
+from pipeline_lib.model_dirs import ModelLoadError, check_weights, refuse_hub_kernels, resolve_model_dir
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -60,6 +60,8 @@ def load_pretrained(
     """`auto_cls.from_pretrained` behind the safety checks above; the model lands on `device` in `dtype`."""
     model_dir = resolve_model_dir(path_or_id, allow_pickle=allow_pickle)
     safetensors = check_weights(model_dir, allow_pickle=allow_pickle)
+    if not trust_remote_code:
+        refuse_hub_kernels(model_dir)
     target = resolve_device(device)
     try:
         model, info = auto_cls.from_pretrained(

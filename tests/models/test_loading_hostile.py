@@ -4,6 +4,7 @@ every stage config keeps trust_remote_code off by default."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -102,6 +103,28 @@ def test_training_entry_point_reports_a_truncated_model_in_one_line(tiny_dir, tm
     assert len(lines) == 1 and lines[0].startswith(f"error: model dir {model_dir}: AutoModelForCausalLM could "
                                                    "not load it (SafetensorError:"), result.stderr
     assert not (tmp_path / "out" / "final").exists()
+
+
+@pytest.mark.parametrize("where", ["attn_implementation", "_attn_implementation", "text_config"])
+def test_an_attention_implementation_from_the_hub_is_refused_without_trust_remote_code(tiny_dir, tmp_path, where):
+    """`attn_implementation: kernels-community/flash-attn` in config.json made transformers load that Hub repo's
+    kernel code with trust_remote_code off (it stopped here only because the `kernels` package is missing)."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    key = "attn_implementation" if where == "text_config" else where
+    setting = {key: "kernels-community/flash-attn"}
+    hostile = config | ({where: setting} if where == "text_config" else setting)
+    (model_dir / "config.json").write_text(json.dumps(hostile))
+    with pytest.raises(ModelLoadError) as refused:
+        load_policy(model_dir, device="cpu")
+    assert str(refused.value) == (f"model dir {model_dir}: config.json's {key} 'kernels-community/flash-attn' is a "
+                                  "Hub kernel repo, whose code transformers would run; remove it, or trust the dir's "
+                                  "code (trust_remote_code)")
+    with pytest.raises(ModelLoadError, match="could not load it"):  # trusted: transformers' own error, offline
+        load_policy(model_dir, device="cpu", trust_remote_code=True)
+    (model_dir / "config.json").write_text(json.dumps(config | {"attn_implementation": "eager"}))
+    assert load_policy(model_dir, device="cpu").config._attn_implementation == "eager"
 
 
 def test_every_stage_config_keeps_remote_code_off_by_default():
