@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -79,15 +80,27 @@ def check_not_served_elsewhere(api: str, name: str, workspace: Path) -> None:
                              "`name`")
 
 
+def csrf_headers(api: str) -> dict[str, str]:
+    """The headers a state-changing request needs to pass the CSRF check of the Prefect server at `api` (on for the
+    servers alignflow starts: `workspace.OFFLINE_ENV`); none where the server has the check off."""
+    client = str(uuid.uuid4())
+    response = httpx.get(f"{api}/csrf-token", params={"client": client}, timeout=5)
+    if response.status_code == 422:  # "CSRF protection is disabled."
+        return {}
+    response.raise_for_status()
+    return {"Prefect-Csrf-Token": response.json()["token"], "Prefect-Csrf-Client": client}
+
+
 def pause_served(api: str, deployments: list) -> str | None:
     """Pause the served deployments, as Prefect's runner does when it stops (`serve` turns that off): here in one
     try each, so a server that is down costs seconds, not the runner's minute of retries and tracebacks. Returns
     None, or why they were left unpaused (the pipeline's schedule then stays on until it is served again)."""
     try:
+        headers = csrf_headers(api)
         for deployment in deployments:
             found = httpx.get(f"{api}/deployments/name/{deployment.flow_name}/{deployment.name}", timeout=5)
             found.raise_for_status()
-            httpx.patch(f"{api}/deployments/{found.json()['id']}", json={"paused": True},
+            httpx.patch(f"{api}/deployments/{found.json()['id']}", json={"paused": True}, headers=headers,
                         timeout=5).raise_for_status()
     except httpx.HTTPError as exc:
         return f"the Prefect server at {api} did not answer ({type(exc).__name__}): the deployments were left unpaused"
@@ -161,7 +174,9 @@ def run_ui(workspace: Workspace, *, prefect_port: int, mlflow_port: int) -> None
                     "--port", str(mlflow_port), "--workers", "1"], f"http://127.0.0.1:{mlflow_port}/health"),
     }
     # MLflow's job runner (a dozen huey consumers for its GenAI jobs, unused here) took up to 15 s to stop on SIGTERM
-    environments = {"prefect": os.environ.copy(),
+    origins = os.environ.get("PREFECT_SERVER_CORS_ALLOWED_ORIGINS") or \
+        f"http://127.0.0.1:{prefect_port},http://localhost:{prefect_port}"  # the UI's own, unless the user set some
+    environments = {"prefect": {**os.environ, "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": origins},
                     "mlflow": {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}}
     processes = {}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # before the servers start: `finally` stops them

@@ -15,7 +15,7 @@ import psutil
 
 from pipeline_lib.errors import AlignflowError
 
-# Offline/quiet defaults measured on CPU machines without internet: without HF_HUB_OFFLINE a
+# Offline/quiet/locked-down defaults measured on CPU machines without internet: without HF_HUB_OFFLINE a
 # missing hub id retries for ~46 s; Prefect's telemetry prints "database is locked" tracebacks.
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -29,6 +29,12 @@ OFFLINE_ENV = {
     # a fresh workspace's first run creates Prefect's database (~12 s on 2 cores); under load that passed
     # Prefect's 20 s default and the run died with "Timed out while attempting to connect"
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    # Prefect's server answers any web page's requests by default (CORS `*`, no CSRF check): a page open in the
+    # user's browser could read the runs and create or trigger them on 127.0.0.1. No cross-origin request is
+    # allowed (`alignflow ui` allows its own UI's origins), and a change needs a CSRF token, which Prefect's client
+    # and UI fetch themselves.
+    "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
+    "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": "",
 }
 # A tracking server the user chose, read once at import: mlflow.set_tracking_uri() later writes this
 # variable itself, which must not make one workspace log into another's database.

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.deployments import build_deployments
+from flows.deployments import build_deployments, csrf_headers
 from pipeline_lib.config import ConfigError, PipelineConfig, load_config
 from pipeline_lib.store.db import open_store
 
@@ -123,7 +123,8 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_e
         assert {address for address, _ in listening_sockets(served.pid)} <= {"127.0.0.1"}
 
         def create_run(deployment: dict, body: dict) -> dict | None:
-            created = httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", json=body, timeout=10)
+            created = httpx.post(f"{api}/deployments/{deployment['id']}/create_flow_run", json=body, timeout=10,
+                                 headers=csrf_headers(api))
             if created.status_code == 503:  # the server's SQLite is busy with the runner; Prefect's client retries too
                 return None
             assert created.status_code == 201, created.text
@@ -184,7 +185,8 @@ def _healthy(api: str) -> bool:
 
 
 def _deployment(api: str, name: str) -> dict | None:
-    found = httpx.post(f"{api}/deployments/filter", json={"deployments": {"name": {"any_": [name]}}}, timeout=10)
+    found = httpx.post(f"{api}/deployments/filter", json={"deployments": {"name": {"any_": [name]}}}, timeout=10,
+                       headers=csrf_headers(api))
     rows = found.json()
     return rows[0] if rows else None
 

@@ -14,6 +14,8 @@ import time
 import httpx
 import pytest
 
+from flows.deployments import csrf_headers
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -50,6 +52,19 @@ def test_ui_serves_prefect_and_mlflow_on_loopback_and_stops(tmp_path, subprocess
         sockets = listening_sockets(ui.pid)
         assert {prefect_port, mlflow_port} <= {port for _, port in sockets}, sockets
         assert {address for address, _ in sockets} == {"127.0.0.1"}, sockets  # no 0.0.0.0, no ::
+        # a web page open in the user's browser gets no answer it can read and changes nothing (Prefect's defaults
+        # allowed every origin and took changes without a CSRF token); the UI's own origins are allowed
+        api = f"http://127.0.0.1:{prefect_port}/api"
+        for origin, allowed in (("https://evil.example.com", False), (f"http://localhost:{prefect_port}", True)):
+            preflight = httpx.options(f"{api}/flow_runs/filter", timeout=10, headers={
+                "Origin": origin, "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "content-type"})
+            assert ("access-control-allow-origin" in preflight.headers) == allowed, (origin, preflight.headers)
+        refused = httpx.post(f"{api}/flows/", json={"name": "planted"}, timeout=10,
+                             headers={"Origin": "https://evil.example.com"})
+        assert (refused.status_code, refused.json()) == (403, {"detail": "Missing CSRF token."})
+        assert httpx.post(f"{api}/flows/", json={"name": "made-here"}, headers=csrf_headers(api),
+                          timeout=10).status_code == 201
         ui.send_signal(signal.SIGTERM)
         ui.wait(10)  # both servers stop at once (MLflow's job runner, which took up to 15 s, is not started)
         assert not healthy(f"http://127.0.0.1:{prefect_port}/api/health")
