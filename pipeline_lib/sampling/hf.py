@@ -11,7 +11,13 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import AttentionInterface, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AttentionInterface,
+    DynamicCache,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
@@ -46,8 +52,8 @@ class HFSampler:
                    load_tokenizer(path, trust_remote_code=trust_remote_code), add_special_tokens=add_special_tokens)
 
     def _generation_kwargs(self, temperature: float, top_p: float) -> dict:
-        """Explicit sampling settings: `generate` otherwise fills unset ones from the model's
-        generation_config and its global defaults (top_k=50), which vLLM would not apply."""
+        """Explicit sampling settings: `generate` otherwise fills unset ones from its global defaults (top_k=50),
+        which vLLM would not apply (and from the model's generation_config: `_blank_generation_config`)."""
         kwargs: dict = {
             "do_sample": temperature > 0,
             "repetition_penalty": 1.0,
@@ -59,8 +65,6 @@ class HFSampler:
         if temperature > 0:
             kwargs.update(temperature=temperature, top_p=top_p, top_k=0, typical_p=1.0,
                           epsilon_cutoff=0.0, eta_cutoff=0.0)
-            if self.model.generation_config.min_p is not None:
-                kwargs["min_p"] = 0.0
         else:
             # greedy: neutral values, so generate does not warn that sampling flags are ignored
             kwargs.update(temperature=1.0, top_p=1.0)
@@ -153,21 +157,16 @@ class HFSampler:
                 if max_new_tokens > 1 and not all(t in self.eos_ids for t in first.tolist()):
                     # a row whose first token ends it runs on unseen by generate; _completion cuts it there
                     stops = StoppingCriteriaList([_CompletionStops(self.tokenizer, stop, prompt_len)] if stop else [])
+                    prompt_ids = batch["input_ids"].repeat_interleave(rows_per_prompt, dim=0)
+                    prompt_mask = batch["attention_mask"].repeat_interleave(rows_per_prompt, dim=0)
                     try:
-                        out = self.model.generate(
-                            input_ids=torch.cat([batch["input_ids"].repeat_interleave(rows_per_prompt, dim=0),
-                                                 generated], dim=1),
-                            attention_mask=torch.cat([batch["attention_mask"].repeat_interleave(rows_per_prompt,
-                                                                                                dim=0),
-                                                      torch.ones_like(generated)], dim=1),
-                            cache=cache,
-                            max_new_tokens=max_new_tokens - 1,
-                            use_cache=True,
-                            return_dict_in_generate=True,
-                            output_logits=logprobs,
-                            stopping_criteria=stops,
-                            **self._generation_kwargs(temperature, top_p),
-                        )
+                        with _blank_generation_config(self.model):
+                            out = self.model.generate(
+                                input_ids=torch.cat([prompt_ids, generated], dim=1),
+                                attention_mask=torch.cat([prompt_mask, torch.ones_like(generated)], dim=1),
+                                cache=cache, max_new_tokens=max_new_tokens - 1, use_cache=True,
+                                return_dict_in_generate=True, output_logits=logprobs, stopping_criteria=stops,
+                                **self._generation_kwargs(temperature, top_p))
                     except RuntimeError as exc:  # torch.multinomial's refusal of inf/NaN probabilities
                         if "probability tensor contains" not in str(exc):
                             raise
@@ -221,6 +220,20 @@ class HFSampler:
             middle = (short + long) // 2
             short, long = (short, middle) if holds(middle) else (middle, long)
         return long
+
+
+@contextmanager
+def _blank_generation_config(model: PreTrainedModel) -> Iterator[None]:
+    """`generate` takes every setting it is not passed from the model's generation_config: a model dir's
+    generation_config.json with `suppress_tokens`, `max_time` or `num_beams` changed what was sampled, cut rows
+    early or broke the call, where vLLM reads no such file (`--generation-config vllm`). While it runs, the model
+    holds a blank one: the sampler's own settings alone apply (its eos ids are read from the file at init)."""
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
 
 
 class _CompletionStops(StoppingCriteria):

@@ -3,6 +3,9 @@ log-probs = a teacher-forced forward pass, stop strings, one-line errors."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -235,6 +238,27 @@ def test_greedy_batched_left_padded_equals_unpadded_argmax_loop(hf_sampler):
     for prompt, group in zip(PROMPTS, out):
         assert group[0] == group[1] == group[2]
         assert group[0].token_ids == _greedy_reference(hf_sampler.model, hf_sampler.tokenizer, prompt, 6)
+
+
+@pytest.mark.parametrize("setting", [{"suppress_tokens": "digits"}, {"max_time": 1e-6}, {"num_beams": 3},
+                                     {"repetition_penalty": 5.0, "top_k": 2, "min_p": 0.9, "bad_words_ids": "digits"}])
+def test_a_model_dirs_generation_config_changes_no_sample(hf_sampler, tiny_model_dir, tmp_path, setting):
+    """The settings the sampler passes are the only ones (vLLM reads no generation_config.json): a file that
+    suppressed the digits changed every sample, `max_time` cut rows at 2 tokens as `length`, `num_beams` raised a
+    RuntimeError traceback. Its eos ids still end a row."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    file = model_dir / "generation_config.json"
+    digits = [hf_sampler.tokenizer.convert_tokens_to_ids(d) for d in "0123456789"]
+    values = {key: ([[d] for d in digits] if key == "bad_words_ids" else digits) if value == "digits" else value
+              for key, value in setting.items()}
+    file.write_text(json.dumps(json.loads(file.read_text()) | values))
+    sampler = HFSampler.from_pretrained(model_dir, device="cpu")
+    assert sampler.eos_ids == hf_sampler.eos_ids
+    for kwargs in ({"temperature": 0}, {"temperature": 1.0, "top_p": 0.9, "seed": 3}):
+        ours = sampler.generate(PROMPTS, n=2, max_new_tokens=8, **kwargs)
+        assert ours == hf_sampler.generate(PROMPTS, n=2, max_new_tokens=8, **kwargs)
+    assert sampler.model.generation_config.to_dict() | values == sampler.model.generation_config.to_dict()  # kept
 
 
 def test_logprobs_match_a_teacher_forced_forward_pass(hf_sampler):
