@@ -10,6 +10,7 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import time
@@ -110,7 +111,7 @@ def stage_run(
     experiment_id = configure(workspace)
     params = flatten_params(config) if config is not None else {}
     _end_stale_runs(experiment_id)
-    resumes = _killed_run_to_resume(experiment_id, stage, params)
+    resumes = _killed_run_to_resume(experiment_id, stage, params, dict(tags or {}).get("data.fingerprint"))
     parent = os.environ.get(PARENT_ENV)
     run = mlflow.start_run(run_name=stage, nested=parent is not None, parent_run_id=parent)
     try:
@@ -199,14 +200,18 @@ def _end_stale_runs(experiment_id: str) -> None:
         client.set_tag(run.info.run_id, "alignflow.error", f"process {pid} ended without closing the run")
 
 
-def _killed_run_to_resume(experiment_id: str, stage: str, params: Mapping[str, str]) -> str | None:
-    """The latest KILLED (or interrupted) run of this stage with these params that no run resumed yet: the run a
-    rerun continues. `KEEPING_FIELDS` are left out of the comparison: a new `save_every` resumes the same run."""
+def _killed_run_to_resume(experiment_id: str, stage: str, params: Mapping[str, str],
+                          data_fingerprint: str | None) -> str | None:
+    """The latest KILLED (or interrupted) run of this stage with these params, data and code that no run resumed
+    yet: the run a rerun continues (other data or code trains in another dir, from the start). `KEEPING_FIELDS` are
+    left out of the comparison: a new `save_every` resumes the same run."""
     client = MlflowClient()
     killed = client.search_runs([experiment_id], filter_string="attributes.status = 'KILLED'",
                                 order_by=["attributes.start_time DESC"])
+    inputs = {"alignflow.code": code_version(), "data.fingerprint": data_fingerprint}
     for run in killed:
-        if run.info.run_name == stage and _run_params(run.data.params) == _run_params(params):
+        same_inputs = all(run.data.tags.get(key) == value for key, value in inputs.items())
+        if run.info.run_name == stage and same_inputs and _run_params(run.data.params) == _run_params(params):
             resumed = client.search_runs([experiment_id], max_results=1,
                                          filter_string=f"tags.`alignflow.resumes` = '{run.info.run_id}'")
             return None if resumed else run.info.run_id
@@ -219,13 +224,26 @@ def _run_params(params: Mapping[str, str]) -> dict[str, str]:
 
 def _end_failed(exc: BaseException) -> None:
     """End the active run with the reason as a tag (MLflow has no field for it): KILLED when the user interrupted
-    it (Ctrl-C; a rerun resumes it, as it does a killed process's run), else FAILED."""
-    if isinstance(exc, KeyboardInterrupt):
-        mlflow.set_tag("alignflow.error", "interrupted (Ctrl-C)")
+    it (a rerun resumes it, as it does a killed process's run), else FAILED."""
+    interruption = _interruption(exc)
+    if interruption is not None:
+        mlflow.set_tag("alignflow.error", f"interrupted ({interruption})")
         mlflow.end_run(status="KILLED")
         return
     mlflow.set_tag("alignflow.error", one_line(exc, width=5000))
     mlflow.end_run(status="FAILED")
+
+
+def _interruption(exc: BaseException) -> str | None:
+    """How the user stopped a run, or None for a failure: Ctrl-C, or a signal that Prefect's engine raised as its
+    TerminationSignal (SIGTERM: a cancel in Prefect's UI, a `serve` stopped mid-run, a `kill`), which was recorded
+    as a failure with an empty reason."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "Ctrl-C"
+    number = getattr(exc, "signal", None)
+    if not isinstance(exc, Exception) and isinstance(number, int):
+        return signal.Signals(number).name
+    return None
 
 
 def log_figure(figure: Any, artifact_file: str, *, run_id: str | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import mlflow
 import pytest
 from matplotlib.figure import Figure
+from prefect.exceptions import TerminationSignal
 from mlflow.tracking import MlflowClient
 
 from pipeline_lib import alignflow_version, code_version, tracking
@@ -192,6 +194,32 @@ def test_an_interrupted_stage_run_is_killed_and_a_rerun_with_another_save_every_
     rerun, interrupted = tracking.find_runs(workspace)
     assert interrupted.info.status == "KILLED" and interrupted.data.tags["alignflow.error"] == "interrupted (Ctrl-C)"
     assert rerun.data.tags["alignflow.resumes"] == interrupted.info.run_id
+
+
+def test_a_run_stopped_by_sigterm_is_killed_and_only_a_rerun_on_the_same_data_and_code_resumes_it(workspace,
+                                                                                                   monkeypatch):
+    """Prefect raises its TerminationSignal on SIGTERM (a cancel in its UI, a `serve` stopped mid-run, `kill`): the
+    stage's and the pipeline's runs ended FAILED with the reason 'TerminationSignal: ' and the rerun resumed none.
+    A killed run whose data or code differ trained in another dir, from the start: its rerun resumed nothing,
+    but said it did."""
+    with pytest.raises(TerminationSignal):
+        with tracking.pipeline_run(workspace, "p", EvalConfig(model_path="m")):
+            with tracking.stage_run(workspace, "sft", {"lr": 0.1}, tags={"data.fingerprint": "d1"}, echo=False):
+                raise TerminationSignal(signal.SIGTERM)
+    stopped, pipeline = tracking.find_runs(workspace)
+    for run in (stopped, pipeline):
+        assert (run.info.status, run.data.tags["alignflow.error"]) == ("KILLED", "interrupted (SIGTERM)")
+    with tracking.stage_run(workspace, "sft", {"lr": 0.1}, tags={"data.fingerprint": "d2"}, echo=False):
+        pass
+    monkeypatch.setattr(tracking, "code_version", lambda: "another code")
+    with tracking.stage_run(workspace, "sft", {"lr": 0.1}, tags={"data.fingerprint": "d1"}, echo=False):
+        pass
+    monkeypatch.undo()
+    with tracking.stage_run(workspace, "sft", {"lr": 0.1}, tags={"data.fingerprint": "d1"}, echo=False):
+        pass
+    rerun, other_code, other_data = tracking.find_runs(workspace)[:3]
+    assert rerun.data.tags["alignflow.resumes"] == stopped.info.run_id
+    assert "alignflow.resumes" not in other_code.data.tags and "alignflow.resumes" not in other_data.data.tags
 
 
 def test_the_code_version_follows_the_librarys_files_not_where_they_are(tmp_path):
