@@ -299,11 +299,8 @@ def load_stage(stage: str, config: Path):
              f"`alignflow run pipeline -c {config}` runs it, reusing the stages already cached{force}")
     cfg = config_module.validate_config(model, data, origin=str(config))
     config_module.check_preset(cfg, data, origin=str(config))
-    for field in config_module.REF_FIELDS if stage != "pipeline" else ():
-        value = getattr(cfg, field, None)
-        if isinstance(value, str) and value.startswith(config_module.FROM):
-            fail(f"{config}: {field}: {value!r} names a pipeline stage, which only a pipeline preset can; "
-                 "give a path (a stage's output is under the workspace's models/, and `alignflow run` prints it)")
+    if stage != "pipeline":
+        config_module.refuse_stage_references(cfg, origin=str(config))
     require_models(cfg, stage, config)
     return cfg
 

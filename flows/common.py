@@ -21,11 +21,13 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterState,
                                             TaskRunFilterStateType)
 from prefect.client.schemas.objects import StateType
-from prefect.exceptions import ObjectNotFound
+from prefect.exceptions import ObjectNotFound, ParameterTypeError
 from prefect.runtime import flow_run
 from prefect.settings import get_current_settings
 from prefect.states import Crashed
+from pydantic import BaseModel
 
+from pipeline_lib.config import refuse_stage_references
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.model_dirs import model_dir_complete
 from pipeline_lib.workspace import Workspace, host_id, process_alive, workspace_lock
@@ -37,11 +39,16 @@ R = typing.TypeVar("R")
 class DropUserErrorTracebacks(logging.Filter):
     """Prefect logs a failed run's exception with its traceback; an AlignflowError already says in one line what
     is wrong (and the CLI prints it), so its traceback is dropped (any other exception keeps its own) and its text
-    is kept on the record for the CLI's console (`flows.cli.ShowUserErrorOnce`)."""
+    is kept on the record for the CLI's console (`flows.cli.ShowUserErrorOnce`). So is the traceback of the
+    ParameterTypeError a deployment run's parameters get from Prefect's check, which runs the configs' validators:
+    its message names the field and what is wrong (`cfg: Value error, ks [1, 2, 8]: expected values in 1..n=4`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and isinstance(record.exc_info[1], AlignflowError):
             record.alignflow_error = str(record.exc_info[1])
+            record.exc_info, record.exc_text = None, None
+        elif record.exc_info and isinstance(record.exc_info[1], ParameterTypeError):
+            record.msg, record.args = f"{record.getMessage()}: {' '.join(str(record.exc_info[1]).split())}", ()
             record.exc_info, record.exc_text = None, None
         return True
 
@@ -60,6 +67,9 @@ def stage_flow(name: str, **flow_options) -> Callable[[Callable[..., R]], Flow]:
     def decorate(body: Callable[..., R]) -> Flow:
         @functools.wraps(body)
         def locked(*args, **kwargs) -> R:
+            for value in (*args, *kwargs.values()) if name != "pipeline" else ():  # its stages get resolved ones
+                if isinstance(value, BaseModel):
+                    refuse_stage_references(value, origin=f"{name} parameters")
             workspace = current_workspace()
             with workspace_lock(workspace, f"{name} flow"), on_record(workspace, flow_run.get_id()):
                 end_orphaned_flow_runs(workspace)

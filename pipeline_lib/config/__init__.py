@@ -28,6 +28,7 @@ from pipeline_lib.config.pipeline import (
     config_key,
     load_config,
     model_paths,
+    refuse_stage_references,
     stored_selection,
 )
 from pipeline_lib.config.sampling import EvalConfig, PipelineEvalConfig, SampleConfig, TinyModelConfig
@@ -47,6 +48,7 @@ __all__ = [
     "REF_TARGETS", "REPO_ROOT", "STAGE_ORDER", "Config", "ConfigError", "DAPOConfig", "DPOConfig", "EvalConfig",
     "GRPOConfig", "IngestConfig", "OnlineRLConfig", "PPOConfig", "PipelineConfig", "PipelineEvalConfig", "RMConfig",
     "SFTConfig", "SampleConfig", "TinyModelConfig", "TrainLoopConfig", "check_ingest_files", "check_preset",
-    "config_key", "format_validation_error", "load_config", "load_yaml", "model_paths", "shipped_path",
+    "config_key", "format_validation_error", "load_config", "load_yaml", "model_paths", "refuse_stage_references",
+    "shipped_path",
     "stored_selection", "validate_config",
 ]

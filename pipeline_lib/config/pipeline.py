@@ -33,6 +33,18 @@ MODEL_FIELDS = ("model_path", "policy_path", "reward_model_path")  # the referen
 FORCEABLE = (*STAGE_ORDER, "eval")  # what a pipeline run's `force` may name
 
 
+def refuse_stage_references(cfg: object, origin: str) -> None:
+    """A stage config run on its own (`alignflow run <stage>`, a stage's deployment) names paths and run ids: a
+    `from:` reference is an output only a pipeline preset resolves, else a one-line ConfigError naming `origin`
+    (a deployment took `from:base` for a hub id, relative to where `serve` ran)."""
+    for field in REF_FIELDS:
+        value = getattr(cfg, field, None)
+        if isinstance(value, str) and value.startswith(FROM):
+            raise ConfigError(f"{origin}: {field}: {value!r} names a pipeline stage, which only a pipeline preset "
+                              "can; give a path (a stage's output is under the workspace's models/, and `alignflow "
+                              "run` prints it) or a sampling run id")
+
+
 KEEPING_FIELDS = frozenset({"save_every", "processes"})
 """Config fields that change how a run is kept or where it runs, not what it trains or logs (`processes`: the same
 updates up to float rounding; a checkpoint resumed under another world size says so). (`log_every` and

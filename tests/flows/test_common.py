@@ -6,6 +6,7 @@ killed process left behind."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,7 +21,8 @@ import pytest
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
-from prefect.exceptions import TerminationSignal
+from prefect.exceptions import ParameterTypeError, TerminationSignal
+from prefect.flow_engine import run_flow
 from prefect.settings import get_current_settings
 from prefect.states import Failed, Running
 
@@ -254,3 +256,24 @@ def test_ctrl_c_during_a_pipelines_stage_marks_the_pipelines_mlflow_run_killed(t
 ])
 def test_sampling_retries_a_server_that_went_away_not_a_request_it_refused(error, retried):
     assert retry_on_io(None, None, Failed(data=error)) is retried
+
+
+def test_a_deployment_runs_parameters_refused_by_a_configs_validator_log_one_line_without_a_traceback():
+    """Prefect checks a deployment run's parameters with the config's validators before the flow starts, and its
+    engine logged the ParameterTypeError with a 15-line traceback in the run's logs (Prefect's UI)."""
+    from flows.evaluate import eval_flow
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("prefect.flow_runs")  # the engine's error logger in a deployment run
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(ParameterTypeError):
+            run_flow(eval_flow, parameters={"cfg": {"model_path": "m", "n": 4, "ks": [1, 2, 8]}}, error_logger=logger)
+    finally:
+        logger.removeHandler(handler)
+    (record,) = records
+    assert record.exc_info is None and record.getMessage() == (
+        "Engine execution exited with unexpected exception: Flow run received invalid parameters: - cfg: Value "
+        "error, ks [1, 2, 8]: expected values in 1..n=4")

@@ -16,7 +16,7 @@ from flows.dpo import dpo_flow
 from flows.rm import rm_flow
 from flows.sft import sft_flow
 from pipeline_lib import tracking
-from pipeline_lib.config import DPOConfig, PPOConfig, RMConfig, SFTConfig
+from pipeline_lib.config import ConfigError, DPOConfig, PPOConfig, RMConfig, SFTConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import model_fingerprint
 from pipeline_lib.model_dirs import FINAL_MARKER
@@ -240,6 +240,22 @@ def test_a_stage_whose_model_dir_is_missing_fails_its_own_run(flow_workspace, ti
     with pytest.raises(ParameterTypeError, match="max_steps"):
         sft_flow({"model_path": tiny, "max_steps": 0})
     assert len(tracking.find_runs(flow_workspace, "")) == 1
+
+
+@pytest.mark.parametrize(("flow", "cfg", "field"), [
+    (sft_flow, SFTConfig(model_path="from:base", **FAST), "model_path"),
+    (dpo_flow, DPOConfig(policy_path="/m", samples_run_id="from:sample", **FAST), "samples_run_id"),
+])
+def test_a_stage_deployment_given_a_from_reference_says_so_in_one_line(flow_workspace, flow, cfg, field):
+    """Only a pipeline resolves `from:<stage>`: a stage's deployment took `from:base` for a hub id relative to where
+    `serve` ran, and `from:sample` for a sampling run id, each failing later with a misleading error."""
+    value = getattr(cfg, field)
+    with pytest.raises(ConfigError) as err:
+        flow(cfg)
+    assert str(err.value) == (f"{flow.name} parameters: {field}: {value!r} names a pipeline stage, which only a "
+                              "pipeline preset can; give a path (a stage's output is under the workspace's models/, "
+                              "and `alignflow run` prints it) or a sampling run id")
+    assert tracking.find_runs(flow_workspace, "") == []  # refused before the stage's MLflow run
 
 
 def test_rm_flow_reports_held_out_accuracy(flow_workspace, tiny, the_run):
