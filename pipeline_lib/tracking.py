@@ -7,8 +7,10 @@ Prefect flow-run id as a tag (`prefect.flow_run_id`)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
+import logging
 import os
 import signal
 import sqlite3
@@ -131,6 +133,7 @@ def stage_run(
         yield log
     except BaseException as exc:
         _end_failed(exc)
+        _raise_if_disk_full(exc)
         raise
     mlflow.end_run(status="FINISHED")
 
@@ -150,6 +153,7 @@ def pipeline_run(
         yield run.info.run_id
     except BaseException as exc:
         _end_failed(exc)
+        _raise_if_disk_full(exc)
         raise
     finally:
         os.environ.pop(PARENT_ENV, None)
@@ -222,16 +226,49 @@ def _run_params(params: Mapping[str, str]) -> dict[str, str]:
     return {key: value for key, value in params.items() if key not in KEEPING_FIELDS}
 
 
+class _DropCaughtDatabaseErrors(logging.Filter):
+    """MLflow's sqlite store logs each failed operation with its traceback and SQL, then raises it again as an
+    MlflowException, which reaches the stage and is reported there (a full disk printed 9 such tracebacks)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("SQLAlchemy database error.")
+
+
+logging.getLogger("mlflow.store.db.utils").addFilter(_DropCaughtDatabaseErrors())
+
+
+class DiskFullError(AlignflowError):
+    """A write failed for want of disk space (the store, MLflow's database or artifacts, a model dir)."""
+
+
+def _raise_if_disk_full(exc: BaseException) -> None:
+    """A full disk anywhere under a stage (MLflow's sqlite store: 'database or disk is full'; its artifact copy: an
+    OSError ENOSPC) as one DiskFullError line, not the tracebacks of whichever library hit it first; an
+    AlignflowError says it already (a checkpoint write)."""
+    if isinstance(exc, AlignflowError):
+        return
+    for cause in (exc, exc.__cause__, exc.__context__):
+        text = str(cause)
+        if (isinstance(cause, OSError) and cause.errno == errno.ENOSPC) or "No space left on device" in text:
+            detail = one_line(cause, width=300)
+        elif "database or disk is full" in text:  # its message goes on with the SQL and its parameters
+            detail = f"{type(cause).__name__}: an sqlite database (MLflow's) is full"
+        else:
+            continue
+        raise DiskFullError(f"no space left on the disk ({detail}); free some and rerun: a training stage resumes "
+                            "from its last checkpoint") from exc
+
+
 def _end_failed(exc: BaseException) -> None:
     """End the active run with the reason as a tag (MLflow has no field for it): KILLED when the user interrupted
-    it (a rerun resumes it, as it does a killed process's run), else FAILED."""
+    it (a rerun resumes it, as it does a killed process's run), else FAILED. A store that cannot take it (a full
+    disk) leaves the run RUNNING, for the workspace's next run to end."""
     interruption = _interruption(exc)
-    if interruption is not None:
-        mlflow.set_tag("alignflow.error", f"interrupted ({interruption})")
-        mlflow.end_run(status="KILLED")
-        return
-    mlflow.set_tag("alignflow.error", one_line(exc, width=5000))
-    mlflow.end_run(status="FAILED")
+    status, reason = ("KILLED", f"interrupted ({interruption})") if interruption else \
+        ("FAILED", one_line(exc, width=5000))
+    with contextlib.suppress(Exception):
+        mlflow.set_tag("alignflow.error", reason)
+        mlflow.end_run(status=status)
 
 
 def _interruption(exc: BaseException) -> str | None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ from mlflow.tracking import MlflowClient
 from pipeline_lib import alignflow_version, code_version, tracking
 from pipeline_lib.config import EvalConfig, IngestConfig
 from pipeline_lib.errors import AlignflowError
+from pipeline_lib.train.common import CheckpointWriteError
 from pipeline_lib.workspace import Workspace
 
 
@@ -220,6 +223,33 @@ def test_a_run_stopped_by_sigterm_is_killed_and_only_a_rerun_on_the_same_data_an
     rerun, other_code, other_data = tracking.find_runs(workspace)[:3]
     assert rerun.data.tags["alignflow.resumes"] == stopped.info.run_id
     assert "alignflow.resumes" not in other_code.data.tags and "alignflow.resumes" not in other_data.data.tags
+
+
+@pytest.mark.parametrize("error", [
+    sqlite3.OperationalError("database or disk is full"),  # MLflow's store, logging a metric
+    OSError(errno.ENOSPC, "No space left on device"),  # its artifact copy of the model
+])
+def test_a_full_disk_under_a_stage_is_one_line(workspace, error, monkeypatch):
+    """A disk filling up mid-stage printed hundreds of lines of tracebacks (27 for the store's), from whichever
+    library hit it first; recording the failure in the full store failed too."""
+    with pytest.raises(tracking.DiskFullError) as raised:
+        with tracking.stage_run(workspace, "rm", {"lr": 0.1}, echo=False):
+            raise error
+    detail = "OperationalError: an sqlite database (MLflow's) is full" if isinstance(error, sqlite3.Error) else \
+        "OSError: [Errno 28] No space left on device"
+    assert str(raised.value) == (f"no space left on the disk ({detail}); free some and rerun: a training stage "
+                                 "resumes from its last checkpoint")
+    assert raised.value.__cause__ is error
+    with pytest.raises(tracking.DiskFullError):  # recording the failure fails too: the same line
+        with tracking.stage_run(workspace, "rm", {"lr": 0.1}, echo=False):
+            monkeypatch.setattr(mlflow, "set_tag", lambda *_: (_ for _ in ()).throw(error))
+            raise error
+    monkeypatch.undo()
+    mlflow.end_run()  # the run that could not be ended
+    with pytest.raises(CheckpointWriteError):  # one that says it already stays itself
+        with tracking.stage_run(workspace, "rm", {"lr": 0.1}, echo=False):
+            raise CheckpointWriteError("out: cannot write the step 2 checkpoint (OSError: [Errno 28] No space left "
+                                       "on device); the previous checkpoint is kept")
 
 
 def test_the_code_version_follows_the_librarys_files_not_where_they_are(tmp_path):
