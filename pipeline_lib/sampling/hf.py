@@ -52,19 +52,12 @@ class HFSampler:
                    load_tokenizer(path, trust_remote_code=trust_remote_code), add_special_tokens=add_special_tokens)
 
     def _generation_kwargs(self, temperature: float, top_p: float) -> dict:
-        """Explicit sampling settings: `generate` otherwise fills unset ones from its global defaults (top_k=50),
-        which vLLM would not apply (and from the model's generation_config: `_blank_generation_config`)."""
-        kwargs: dict = {
-            "do_sample": temperature > 0,
-            "repetition_penalty": 1.0,
-            "no_repeat_ngram_size": 0,
-            "min_new_tokens": 0,
-            "pad_token_id": self.tokenizer.pad_token_id,
-            "eos_token_id": sorted(self.eos_ids),
-        }
+        """The sampler's settings, for a model holding a blank generation_config (`_blank_generation_config`):
+        generate fills the rest from its global defaults, neutral but for top_k=50, which vLLM would not apply."""
+        kwargs: dict = {"do_sample": temperature > 0, "pad_token_id": self.tokenizer.pad_token_id,
+                        "eos_token_id": sorted(self.eos_ids)}
         if temperature > 0:
-            kwargs.update(temperature=temperature, top_p=top_p, top_k=0, typical_p=1.0,
-                          epsilon_cutoff=0.0, eta_cutoff=0.0)
+            kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
         else:
             # greedy: neutral values, so generate does not warn that sampling flags are ignored
             kwargs.update(temperature=1.0, top_p=1.0)

@@ -16,7 +16,7 @@ import polars as pl
 from tqdm.auto import tqdm
 
 from pipeline_lib import code_version
-from pipeline_lib.config import SampleConfig
+from pipeline_lib.config import MODEL_FIELDS, SampleConfig
 from pipeline_lib.fingerprint import content_id, model_fingerprint
 from pipeline_lib.model_dirs import resolve_model_dir
 from pipeline_lib.rewards.math import is_correct
@@ -34,9 +34,9 @@ SAMPLE_SCHEMA = {
 # Fields that change where or how fast samples are made, not which samples: left out of the run id.
 # settings that do not change what is sampled; max_problems does (the hf backend's random stream follows the
 # batches, so the first 4 of 9 problems are batched differently from a run over all 9). The model dirs enter by
-# their content's fingerprint, not their path: the same model at another path resumes the same run.
-_RUN_ID_EXCLUDE = {"run_id", "vllm_url", "vllm_max_model_len", "device", "policy_name", "model_path",
-                   "reward_model_path"}
+# their content's fingerprint, not their path (`MODEL_FIELDS`, as in `config_key`): the same model at another
+# path resumes the same run.
+_RUN_ID_EXCLUDE = {"run_id", "vllm_url", "vllm_max_model_len", "device", "policy_name", *MODEL_FIELDS}
 
 
 @dataclass(frozen=True)
