@@ -19,8 +19,10 @@ MAX_EXPONENT = 100
 # MAX_NUMBER_CHARS can be longer (1e100 is 101 digits, 1e-100/2**308 has 410 decimal places), and it must read back
 # as the same value. Far below the 4300 digits Python's int() accepts, so parsing stays cheap.
 MAX_ANSWER_CHARS = 1_000
-# Between a repeating value and a decimal (1/3 vs 0.333333) only: |a-b| <= tol * (1 + max(|a|, |b|))
+# Between a repeating value and a decimal (1/3 vs 0.333333) only: |a-b| <= tol * (1 + max(|a|, |b|)), six decimal
+# places, and |a-b| <= rel_tol * max(|a|, |b|), four significant digits (1/3000000 is not 0, nor 0.000001)
 TOLERANCE = Fraction(1, 10**6)
+REL_TOLERANCE = Fraction(1, 10**4)
 
 # A space inside a number token: any whitespace but a line break (str.splitlines' boundaries), so a number ending
 # one line never joins a markdown bullet or a `/` starting the next (`12\n* 10^2` is 12 and 10^2, not 1200).
@@ -515,15 +517,17 @@ def terminates(value: Fraction) -> bool:
 
 def values_equivalent(a: Fraction | str, b: Fraction | str) -> bool:
     """Two `answer_value`s: text exactly equal; numbers exactly equal (`1000001 != 1000000`), or, when one of
-    them has no finite decimal expansion (`1/3` vs `0.333333`), within |a-b| <= tol + tol*max(|a|,|b|), tol 1e-6."""
+    them has no finite decimal expansion (`1/3` vs `0.333333`), within |a-b| <= tol + tol*max(|a|,|b|), tol 1e-6, and
+    within |a-b| <= rel_tol*max(|a|,|b|), rel_tol 1e-4 (a value near 0 needs its significant digits, not 0)."""
     if a == b:
         return True
     if not (isinstance(a, Fraction) and isinstance(b, Fraction)) or (terminates(a) and terminates(b)):
         return False
-    # The same inequality multiplied through by both denominators and 1/tol: integers only (fast, exact).
+    # The same inequalities multiplied through by both denominators and 1/tol: integers only (fast, exact).
     an, ad, bn, bd = a.numerator, a.denominator, b.numerator, b.denominator
-    diff = abs(an * bd - bn * ad)
-    return diff * TOLERANCE.denominator <= TOLERANCE.numerator * (ad * bd + max(abs(an) * bd, abs(bn) * ad))
+    diff, largest = abs(an * bd - bn * ad), max(abs(an) * bd, abs(bn) * ad)
+    return (diff * TOLERANCE.denominator <= TOLERANCE.numerator * (ad * bd + largest)
+            and diff * REL_TOLERANCE.denominator <= REL_TOLERANCE.numerator * largest)
 
 
 def is_equivalent(pred: str | None, gold: str | None) -> bool:

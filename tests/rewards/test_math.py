@@ -118,6 +118,11 @@ def test_only_the_tail_of_a_long_completion_is_read():
         ("1000001", "1000000", False),  # two finite decimals compare exactly: an off-by-one is wrong
         ("123456789", "123456800", False),
         ("0.0000009", "0", False),
+        ("1/3000000", "0", False),  # within 1e-6 absolute, but no significant digit agrees
+        ("0.000001", "1/3000000", False),
+        ("0.000000333333", "1/3000000", True),
+        ("0.166667", "1/6", True),
+        ("0.058824", "1/17", True),  # six places of a small repeating value: relative error 8e-6
         ("2.50", "2.5", True),
         ("1{,}000", "1000", True),
         (r"1.2 \times 10^{3}", "1200", True),
