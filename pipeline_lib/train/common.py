@@ -393,6 +393,13 @@ def _describe(topology: dict) -> str:
     return f"{processes} process{'es' if processes != 1 else ''} on {topology['device']}"
 
 
+def _write_failure(exc: BaseException) -> str:
+    """A failed write in one line: the OSError under torch's RuntimeError where there is one ("No space left on
+    device" rather than "unexpected pos 576 vs 534")."""
+    cause = exc.__context__
+    return one_line(cause if isinstance(exc, RuntimeError) and isinstance(cause, OSError) else exc)
+
+
 def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, scheduler=None,
                     extra: dict | None = None, run_key: str) -> Path:
     """Write model, optimizer, scheduler, RNG states and the step to `out_dir/checkpoint` atomically, with
@@ -418,8 +425,10 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        # torch.save reports a full disk as a RuntimeError ("unexpected pos ..."), not an OSError
-        torch.save(state, tmp / "state.pt")
+        # to a file object of ours: given a path, torch.save reports a full disk as "unexpected pos ..." alone; through
+        # a Python file its RuntimeError keeps the OSError (ENOSPC) it came from, which `_write_failure` reports
+        with open(tmp / "state.pt", "wb") as file:
+            torch.save(state, file)
         (tmp / "python_rng.json").write_text(json.dumps([python_state[0], list(python_state[1]), python_state[2]]))
         files = {name: _sha256(tmp / name) for name in CHECKPOINT_FILES}
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "run_key": run_key, "files": files,
@@ -432,7 +441,7 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
         _fsync_dir(out_dir)
     except (OSError, RuntimeError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(f"{out_dir}: cannot write the step {step} checkpoint ({one_line(exc)}); "
+        raise CheckpointWriteError(f"{out_dir}: cannot write the step {step} checkpoint ({_write_failure(exc)}); "
                                    "the previous checkpoint is kept") from exc
     shutil.rmtree(old, ignore_errors=True)
     return final

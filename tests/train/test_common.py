@@ -340,7 +340,10 @@ def full_disk_after_half(serialize: Callable[[object], bytes]):
 
     def write(obj, path, *args, **kwargs):
         data = serialize(obj)
-        Path(path).write_bytes(data[: len(data) // 2])
+        if hasattr(path, "write"):  # save_checkpoint hands torch.save a file of its own
+            path.write(data[: len(data) // 2])
+        else:
+            Path(path).write_bytes(data[: len(data) // 2])
         raise OSError(errno.ENOSPC, "No space left on device")
 
     return write
@@ -428,6 +431,24 @@ def test_a_final_whose_metrics_hold_nan_is_finished_and_whole(tmp_path, tiny_dir
     logged = []
     assert finished_final(tmp_path, lambda metrics, step: logged.append(metrics), 1, "run") == final
     assert math.isnan(logged[0]["eval/loss"]) and model_dir_complete(final)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a device that is always full)")
+def test_a_checkpoint_written_to_a_full_device_says_no_space_left(tmp_path, monkeypatch):
+    """The real torch.save on a real full device (/dev/full: every write fails with ENOSPC): the error says so, not
+    torch's `unexpected pos 576 vs 534`."""
+    import pipeline_lib.train.common as common
+
+    def full_device_for_the_state(path, mode="r", *args, **kwargs):
+        return open("/dev/full" if Path(path).name == "state.pt" and "w" in mode else path, mode, *args, **kwargs)
+
+    model, optimizer, scheduler = _trained_state()
+    monkeypatch.setattr(common, "open", full_device_for_the_state, raising=False)
+    with pytest.raises(CheckpointWriteError) as err:
+        save_checkpoint(tmp_path, step=1, model=model, optimizer=optimizer, scheduler=scheduler, run_key="run")
+    assert str(err.value) == (f"{tmp_path}: cannot write the step 1 checkpoint (OSError: [Errno 28] No space left "
+                              "on device); the previous checkpoint is kept")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_failed_final_write_leaves_no_final_dir_and_keeps_the_checkpoint(tmp_path, tiny_dir, monkeypatch):
