@@ -71,7 +71,8 @@ def stage_flow(name: str, **flow_options) -> Callable[[Callable[..., R]], Flow]:
                 if isinstance(value, BaseModel):
                     refuse_stage_references(value, origin=f"{name} parameters")
             workspace = current_workspace()
-            with workspace_lock(workspace, f"{name} flow"), on_record(workspace, flow_run.get_id()):
+            busy = "wait for it to finish, then run this flow again"  # from the Prefect UI, a deployment's user
+            with workspace_lock(workspace, f"{name} flow", busy), on_record(workspace, flow_run.get_id()):
                 end_orphaned_flow_runs(workspace)
                 return body(*args, **kwargs)
 

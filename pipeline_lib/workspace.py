@@ -140,8 +140,10 @@ _HELD: set[Path] = set()
 
 
 @contextmanager
-def workspace_lock(workspace: Workspace, holder: str) -> Iterator[None]:
-    """Hold the workspace's run lock while a pipeline or stage runs; re-entrant within one process.
+def workspace_lock(workspace: Workspace, holder: str,
+                   remedy: str = "wait for it to finish or pass another --workspace") -> Iterator[None]:
+    """Hold the workspace's run lock while a pipeline or stage runs; re-entrant within one process. `remedy` ends
+    the error a second process gets: what its user can do (a deployment run's cannot pass --workspace).
 
     An flock on `run.lock`: the kernel drops it when the holder exits, SIGKILL included, so a file left
     behind never blocks a later run. A second process gets a one-line WorkspaceLockedError naming the
@@ -162,7 +164,7 @@ def workspace_lock(workspace: Workspace, holder: str) -> Iterator[None]:
         pid, _, command = owner.partition(" ")
         raise WorkspaceLockedError(
             f"workspace {workspace.root} is in use by alignflow process {pid or '(pid not written yet)'} "
-            f"({command or 'unknown command'}); wait for it to finish or pass another --workspace") from None
+            f"({command or 'unknown command'}); {remedy}") from None
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {holder}\n".encode(), 0)

@@ -42,8 +42,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_stage_flow_refuses_a_workspace_another_process_runs_on(flow_workspace, lock_holder):
     holder = lock_holder(flow_workspace, "alignflow run pipeline")
     try:
-        with pytest.raises(WorkspaceLockedError, match=f"in use by alignflow process {holder.pid} "):
+        with pytest.raises(WorkspaceLockedError) as err:  # a deployment's user cannot pass --workspace
             ingest_flow(IngestConfig(path=str(ROOT / "data" / "demo" / "pairs.jsonl"), source="demo"))
+        assert str(err.value) == (f"workspace {flow_workspace.root} is in use by alignflow process {holder.pid} "
+                                  "(alignflow run pipeline); wait for it to finish, then run this flow again")
         assert not flow_workspace.store_path.exists()
     finally:
         holder.kill()
