@@ -400,11 +400,25 @@ def _write_failure(exc: BaseException) -> str:
     return one_line(cause if isinstance(exc, RuntimeError) and isinstance(cause, OSError) else exc)
 
 
+def _rng_states(ctx: Dist) -> list[dict]:
+    """Every rank's RNG states (torch, CUDA, Python), by rank: under torchrun each rank draws its own numbers (dropout
+    on rows of other lengths), so a resume restores each rank's own. A collective: every rank calls it."""
+    version, internal, gauss = random.getstate()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    mine = {"torch": torch.get_rng_state(), "cuda": cuda, "python": [version, list(internal), gauss]}
+    if not ctx.enabled:
+        return [mine]
+    states: list = [None] * ctx.world_size
+    dist.all_gather_object(states, mine)
+    return states
+
+
 def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, scheduler=None,
-                    extra: dict | None = None, run_key: str) -> Path:
-    """Write model, optimizer, scheduler, RNG states and the step to `out_dir/checkpoint` atomically, with
-    `run_key` (`train.data.run_key`: config + models + data), so only the same run resumes from it, and the
+                    extra: dict | None = None, run_key: str, ctx: Dist = Dist()) -> Path:
+    """Write model, optimizer, scheduler, every rank's RNG states and the step to `out_dir/checkpoint` atomically,
+    with `run_key` (`train.data.run_key`: config + models + data), so only the same run resumes from it, and the
     world size and device type it trains on (`_topology`), so a resume elsewhere says it will not be bit-exact.
+    Every rank calls it (the RNG states are gathered); rank 0 writes.
 
     The checkpoint is written to a temp dir, fsynced and renamed over the previous one: a crash (or power cut)
     mid-write leaves the previous checkpoint intact, and a failed write (disk full) is a one-line
@@ -413,15 +427,16 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
     final = out_dir / CHECKPOINT_DIR
     tmp = out_dir / f".{CHECKPOINT_DIR}.tmp"
     old = out_dir / f".{CHECKPOINT_DIR}.old"
+    rng = _rng_states(ctx)
+    if not ctx.is_main:
+        return final
     state = {
         "model": unwrap(model).state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "rng": [{"torch": ranks["torch"], "cuda": ranks["cuda"]} for ranks in rng],  # by rank
         "extra": extra or {},
     }
-    python_state = random.getstate()
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -429,7 +444,7 @@ def save_checkpoint(out_dir: Path, *, step: int, model: nn.Module, optimizer, sc
         # a Python file its RuntimeError keeps the OSError (ENOSPC) it came from, which `_write_failure` reports
         with open(tmp / "state.pt", "wb") as file:
             torch.save(state, file)
-        (tmp / "python_rng.json").write_text(json.dumps([python_state[0], list(python_state[1]), python_state[2]]))
+        (tmp / "python_rng.json").write_text(json.dumps([ranks["python"] for ranks in rng]))
         files = {name: _sha256(tmp / name) for name in CHECKPOINT_FILES}
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "run_key": run_key, "files": files,
                                                             **_topology(model)}))
@@ -453,8 +468,8 @@ def _sha256(path: Path) -> str:
 
 
 def _read_checkpoint(ckpt: Path, run_key: str) -> tuple[int, dict, dict, list] | None:
-    """(step, trainer_state.json, state, python RNG state) of a complete checkpoint dir; None when there is none
-    or it is unreadable (a file missing, cut or changed since it was written: disk corruption, a power cut after
+    """(step, trainer_state.json, state, Python RNG states by rank) of a complete checkpoint dir; None when there is
+    none or it is unreadable (a file missing, cut or changed since it was written: disk corruption, a power cut after
     the rename; RNG states the generators refuse), with a warning naming it. Another run's is an OtherRunError."""
     if not ckpt.exists():
         return None
@@ -469,12 +484,16 @@ def _read_checkpoint(ckpt: Path, run_key: str) -> tuple[int, dict, dict, list] |
         python_rng = json.loads((ckpt / "python_rng.json").read_text())
         # weights_only: our own file, but never unpickle arbitrary objects
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
-        missing = {"model", "optimizer", "scheduler", "torch_rng", "cuda_rng", "extra"} - set(state)
+        missing = {"model", "optimizer", "scheduler", "rng", "extra"} - set(state)
         if missing:
             raise KeyError(f"state.pt lacks {sorted(missing)}")
+        if not state["rng"] or len(python_rng) != len(state["rng"]):
+            raise ValueError(f"RNG states of {len(state['rng'])} rank(s) in state.pt, {len(python_rng)} in "
+                             "python_rng.json")
         # states the generators take, tried on throwaway ones: load_checkpoint sets them after the weights
-        random.Random().setstate((python_rng[0], tuple(python_rng[1]), python_rng[2]))
-        torch.Generator().set_state(state["torch_rng"])
+        for (version, internal, gauss), ranks in zip(python_rng, state["rng"]):
+            random.Random().setstate((version, tuple(internal), gauss))
+            torch.Generator().set_state(ranks["torch"])
     except (OSError, RuntimeError, EOFError, ValueError, KeyError, TypeError, AttributeError,
             pickle.UnpicklingError) as exc:
         warnings.warn(f"checkpoint {ckpt} is unreadable ({one_line(exc)}); ignoring it", RuntimeWarning,
@@ -500,7 +519,7 @@ def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=Non
             break
     else:
         return None
-    step, trainer_state, state, (version, internal, gauss) = found
+    step, trainer_state, state, python_rng = found
     try:
         unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -511,9 +530,13 @@ def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=Non
                             "pass another out_dir") from None
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["torch_rng"])
-    if state["cuda_rng"]:
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    rank = int(os.environ.get("RANK", "0"))
+    mine = rank if rank < len(state["rng"]) else 0  # fewer ranks wrote it: a resume elsewhere (warned below)
+    torch.set_rng_state(state["rng"][mine]["torch"])
+    if torch.cuda.is_available():  # only the GPUs this process sees (a run on 8 resumed on 1)
+        for index, cuda_state in enumerate(state["rng"][mine]["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, index)
+    version, internal, gauss = python_rng[mine]
     random.setstate((version, tuple(internal), gauss))
     written, current = {key: trainer_state.get(key) for key in ("world_size", "device")}, _topology(model)
     if None not in written.values() and written != current and int(os.environ.get("RANK", "0")) == 0:

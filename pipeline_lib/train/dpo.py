@@ -318,9 +318,9 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
             log(metrics, done)
         if ctx.is_main and cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.max_steps:
             log(evaluate(), done)
-        if ctx.is_main and done % cfg.save_every == 0 and done < cfg.max_steps:
+        if done % cfg.save_every == 0 and done < cfg.max_steps:  # every rank: it gathers their RNG states
             save_checkpoint(out_dir, step=done, model=model, optimizer=optimizer, scheduler=scheduler,
-                            extra={"eval_start": before}, run_key=stage_key)
+                            extra={"eval_start": before}, run_key=stage_key, ctx=ctx)
 
     check_in_sync(model, ctx)
     final = out_dir / "final"

@@ -264,9 +264,9 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
             log(metrics, done)
         if ctx.is_main and cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.max_steps:
             log(pairwise_accuracy(model, groups, eval_ids, packed=packed, pad_id=pad_id, device=device), done)
-        if ctx.is_main and done % cfg.save_every == 0 and done < cfg.max_steps:
+        if done % cfg.save_every == 0 and done < cfg.max_steps:  # every rank: it gathers their RNG states
             save_checkpoint(out_dir, step=done, model=model, optimizer=optimizer, scheduler=scheduler,
-                            run_key=stage_key)
+                            run_key=stage_key, ctx=ctx)
 
     check_in_sync(model, ctx)
     final = out_dir / "final"

@@ -375,7 +375,8 @@ def _flip_byte(path: Path, at: float) -> None:
 @pytest.mark.parametrize("damage", ["empty state.pt", "half state.pt", "garbage state.pt", "no state.pt",
                                     "bad trainer_state.json", "bad python_rng.json", "no trainer_state.json",
                                     "a flipped byte in state.pt", "a flipped bit in the optimizer state",
-                                    "python_rng.json refused by random", "torch_rng refused by torch"])
+                                    "python_rng.json refused by random", "torch RNG state refused by torch",
+                                    "RNG states of two ranks in one file, one in the other"])
 def test_unreadable_checkpoint_is_skipped_with_a_warning(tmp_path, damage):
     """A checkpoint damaged after its rename (disk corruption, a power cut before the data reached the disk)
     is ignored: the loop starts over, which costs time but gives the same seeded result. Before: a flipped byte
@@ -400,11 +401,15 @@ def test_unreadable_checkpoint_is_skipped_with_a_warning(tmp_path, damage):
     elif damage == "a flipped bit in the optimizer state":
         _flip_byte(state, 0.5)
     elif damage == "python_rng.json refused by random":
-        (ckpt / "python_rng.json").write_text("[3, [1, 2, 3], null]")
+        (ckpt / "python_rng.json").write_text("[[3, [1, 2, 3], null]]")
         _record_sha256(ckpt)  # parses, and matches its digest: random.setstate still refuses it
-    elif damage == "torch_rng refused by torch":
+    elif damage == "torch RNG state refused by torch":
         saved = torch.load(state, weights_only=True)
-        torch.save(saved | {"torch_rng": saved["torch_rng"].float()}, state)
+        torch.save(saved | {"rng": [{"torch": saved["rng"][0]["torch"].float(), "cuda": []}]}, state)
+        _record_sha256(ckpt)
+    elif damage == "RNG states of two ranks in one file, one in the other":
+        saved = torch.load(state, weights_only=True)
+        torch.save(saved | {"rng": saved["rng"] * 2}, state)
         _record_sha256(ckpt)
     else:
         (ckpt / damage.split()[1]).write_text('{"step": ')

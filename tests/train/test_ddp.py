@@ -47,18 +47,23 @@ if os.environ.get("RANK") is not None and os.environ.get("AUDIT_DIR"):
 
     sys.addaudithook(_hook)
 if os.environ.get("RANK") == "0" and os.environ.get("FAIL_RANK_0_SAVE"):  # a full disk, on rank 0 only
-    import errno, torch
+    import errno, io, torch
+    _real_save = torch.save
 
-    def _full_disk(*args, **kwargs):
+    def _full_disk(obj, f, *args, **kwargs):
+        if isinstance(f, io.BytesIO):  # pickling a tensor in memory (all_gather_object's RNG states) needs no disk
+            return _real_save(obj, f, *args, **kwargs)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     torch.save = _full_disk
 '''
 
 
-def toy_pairs(n: int) -> pl.DataFrame:
+def toy_pairs(n: int, digits: int = 2) -> pl.DataFrame:
+    """n sums of two numbers below 50; with `digits` > 2 the first has 1 to `digits` digits (rows of other lengths)."""
     rng = random.Random(0)
-    rows = [(rng.randrange(50), rng.randrange(50)) for _ in range(n)]
+    rows = [(rng.randrange(50) if digits == 2 else rng.randrange(10 ** rng.randrange(1, digits + 1)), rng.randrange(50))
+            for _ in range(n)]
     return pl.DataFrame({"prompt": [f"{a:02d}+{b:02d}=" for a, b in rows], "chosen": [str(a + b) for a, b in rows],
                          "rejected": [str(a + b + 1) if i % 2 else "no idea!" for i, (a, b) in enumerate(rows)]})
 
@@ -178,13 +183,19 @@ def test_sigkilled_torchrun_takes_its_ranks_along_and_the_rerun_resumes_to_the_u
     """torchrun starts its workers in sessions of their own: a SIGKILL of torchrun's process group left them
     training on as orphans, and the rerun raced them in the same out_dir (its checkpoint write failed on a temp
     dir they had replaced). Now the workers die with torchrun, and the rerun resumes from the last checkpoint to
-    the weights of an uninterrupted run."""
-    cfg = DPOConfig(policy_path=str(tiny_dpo_model(tmp_path)), max_steps=150, batch_size=8, lr=1e-3, save_every=2,
-                    log_every=1, device="cpu")
+    the weights of an uninterrupted run. With dropout on: each rank draws its own masks (rows of other lengths), and
+    the checkpoint held rank 0's RNG states alone, which every rank restored (1e-3 off the uninterrupted weights)."""
+    model = tiny_dpo_model(tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"attention_dropout": 0.1}))
+    cfg = DPOConfig(policy_path=str(model), max_steps=150, batch_size=8, lr=1e-3, save_every=2, log_every=1,
+                    device="cpu", disable_dropout=False)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
     def torchrun(name: str) -> tuple[Path, subprocess.Popen]:
-        run_file = write_run_file(tmp_path / f"{name}.json", cfg, {"pairs": toy_pairs(40)}, tmp_path / name)
+        # prompts of 1 to 7 digits: the ranks' rows differ in length, so they draw different numbers of dropout masks
+        pairs = toy_pairs(40, digits=7) if ranks == "2" else toy_pairs(40)
+        run_file = write_run_file(tmp_path / f"{name}.json", cfg, {"pairs": pairs}, tmp_path / name)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", ranks,
                    "-m", "pipeline_lib.train.dpo", "--config", str(run_file)]
         return run_file, subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE,
