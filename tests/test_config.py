@@ -203,6 +203,8 @@ def test_a_file_that_is_not_utf8_is_one_line(tmp_path):
     (DAPOConfig, {"policy_path": "m", "clip_eps_high": 0.1, "clip_eps_low": 0.2,
                   "rewards": [{"name": "verifier"}]}, "clip_eps_high 0.1 < clip_eps_low 0.2"),
     (DPOConfig, {"policy_path": "m", "lora_r": 8, "lora_target_modules": []}, "lora_target_modules is empty"),
+    (SFTConfig, {"model_path": "m", "device": "cuda:1", "processes": 2},
+     "device cuda:1 is one GPU, and processes 2 take one GPU each: expected device auto or cuda"),
     (PPOConfig, {"policy_path": "m", "reward_model_path": "r", "prompts_table": "preference_pairs",
                  "rewards": [{"name": "verifier"}]}, "prompts_table 'preference_pairs' has no answers"),
 ])

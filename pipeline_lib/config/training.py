@@ -73,6 +73,13 @@ class TrainLoopConfig(Config):
             raise ValueError(f"batch_size {self.batch_size} is not a multiple of grad_accum_steps {self.grad_accum_steps}")
         return self
 
+    @model_validator(mode="after")
+    def _one_gpu_per_process(self):
+        if self.processes != "auto" and self.processes > 1 and self.device.startswith("cuda:"):
+            raise ValueError(f"device {self.device} is one GPU, and processes {self.processes} take one GPU each: "
+                             "expected device auto or cuda (CUDA_VISIBLE_DEVICES picks which GPUs)")
+        return self
+
 
 class SFTConfig(TrainLoopConfig):
     """Supervised fine-tuning: next-token loss on the response tokens only."""

@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from pipeline_lib.config import ConfigError
 from pipeline_lib.errors import AlignflowError, one_line
 from pipeline_lib.logfns import LogFn
 from pipeline_lib.model_dirs import FINAL_MARKER, missing_files, read_marker
+from pipeline_lib.models.loading import resolve_device
 from pipeline_lib.models.logprobs import packs_pairs
 
 CHECKPOINT_DIR = "checkpoint"
@@ -274,17 +276,23 @@ def torchrun_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed() -> Dist:
-    """Join the torchrun process group (gloo on CPU, NCCL on CUDA) when launched under torchrun."""
+# how long a rank waits in a collective for the others: rank 0 alone computes DPO's reference log-probs and writes
+# checkpoints between two of them, longer on a large dataset than torch's default of 10 minutes for NCCL
+COLLECTIVE_TIMEOUT = timedelta(hours=2)
+
+
+def init_distributed(device: str) -> Dist:
+    """Join the torchrun process group when launched under torchrun: NCCL, each rank on the GPU of its local rank,
+    where the stage's `device` resolves to CUDA; gloo where it is the CPU (`device: cpu` on a GPU machine too)."""
     world_size = torchrun_world_size()
     if world_size == 1:
         return Dist()
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
+    on_cuda = resolve_device(device).type == "cuda"
+    if on_cuda:
         torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if on_cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
     return Dist(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank)
 
 
@@ -295,7 +303,8 @@ def wrap_model(model: nn.Module, ctx: Dist) -> nn.Module:
     forwards per rank (one per length bucket), which deadlocks; the buffers (rotary tables) never change."""
     if not ctx.enabled:
         return model
-    device_ids = [ctx.local_rank] if torch.cuda.is_available() else None
+    device = next(model.parameters()).device
+    device_ids = [device] if device.type == "cuda" else None  # a CPU module on a GPU machine takes none
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
 
 

@@ -240,7 +240,7 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     stage_key = run_key(cfg, pairs)  # its checkpoints and final carry it
     if (final := finished_final(out_dir, log, cfg.max_steps, stage_key)) is not None:
         return final  # finished earlier: a rerun has nothing to resume
-    ctx = init_distributed()
+    ctx = init_distributed(cfg.device)
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
     tokenizer = load_tokenizer(cfg.policy_path, trust_remote_code=cfg.trust_remote_code)

@@ -124,7 +124,7 @@ def test_clip_gradients_returns_the_norm_before_clipping():
 
 def test_single_process_distributed_context(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    ctx = init_distributed()
+    ctx = init_distributed("cpu")
     assert (ctx.rank, ctx.world_size, ctx.is_main, ctx.enabled) == (0, 1, True, False)
     assert Dist(rank=1, world_size=2).shard([10, 11, 12, 13]) == [11, 13]
     assert Dist(rank=0, world_size=2).shard([10, 11, 12, 13]) == [10, 12]

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -175,6 +177,28 @@ def test_a_checkpoint_write_failing_on_rank_0_ends_every_rank_with_one_error_lin
     # every process of the run's session is gone
     group = subprocess.run(["pgrep", "-g", str(ddp.pid)], capture_output=True, text=True)
     assert group.stdout.strip() == "", group.stdout
+
+
+@pytest.mark.slow  # one torchrun start: ~10 s
+def test_a_cpu_stage_on_a_gpu_machine_trains_on_gloo_without_device_ids(tmp_path):
+    """`device: cpu, processes: 2` on a machine with GPUs: the process group was NCCL, and DDP got device_ids [local
+    rank], whenever CUDA was available, whatever the stage's device (NCCL reduces no CPU tensor; DDP refuses a CPU
+    module with device ids). torch.cuda.is_available is patched to answer as a GPU machine's does."""
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        torch.cuda.is_available = lambda: True  # a GPU machine
+        from pipeline_lib.train.common import init_distributed, wrap_model
+        ctx = init_distributed("cpu")
+        model = wrap_model(torch.nn.Linear(4, 4), ctx)
+        model(torch.ones(2, 4)).sum().backward()  # DDP's gradient all-reduce
+        print(f"rank {ctx.rank} of {ctx.world_size}: {dist.get_backend()}", flush=True)
+    """))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(re.findall(r"rank \d of 2: \w+", done.stdout)) == ["rank 0 of 2: gloo", "rank 1 of 2: gloo"]
 
 
 @pytest.mark.slow  # three torchrun runs per case: ~30 s on 2 cores
