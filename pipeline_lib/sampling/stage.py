@@ -253,7 +253,7 @@ def open_sampler(cfg: SampleConfig) -> Iterator[Sampler]:
         yield HFSampler.from_pretrained(cfg.model_path, device=cfg.device, add_special_tokens=add_special_tokens,
                                         trust_remote_code=cfg.trust_remote_code)
         return
-    from pipeline_lib.sampling.vllm import VLLMSampler, VLLMServer
+    from pipeline_lib.sampling.vllm import VLLMSampler, VLLMServer, memory_share
 
     if cfg.vllm_url:
         sampler = VLLMSampler(cfg.vllm_url, add_special_tokens=add_special_tokens)
@@ -266,8 +266,8 @@ def open_sampler(cfg: SampleConfig) -> Iterator[Sampler]:
         finally:
             sampler.close()
         return
-    with VLLMServer(cfg.model_path, max_model_len=cfg.vllm_max_model_len,
-                    trust_remote_code=cfg.trust_remote_code) as server:
+    with VLLMServer(cfg.model_path, max_model_len=cfg.vllm_max_model_len, trust_remote_code=cfg.trust_remote_code,
+                    gpu_memory_utilization=memory_share(beside_trainer=False)) as server:
         sampler = server.sampler(add_special_tokens=add_special_tokens)
         try:
             yield sampler

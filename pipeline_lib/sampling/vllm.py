@@ -5,6 +5,7 @@ wait for health, stop cleanly; a client that samples n per prompt (`Sampler`) an
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import random
 import signal
@@ -30,6 +31,9 @@ DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
 # Measured on CPU: 1 GiB of KV cache is plenty for small models; no telemetry; offline.
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
 CONNECT_RETRIES = 3
+# the most of its GPU's memory a server takes beside a trainer on that GPU (one GPU: weights reloaded from disk), as
+# TRL's colocated vLLM does by default: the trainer keeps room for its activations
+BESIDE_TRAINER_SHARE = 0.3
 
 
 # Run before the server's own command (Linux): the kernel sends the server SIGTERM, on which it stops its engine
@@ -224,13 +228,30 @@ def _parse_choices(body: dict, n: int, logprobs: bool) -> list[Completion]:
     return out
 
 
+def memory_share(*, beside_trainer: bool) -> float | None:
+    """`--gpu-memory-utilization` for a server on this process's first visible GPU. vLLM refuses to start unless that
+    share of the GPU's whole memory is free, then takes all of it (its default, 0.92, fails beside anything else on the
+    GPU). None (vLLM's default) where this process has not used CUDA; else torch's cache (an earlier in-process stage's
+    freed blocks) is released first, and the share is 90% of what is free, at most BESIDE_TRAINER_SHARE beside a
+    trainer."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(0)
+    share = math.floor(90 * free / total) / 100
+    return min(share, BESIDE_TRAINER_SHARE) if beside_trainer else share
+
+
 class VLLMServer:
     """A vLLM OpenAI-compatible server for `model_dir`, as a context manager.
 
     It runs in its own process group (`start_new_session`): the engine's worker processes survive a
     SIGKILL of the API process otherwise. Stop = SIGTERM to the group, SIGKILL after `stop_timeout`.
     `weight_updates` exposes the reload routes; `nccl_weight_transfer` also enables vLLM's NCCL weight
-    transfer (GPU only; `cuda_devices` keeps the server off the trainer's GPU). The model dir's own code runs only
+    transfer (GPU only; `cuda_devices` keeps the server off the trainer's GPU). `gpu_memory_utilization` is the
+    share of its GPU's memory it takes (`memory_share`; None: vLLM's default). The model dir's own code runs only
     with `trust_remote_code`."""
 
     def __init__(
@@ -245,6 +266,7 @@ class VLLMServer:
         weight_updates: bool = False,
         nccl_weight_transfer: bool = False,
         cuda_devices: str | None = None,
+        gpu_memory_utilization: float | None = None,
         extra_args: Sequence[str] = (),
         trust_remote_code: bool = False,
         startup_timeout: float = 300.0,
@@ -267,6 +289,7 @@ class VLLMServer:
         self.weight_updates = weight_updates or nccl_weight_transfer
         self.nccl_weight_transfer = nccl_weight_transfer
         self.cuda_devices = cuda_devices
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.extra_args = list(extra_args)
         self.trust_remote_code = trust_remote_code
         self.startup_timeout = startup_timeout
@@ -296,6 +319,8 @@ class VLLMServer:
             cmd += ["--max-model-len", str(self.max_model_len)]
         if not self.cuda:
             cmd.append("--enforce-eager")  # no CUDA graphs on CPU; eager is no slower there
+        elif self.gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         if self.nccl_weight_transfer:  # the trainer pushes tensors by NCCL (sampling/weight_transfer.py)
             cmd += ["--weight-transfer-config", '{"backend": "nccl"}']
         if self.trust_remote_code:  # the model dir's own Python, as load_policy(trust_remote_code=True) runs it

