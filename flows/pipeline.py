@@ -26,6 +26,7 @@ from pipeline_lib import tracking
 from pipeline_lib.config import PipelineConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.store.ingest import IngestReport
+from pipeline_lib.train.common import reserve_deterministic_cublas
 from tasks.common import current_workspace, run_tags
 from tasks.evaluation import compare_task
 from tasks.store import check_selections_task, corpus_sources_task
@@ -49,6 +50,9 @@ def named(stage: str) -> Iterator[None]:
 def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str, str]:
     """Run every enabled stage in order; returns each stage's output (model dir or sampling run id)."""
     cfg.check_force(force)
+    if any(getattr(getattr(cfg, stage), "deterministic", False) for stage in ("sft", "rm", "rs_sft", "dpo", "grpo",
+                                                                               "dapo", "ppo")):
+        reserve_deterministic_cublas()  # before the first stage's CUDA matmul: cuBLAS reads it once
     with tracking.pipeline_run(current_workspace(), cfg.name, cfg, tags=run_tags()) as pipeline_run_id:
         for ingest_cfg in cfg.ingest:  # each file's counts on stdout, as `alignflow ingest` prints them
             report = IngestReport(**ingest_flow(ingest_cfg))

@@ -15,6 +15,8 @@ from pipeline_lib.workspace import OFFLINE_ENV
 
 for _key, _value in OFFLINE_ENV.items():
     os.environ.setdefault(_key, _value)
+# before any CUDA test's first matmul (cuBLAS reads it once): the `gpu` determinism tests run in this process after them
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import pytest  # noqa: E402
 

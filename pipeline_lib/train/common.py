@@ -58,6 +58,17 @@ def seed_everything(seed: int) -> None:
         torch.cuda.manual_seed_all(seed)
 
 
+# what torch's deterministic mode needs of cuBLAS, read at the process's first cuBLAS call
+DETERMINISTIC_CUBLAS = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def reserve_deterministic_cublas() -> None:
+    """Before a process's first CUDA matmul, where a later stage in it trains with `deterministic` (an in-process
+    pipeline): cuBLAS reads its workspace setting once. The user's own value wins."""
+    for key, value in DETERMINISTIC_CUBLAS.items():
+        os.environ.setdefault(key, value)
+
+
 @contextmanager
 def deterministic_kernels(enabled: bool) -> Iterator[None]:
     """With `enabled`, torch's deterministic kernels inside the block, what transformers' `enable_full_determinism`
@@ -65,14 +76,20 @@ def deterministic_kernels(enabled: bool) -> Iterator[None]:
     pipeline each get their own config's mode). CPU training is deterministic without it.
 
     cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, at its first call: the loops enter this block before they load a
-    model (`with_deterministic_kernels`; a process whose earlier stage used cuBLAS keeps the workspace chosen
-    then). torch raises on an op that has no deterministic kernel."""
+    model (`with_deterministic_kernels`), and a pipeline sets it before its first stage
+    (`reserve_deterministic_cublas`); a process that used CUDA without it gets a one-line ConfigError here, not
+    torch's error at the first matmul. torch raises on an op that has no deterministic kernel."""
     if not enabled:
         yield
         return
+    unset = [key for key in DETERMINISTIC_CUBLAS if key not in os.environ]
+    if unset and torch.cuda.is_initialized():
+        raise ConfigError(f"deterministic: true in a process that used CUDA before without {unset[0]} (cuBLAS reads "
+                          "it once, at its first call): run the stage in a process of its own, or export "
+                          f"{unset[0]}={DETERMINISTIC_CUBLAS[unset[0]]} before starting")
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # torch refuses cuBLAS calls without it
+    reserve_deterministic_cublas()  # torch refuses cuBLAS calls without it
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     try:

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 from torch import nn
 
-from pipeline_lib.config import SFTConfig
+from pipeline_lib.config import ConfigError, SFTConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.model_dirs import model_dir_complete
@@ -49,6 +49,7 @@ from pipeline_lib.train.common import (
     make_scheduler,
     mean_over_ranks,
     packing_saves,
+    reserve_deterministic_cublas,
     save_checkpoint,
     save_final,
     seed_everything,
@@ -621,6 +622,22 @@ def test_deterministic_kernels_are_on_inside_the_block_only(global_determinism):
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
+def test_deterministic_kernels_in_a_process_that_used_cuda_without_the_cublas_setting_is_one_line(
+        global_determinism, monkeypatch):
+    """cuBLAS reads CUBLAS_WORKSPACE_CONFIG at the process's first matmul: set later (a pipeline's deterministic stage
+    after one that trained on CUDA), torch raised at the stage's first matmul. Now one ConfigError says what to do;
+    a pipeline sets it before its first stage (`reserve_deterministic_cublas`). CUDA's state is simulated."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(ConfigError, match=r"^deterministic: true in a process that used CUDA before without "
+                                          r"CUBLAS_WORKSPACE_CONFIG .* export CUBLAS_WORKSPACE_CONFIG=:4096:8 before"):
+        with deterministic_kernels(True):
+            pytest.fail("entered")
+    assert determinism_settings() == global_determinism  # nothing switched on
+    reserve_deterministic_cublas()
+    with deterministic_kernels(True):
+        assert torch.are_deterministic_algorithms_enabled()
+
+
 def test_sft_with_deterministic_kernels_trains_to_the_same_weights_on_cpu(one_thread, tiny_dir, tmp_path,
                                                                           global_determinism):
     """CPU kernels are deterministic already: the mode changes no weight. It is on for the stage's steps only."""
@@ -637,6 +654,7 @@ def test_sft_with_deterministic_kernels_trains_to_the_same_weights_on_cpu(one_th
 def test_two_deterministic_sft_runs_on_cuda_give_the_same_weights(tiny_dir, tmp_path, global_determinism):
     """On CUDA, seeding alone leaves the kernels free to sum in any order; with deterministic kernels two
     uninterrupted runs of one config end bit for bit equal."""
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # as conftest set it before this process's first matmul
     first = sft_run(tiny_dir, tmp_path / "first", device="cuda", deterministic=True)
     second = sft_run(tiny_dir, tmp_path / "second", device="cuda", deterministic=True)
     assert same_weights(first, second)
