@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import PurePath
 
 import numpy as np
 import polars as pl
@@ -325,7 +326,7 @@ def plot_curves(results: pl.DataFrame) -> tuple[Figure, Figure]:
         fig = Figure(figsize=(5, 3.5), layout="constrained")
         ax = fig.add_subplot()
         for (model, dataset), curve in results.sort("k").group_by(["model", "dataset"], maintain_order=True):
-            label = f"{model} ({dataset})" if several_datasets else str(model)
+            label = f"{short_label(model)} ({dataset})" if several_datasets else short_label(model)
             ax.plot(curve["k"].to_list(), curve[column].to_list(), marker="o", label=label)
         ax.set_xscale("log", base=2)
         ks = sorted(set(results["k"].to_list()))
@@ -337,13 +338,29 @@ def plot_curves(results: pl.DataFrame) -> tuple[Figure, Figure]:
     return figures[0], figures[1]
 
 
-def plot_histograms(samples: pl.DataFrame, title: str) -> Figure:
-    """Reward and response-length histograms of one model's samples (columns reward, n_tokens)."""
+def short_label(model: str) -> str:
+    """A model's name short enough for a plot's title and legend: `alignflow eval --model DIR` without --name labels
+    its results with the absolute path, whose titles ran past the figure and over each other. A path is shown as
+    its last two dirs, a final model's `final` left out (`.../models/dpo/b778cae28da53dc7/final` ->
+    `dpo/b778cae28da53dc7`, its stage and key); a name or a hub id (`org/model`) as it is. The results table and the
+    run's params keep the full path."""
+    parts = PurePath(model).parts
+    if len(parts) <= 2:
+        return model
+    if parts[-1] == "final":
+        parts = parts[:-1]
+    return "/".join(parts[-2:])
+
+
+def plot_histograms(samples: pl.DataFrame, model: str) -> Figure:
+    """Reward and response-length histograms of one model's samples (columns reward, n_tokens), the model's
+    `short_label` as the figure's title."""
     fig = Figure(figsize=(8, 3), layout="constrained")
+    fig.suptitle(short_label(model))
     for i, (column, label) in enumerate((("reward", "reward"), ("n_tokens", "response length (tokens)"))):
         ax = fig.add_subplot(1, 2, i + 1)
         ax.hist(samples[column].drop_nulls().to_numpy(), bins=20)
-        ax.set(xlabel=label, ylabel="samples", title=f"{title}: {label}")
+        ax.set(xlabel=label, ylabel="samples", title=label)
     return fig
 
 
