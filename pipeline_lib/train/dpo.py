@@ -337,10 +337,11 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     final = out_dir / "final"
     if ctx.is_main:
         after = evaluate()
-        log(after, cfg.max_steps)
-        metrics.update({**after, **{f"{k}_start": v for k, v in before.items()},
-                        "train/packed_pairs": float(len(packed)),  # of all pairs, the others ran as two rows
-                        "train/seconds": time.perf_counter() - started})
+        totals = {"train/packed_pairs": float(len(packed)),  # of all pairs, the others ran as two rows
+                  "train/seconds": time.perf_counter() - started}
+        # the tracking run holds every metric the final's marker does (the `_start` ones as step 0's)
+        log({**after, **totals}, cfg.max_steps)
+        metrics.update({**after, **{f"{k}_start": v for k, v in before.items()}, **totals})
         policy = unwrap(model)
         final = save_final(policy.merge_and_unload() if cfg.lora_r else policy, tokenizer, out_dir, metrics=metrics,
                            run_key=stage_key)
