@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import PurePath
+from typing import TYPE_CHECKING
 
 import numpy as np
 import polars as pl
@@ -18,6 +19,9 @@ from pipeline_lib.config import EvalConfig
 from pipeline_lib.rewards.math import answer_value, extract_answer, is_numeric_answer, terminates, values_equivalent
 from pipeline_lib.store.db import Store
 from pipeline_lib.logfns import LogFn, no_log
+
+if TYPE_CHECKING:  # the annotation only: run_eval_stage imports the sampling stage when it runs
+    from pipeline_lib.sampling.stage import SampleReport
 
 MAX_SAMPLES = 1024  # C(1024, 512) ~ 4.5e306: subset counts above this overflow float64
 METRIC_KINDS = ("pass", "maj")
@@ -365,10 +369,10 @@ def plot_histograms(samples: pl.DataFrame, model: str) -> Figure:
 
 
 def run_eval_stage(cfg: EvalConfig, store: Store, *, log: LogFn = no_log,
-                   progress: bool = True) -> tuple[pl.DataFrame, pl.DataFrame]:
+                   progress: bool = True) -> tuple[pl.DataFrame, pl.DataFrame, SampleReport]:
     """The evaluation stage: sample (resumable), score Pass@K / Maj@K against the gold answers, replace the
     model's rows of the run in eval_results, log `eval/pass_at_K` and `eval/maj_at_K`. Returns (results, the
-    samples)."""
+    samples, the report of the sampling run they come from)."""
     from pipeline_lib.sampling.stage import run_sample_stage, select_problems
 
     report = run_sample_stage(cfg.sample_config, store, log=log, progress=progress)
@@ -384,4 +388,4 @@ def run_eval_stage(cfg: EvalConfig, store: Store, *, log: LogFn = no_log,
         store.append("eval_results", results.with_columns(pl.lit(report.run_id).alias("run_id")))
     for row in results.iter_rows(named=True):
         log({metric_key("pass", row["k"]): row["pass_at_k"], metric_key("maj", row["k"]): row["maj_at_k"]}, 0)
-    return results, samples
+    return results, samples, report
