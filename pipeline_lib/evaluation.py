@@ -7,6 +7,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import PurePath
+from typing import TYPE_CHECKING
 
 import numpy as np
 import polars as pl
@@ -17,6 +19,9 @@ from pipeline_lib.config import EvalConfig
 from pipeline_lib.rewards.math import answer_value, extract_answer, is_numeric_answer, terminates, values_equivalent
 from pipeline_lib.store.db import Store
 from pipeline_lib.logfns import LogFn, no_log
+
+if TYPE_CHECKING:  # the annotation only: run_eval_stage imports the sampling stage when it runs
+    from pipeline_lib.sampling.stage import SampleReport
 
 MAX_SAMPLES = 1024  # C(1024, 512) ~ 4.5e306: subset counts above this overflow float64
 METRIC_KINDS = ("pass", "maj")
@@ -325,7 +330,7 @@ def plot_curves(results: pl.DataFrame) -> tuple[Figure, Figure]:
         fig = Figure(figsize=(5, 3.5), layout="constrained")
         ax = fig.add_subplot()
         for (model, dataset), curve in results.sort("k").group_by(["model", "dataset"], maintain_order=True):
-            label = f"{model} ({dataset})" if several_datasets else str(model)
+            label = f"{short_label(model)} ({dataset})" if several_datasets else short_label(model)
             ax.plot(curve["k"].to_list(), curve[column].to_list(), marker="o", label=label)
         ax.set_xscale("log", base=2)
         ks = sorted(set(results["k"].to_list()))
@@ -337,21 +342,37 @@ def plot_curves(results: pl.DataFrame) -> tuple[Figure, Figure]:
     return figures[0], figures[1]
 
 
-def plot_histograms(samples: pl.DataFrame, title: str) -> Figure:
-    """Reward and response-length histograms of one model's samples (columns reward, n_tokens)."""
+def short_label(model: str) -> str:
+    """A model's name short enough for a plot's title and legend: `alignflow eval --model DIR` without --name labels
+    its results with the absolute path, whose titles ran past the figure and over each other. A path is shown as
+    its last two dirs, a final model's `final` left out (`.../models/dpo/b778cae28da53dc7/final` ->
+    `dpo/b778cae28da53dc7`, its stage and key); a name or a hub id (`org/model`) as it is. The results table and the
+    run's params keep the full path."""
+    parts = PurePath(model).parts
+    if len(parts) <= 2:
+        return model
+    if parts[-1] == "final":
+        parts = parts[:-1]
+    return "/".join(parts[-2:])
+
+
+def plot_histograms(samples: pl.DataFrame, model: str) -> Figure:
+    """Reward and response-length histograms of one model's samples (columns reward, n_tokens), the model's
+    `short_label` as the figure's title."""
     fig = Figure(figsize=(8, 3), layout="constrained")
+    fig.suptitle(short_label(model))
     for i, (column, label) in enumerate((("reward", "reward"), ("n_tokens", "response length (tokens)"))):
         ax = fig.add_subplot(1, 2, i + 1)
         ax.hist(samples[column].drop_nulls().to_numpy(), bins=20)
-        ax.set(xlabel=label, ylabel="samples", title=f"{title}: {label}")
+        ax.set(xlabel=label, ylabel="samples", title=label)
     return fig
 
 
 def run_eval_stage(cfg: EvalConfig, store: Store, *, log: LogFn = no_log,
-                   progress: bool = True) -> tuple[pl.DataFrame, pl.DataFrame]:
+                   progress: bool = True) -> tuple[pl.DataFrame, pl.DataFrame, SampleReport]:
     """The evaluation stage: sample (resumable), score Pass@K / Maj@K against the gold answers, replace the
     model's rows of the run in eval_results, log `eval/pass_at_K` and `eval/maj_at_K`. Returns (results, the
-    samples)."""
+    samples, the report of the sampling run they come from)."""
     from pipeline_lib.sampling.stage import run_sample_stage, select_problems
 
     report = run_sample_stage(cfg.sample_config, store, log=log, progress=progress)
@@ -367,4 +388,4 @@ def run_eval_stage(cfg: EvalConfig, store: Store, *, log: LogFn = no_log,
         store.append("eval_results", results.with_columns(pl.lit(report.run_id).alias("run_id")))
     for row in results.iter_rows(named=True):
         log({metric_key("pass", row["k"]): row["pass_at_k"], metric_key("maj", row["k"]): row["maj_at_k"]}, 0)
-    return results, samples
+    return results, samples, report

@@ -90,10 +90,11 @@ def flatten_params(value: Any, prefix: str = "") -> dict[str, str]:
         for key, item in value.items():
             flat.update(flatten_params(item, f"{prefix}{key}."))
         return flat
-    text = json.dumps(value) if isinstance(value, (list, tuple)) else str(value)
-    if len(text) > MAX_PARAM_CHARS:
-        text = text[: MAX_PARAM_CHARS - len(TRUNCATED)] + TRUNCATED
-    return {prefix.rstrip("."): text}
+    return {prefix.rstrip("."): _truncated(json.dumps(value) if isinstance(value, (list, tuple)) else str(value))}
+
+
+def _truncated(text: str) -> str:
+    return text if len(text) <= MAX_PARAM_CHARS else text[: MAX_PARAM_CHARS - len(TRUNCATED)] + TRUNCATED
 
 
 @contextmanager
@@ -179,17 +180,34 @@ def _process_tags() -> dict[str, str]:
 
 @functools.cache
 def _code_version_tags() -> dict[str, str]:
-    """alignflow's version, its code (`code_version`, what cache keys hold) and, from a git checkout, its commit
-    (MLflow shows `mlflow.source.git.commit`)."""
-    tags = {"alignflow.version": alignflow_version(), "alignflow.code": code_version()}
-    checkout = Path(__file__).resolve().parents[1]
+    """alignflow's version, its code (`code_version`, what cache keys hold) and, from a git checkout, its commit and
+    local changes (`_git_tags`)."""
+    return {"alignflow.version": alignflow_version(), "alignflow.code": code_version(),
+            **_git_tags(Path(__file__).resolve().parents[1])}
+
+
+def _git_tags(checkout: Path) -> dict[str, str]:
+    """The commit of the git checkout at `checkout` (MLflow shows `mlflow.source.git.commit`) and whether its working
+    tree differs from it: `alignflow.git.dirty` true or false, and where true `alignflow.git.changes`, the count and
+    paths of the changed and untracked files (`git status`). The commit alone named code the run may not have run:
+    runs of one commit had other code fingerprints. Nothing outside a checkout of its own."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout
+
     try:
-        top, head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--show-toplevel", "HEAD"],
-                                   capture_output=True, text=True, timeout=10, check=True).stdout.splitlines()
+        top, head = git("rev-parse", "--show-toplevel", "HEAD").splitlines()
+        changes = [line[3:] for line in git("status", "--porcelain").splitlines()]  # "XY path"
     except (OSError, subprocess.SubprocessError, ValueError):
-        return tags
+        return {}
     # installed into site-packages inside some other repository, HEAD would be that repository's commit
-    return tags | {"mlflow.source.git.commit": head} if Path(top).resolve() == checkout else tags
+    if Path(top).resolve() != checkout:
+        return {}
+    tags = {"mlflow.source.git.commit": head, "alignflow.git.dirty": str(bool(changes)).lower()}
+    if changes:
+        tags["alignflow.git.changes"] = _truncated(f"{len(changes)} changed: {', '.join(changes)}")
+    return tags
 
 
 def _end_stale_runs(experiment_id: str) -> None:

@@ -34,7 +34,9 @@ def eval_task(cfg: EvalConfig, inputs_fingerprint: str) -> list[dict]:
     logged = cfg.model_copy(update={"ks": cfg.k_values})  # the K values evaluated, where `ks` was left to its default
     with tracking.stage_run(workspace, f"eval-{name}", logged, tags=run_tags(inputs_fingerprint), echo=False) as log:
         with open_store(workspace.store_path) as store:
-            results, samples = run_eval_stage(cfg, store, log=log)
+            results, samples, report = run_eval_stage(cfg, store, log=log)
+        # the sampling run it scored, tagged as the sample stage tags its run: MLflow named none
+        tracking.set_tags({"samples.run_id": report.run_id, "samples.policy": report.policy})
         fig_pass, fig_maj = plot_curves(results)
         tracking.log_figure(fig_pass, "plots/pass_at_k.png")
         tracking.log_figure(fig_maj, "plots/maj_at_k.png")

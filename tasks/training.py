@@ -103,7 +103,7 @@ def sft_task(cfg: SFTConfig, inputs_fingerprint: str = "", force: bool = False) 
         final = train_stage(train_sft, cfg, {"rows": rows, "eval_rows": eval_rows}, out_dir, recording(log, history))
         tracking.log_model(final)
         log_curves(history, SFT_CURVES, f"{stage}_curves.png")
-    metrics = {**final_metrics(final), "data/rows": float(rows.height)}
+    metrics = final_metrics(final)
     create_markdown_artifact(result_table(f"SFT ({cfg.data}) -> {final}", metrics,
                                           ["data/rows", "train/loss", "eval/loss", "train/seconds"]),
                              key=artifact_key(stage, "result"))

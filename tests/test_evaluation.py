@@ -12,6 +12,7 @@ from math import comb
 import numpy as np
 import polars as pl
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from pipeline_lib.evaluation import (
@@ -23,6 +24,7 @@ from pipeline_lib.evaluation import (
     metric_key,
     pass_at_k,
     plot_curves,
+    plot_histograms,
 )
 from pipeline_lib.rewards.math import answer_value, is_correct, is_equivalent, values_equivalent
 
@@ -265,3 +267,28 @@ def test_plot_curves_one_line_per_model():
         fig.savefig(buffer, format="png")
         assert buffer.getvalue().startswith(b"\x89PNG")
     assert fig_pass.axes[0].get_title() == "Pass@K" and fig_maj.axes[0].get_title() == "Maj@K"
+
+
+def test_a_model_given_by_its_path_is_named_short_in_plots_that_stay_inside_their_figures():
+    """`alignflow eval --model DIR` without --name labels the results with DIR's absolute path: the histograms'
+    titles ran past the figure and over each other, the legend past the axes. Plots name it by its last two dirs,
+    `final` left out (the stage and key of a workspace's model); a name or a hub id is kept."""
+    path = "/home/someone/projects/alignflow-runs/workspace-2026-12/models/dpo/b778cae28da53dc7/final"
+    samples = sample_rows({"p1": ["4", "4", "5", "6"], "p2": ["7", "1", "1", "2"]}).with_columns(
+        reward=pl.Series([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]), n_tokens=pl.Series([12, 30, 7, 9, 14, 3, 5, 8]))
+    results = evaluate(samples, {"p1": "4", "p2": "7"}, [1, 2, 4], model=path, dataset="demo")
+    assert results["model"][0] == path  # the eval_results rows keep the full path
+    hist = plot_histograms(samples, path)
+    fig_pass, _ = plot_curves(results)
+    assert hist.get_suptitle() == "dpo/b778cae28da53dc7"
+    assert fig_pass.axes[0].get_legend().get_texts()[0].get_text() == "dpo/b778cae28da53dc7"
+    for fig in (hist, fig_pass):
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        drawn = fig.get_tightbbox(canvas.get_renderer())  # inches: every title, label and legend
+        width, height = fig.get_size_inches()
+        assert drawn.x0 >= -0.01 and drawn.y0 >= -0.01 and drawn.x1 <= width + 0.01 and drawn.y1 <= height + 0.01
+    left, right = (ax.title.get_window_extent() for ax in hist.axes)
+    assert not left.overlaps(right)
+    assert [plot_histograms(samples, name).get_suptitle() for name in ("sft", "Qwen/Qwen2.5-0.5B")] == \
+        ["sft", "Qwen/Qwen2.5-0.5B"]

@@ -267,3 +267,37 @@ def test_the_code_version_follows_the_librarys_files_not_where_they_are(tmp_path
     losses.write_text(losses.read_text() + "\n# an edit\n")
     edited = copy_version()
     assert edited != code_version() and edited.split(" code ")[0] == code_version().split(" code ")[0]
+
+
+def test_a_run_from_a_checkout_with_local_changes_says_so_beside_its_commit(workspace, tmp_path):
+    """`mlflow.source.git.commit` alone named code the run may not have run (runs of one commit had other code
+    fingerprints): `alignflow.git.dirty` says whether the working tree differed from it, `alignflow.git.changes`
+    which files. Stage runs of a copy of the library in a temporary git repo, clean then edited."""
+    repo = tmp_path / "repo"
+    shutil.copytree(Path(tracking.__file__).parent, repo / "pipeline_lib", ignore=shutil.ignore_patterns("__pycache__"))
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    def run_tags(stage: str) -> dict[str, str]:
+        script = ("import sys; from pathlib import Path; from pipeline_lib import tracking; "
+                  "from pipeline_lib.workspace import Workspace\n"
+                  "with tracking.stage_run(Workspace(Path(sys.argv[1])), sys.argv[2], echo=False): pass")
+        subprocess.run([sys.executable, "-c", script, str(workspace.root), stage], cwd=repo, check=True)
+        return next(run for run in tracking.find_runs(workspace) if run.info.run_name == stage).data.tags
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "copy")
+    clean = run_tags("clean")
+    assert clean["mlflow.source.git.commit"] == git("rev-parse", "HEAD")
+    assert clean["alignflow.git.dirty"] == "false" and "alignflow.git.changes" not in clean
+    losses = repo / "pipeline_lib" / "losses" / "dpo.py"
+    losses.write_text(losses.read_text() + "\n# an edit\n")
+    (repo / "notes.txt").write_text("untracked\n")
+    edited = run_tags("edited")
+    assert edited["mlflow.source.git.commit"] == clean["mlflow.source.git.commit"]
+    assert edited["alignflow.code"] != clean["alignflow.code"]
+    assert edited["alignflow.git.dirty"] == "true"
+    assert edited["alignflow.git.changes"] == "2 changed: pipeline_lib/losses/dpo.py, notes.txt"

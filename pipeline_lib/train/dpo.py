@@ -196,13 +196,23 @@ def _cached_whole(path: Path, rows: int) -> bool:
     return True
 
 
+def chosen_lengths(encoded: Encoded, pair_ids: list[int]) -> Tensor:
+    """(len(pair_ids),): tokens in each pair's chosen completion, the per-token denominator of RPO's NLL term."""
+    return torch.tensor([len(encoded.completion_ids[2 * i]) for i in pair_ids])
+
+
 def preference_eval(model: nn.Module, encoded: Encoded, ref: Tensor, pair_ids: list[int], *, beta: float,
-                    packed: Collection[int], pad_id: int, device: torch.device, batch_size: int) -> dict[str, float]:
-    """Held-out pairs: how often the policy prefers chosen (log π(y_w) > log π(y_l)), by how much, the DPO loss."""
+                    label_smoothing: float, rpo_alpha: float, packed: Collection[int], pad_id: int,
+                    device: torch.device, batch_size: int) -> dict[str, float]:
+    """Held-out pairs: how often the policy prefers chosen (log π(y_w) > log π(y_l)), by how much, and the loss the
+    training minimizes (label smoothing and RPO's NLL term included), so eval/loss and train/loss measure one
+    objective, as TRL's DPOTrainer computes its eval loss with its training loss."""
     logps = logprob_sums(model, encoded, pair_ids, packed=packed, pad_id=pad_id, device=device,
                          batch_size=batch_size)  # (P, 2)
     ref_logps = ref[pair_rows(pair_ids)].view(-1, 2)
-    loss, stats = dpo_loss(logps[:, 0], logps[:, 1], ref_logps[:, 0], ref_logps[:, 1], beta=beta)
+    loss, stats = dpo_loss(logps[:, 0], logps[:, 1], ref_logps[:, 0], ref_logps[:, 1], beta=beta,
+                           label_smoothing=label_smoothing, rpo_alpha=rpo_alpha,
+                           chosen_lengths=chosen_lengths(encoded, pair_ids))
     return {
         "eval/pref_accuracy": float((logps[:, 0] > logps[:, 1]).float().mean()),
         "eval/logp_margin": float((logps[:, 0] - logps[:, 1]).mean()),
@@ -267,8 +277,9 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     ddp_model = wrap_model(model, ctx)
 
     def evaluate() -> dict[str, float]:
-        return preference_eval(model, encoded, ref, eval_ids, beta=cfg.beta, packed=packed, pad_id=pad_id,
-                               device=device, batch_size=cfg.ref_batch_size)
+        return preference_eval(model, encoded, ref, eval_ids, beta=cfg.beta, label_smoothing=cfg.label_smoothing,
+                               rpo_alpha=cfg.rpo_alpha, packed=packed, pad_id=pad_id, device=device,
+                               batch_size=cfg.ref_batch_size)
 
     # the start's held-out numbers travel in the checkpoint, so a resumed run still reports before/after
     before = extra.get("eval_start") or (evaluate() if ctx.is_main else {})
@@ -286,7 +297,6 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
         for k, micro in enumerate(chunks):
             rows = pair_rows(micro)
             ref_logps = ref[rows].to(device).view(-1, 2)  # (B, 2): chosen, rejected
-            chosen_lengths = torch.tensor([len(encoded.completion_ids[r]) for r in rows[::2]], device=device)  # (B,)
             sync = nullcontext() if k == len(chunks) - 1 or not ctx.enabled else ddp_model.no_sync()
             with sync:
                 with autocast(device):
@@ -295,7 +305,8 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
                 # ---- loss
                 loss, stats = dpo_loss(logps[:, 0], logps[:, 1], ref_logps[:, 0], ref_logps[:, 1],
                                        beta=cfg.beta, label_smoothing=cfg.label_smoothing,
-                                       rpo_alpha=cfg.rpo_alpha, chosen_lengths=chosen_lengths)
+                                       rpo_alpha=cfg.rpo_alpha,
+                                       chosen_lengths=chosen_lengths(encoded, micro).to(device))
                 # mean over the micro-batch, weighted so the DDP average of the sums is the global-batch mean
                 (loss * len(micro) / len(positions) * ctx.world_size).backward()
             for key, value in {"train/loss": loss, **stats}.items():
@@ -326,10 +337,11 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     final = out_dir / "final"
     if ctx.is_main:
         after = evaluate()
-        log(after, cfg.max_steps)
-        metrics.update({**after, **{f"{k}_start": v for k, v in before.items()},
-                        "train/packed_pairs": float(len(packed)),  # of all pairs, the others ran as two rows
-                        "train/seconds": time.perf_counter() - started})
+        totals = {"train/packed_pairs": float(len(packed)),  # of all pairs, the others ran as two rows
+                  "train/seconds": time.perf_counter() - started}
+        # the tracking run holds every metric the final's marker does (the `_start` ones as step 0's)
+        log({**after, **totals}, cfg.max_steps)
+        metrics.update({**after, **{f"{k}_start": v for k, v in before.items()}, **totals})
         policy = unwrap(model)
         final = save_final(policy.merge_and_unload() if cfg.lora_r else policy, tokenizer, out_dir, metrics=metrics,
                            run_key=stage_key)

@@ -300,6 +300,8 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                 "perf/step_seconds": step_seconds,
                 "perf/tokens_per_s": rollout.metrics["completions/tokens"] / step_seconds,
             }
+            if done == cfg.max_steps:  # logged with the last step: the tracking run holds what the final's marker does
+                metrics["train/seconds"] = time.perf_counter() - started
             if done % cfg.log_every == 0 or done == cfg.max_steps:
                 log(metrics, done)
             if done % cfg.save_every == 0 and done < cfg.max_steps:
@@ -319,7 +321,6 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                       f"and the policy gradient zero throughout: the final model is {unchanged} (it solves every "
                       "problem or none, or the rewards cannot tell its samples apart; pick problems it solves "
                       "sometimes)", RuntimeWarning, stacklevel=2)
-    metrics["train/seconds"] = time.perf_counter() - started
     return save_final(policy, tokenizer, out_dir, metrics=metrics, run_key=stage_key)
 
 

@@ -259,13 +259,14 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
             if cfg.adaptive_kl:
                 kl_coef = adapt_kl_coef(kl_coef, kl_seq, target=cfg.kl_target, horizon=cfg.kl_horizon,
                                         n_samples=rows_per_step)
+            if done == cfg.max_steps:  # logged with the last step: the tracking run holds what the final's marker does
+                metrics["train/seconds"] = time.perf_counter() - started
             if done % cfg.log_every == 0 or done == cfg.max_steps:
                 log(metrics, done)
             if done % cfg.save_every == 0 and done < cfg.max_steps:
                 save_checkpoint(out_dir, step=done, model=trained, optimizer=optimizer, scheduler=scheduler,
                                 extra={"kl_coef": kl_coef}, run_key=stage_key)
 
-    metrics["train/seconds"] = time.perf_counter() - started
     return save_final(policy, tokenizer, out_dir, metrics=metrics, run_key=stage_key)
 
 

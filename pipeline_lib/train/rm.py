@@ -272,10 +272,11 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
     final = out_dir / "final"
     if ctx.is_main:
         evaluation = pairwise_accuracy(model, groups, eval_ids, packed=packed, pad_id=pad_id, device=device)
-        log(evaluation, cfg.max_steps)
-        metrics.update({**evaluation, "eval/n_groups": float(len(eval_ids)),
-                        "train/packed_groups": float(len(packed)),  # of len(groups), the others ran as rows
-                        "train/seconds": time.perf_counter() - started})
+        totals = {"eval/n_groups": float(len(eval_ids)),
+                  "train/packed_groups": float(len(packed)),  # of len(groups), the others ran as rows
+                  "train/seconds": time.perf_counter() - started}
+        log({**evaluation, **totals}, cfg.max_steps)  # the tracking run holds every metric the final's marker does
+        metrics.update({**evaluation, **totals})
         final = save_final(unwrap(model), tokenizer, out_dir, metrics=metrics, run_key=stage_key)
     ctx.barrier()
     return final

@@ -195,6 +195,8 @@ def train_sft(cfg: SFTConfig, rows: pl.DataFrame, out_dir: Path, log: LogFn = no
         # ---- log (and checkpoint)
         done = step + 1
         metrics = {"train/loss": float(step_loss), "train/grad_norm": grad_norm, "train/lr": lr}
+        if done == cfg.max_steps:  # logged with the last step: the tracking run holds what the final's marker does
+            metrics.update({"data/rows": float(rows.height), "train/seconds": time.perf_counter() - started})
         if ctx.is_main and (done % cfg.log_every == 0 or done == cfg.max_steps):
             log(metrics, done)
         if eval_set is not None and ctx.is_main and cfg.eval_every and done % cfg.eval_every == 0 \
@@ -210,7 +212,6 @@ def train_sft(cfg: SFTConfig, rows: pl.DataFrame, out_dir: Path, log: LogFn = no
         log({"eval/loss": metrics["eval/loss"]}, cfg.max_steps)
     final = out_dir / "final"
     if ctx.is_main:
-        metrics["train/seconds"] = time.perf_counter() - started
         final = save_final(unwrap(model), tokenizer, out_dir, metrics=metrics, run_key=stage_key)
     ctx.barrier()
     return final

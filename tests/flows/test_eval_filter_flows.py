@@ -112,9 +112,24 @@ def test_samples_of_problems_no_longer_selected_are_not_scored(flow_workspace, t
         store.con.execute("DELETE FROM problems WHERE problem_id = 'p2'")
     rows = eval_flow(cfg)
     with open_store(flow_workspace.store_path) as store:
-        results, samples = run_eval_stage(cfg, store, progress=False)
+        results, samples, _ = run_eval_stage(cfg, store, progress=False)
         assert store.count("samples") == 4  # p2's samples are still in the run
     assert set(samples["prompt_id"]) == {"p1"} and results.to_dicts() == rows
+
+
+def test_an_eval_run_names_the_sampling_run_it_scored(flow_workspace, tmp_path):
+    """The sample stage tags its MLflow run with the samples run id and policy; the eval stage samples into such a
+    run too, and its MLflow run did not say which: its tags name the run whose rows eval_results scored."""
+    add_problems(flow_workspace)
+    model = build_tiny_model(tmp_path / "tiny", ["0123456789+="])
+    cfg = EvalConfig(model_path=str(model), model_name="tiny", n=2, ks=(1, 2), max_new_tokens=3, device="cpu")
+    eval_flow(cfg)
+    tags = tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'eval-tiny'")[0].data.tags
+    with open_store(flow_workspace.store_path) as store:
+        scored = store.read("eval_results")
+        samples = store.read("samples", run_id=tags["samples.run_id"])
+    assert set(scored["run_id"]) == {tags["samples.run_id"]} and samples.height == 4  # 2 problems x n 2
+    assert set(samples["policy"]) == {tags["samples.policy"]} == {"tiny"}
 
 
 def test_an_unnamed_model_is_named_after_the_stage_that_wrote_it(flow_workspace, tmp_path, prefect_run):

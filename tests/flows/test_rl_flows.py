@@ -8,6 +8,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from mlflow import MlflowClient
 
 from flows.dapo import dapo_flow
 from flows.grpo import grpo_flow
@@ -87,3 +88,23 @@ def test_ppo_flow_trains_with_a_reward_model_and_logs_kl(flow_workspace, tiny, t
     assert {"rewards/mean", "objective/kl", "objective/kl_k3", "value/loss", "policy/clipfrac",
             "rewards/accuracy"} <= set(run.data.metrics)
     assert (artifacts / "ppo_curves.png").is_file()
+
+
+@pytest.mark.parametrize("stage", ["grpo", "ppo"])
+def test_the_run_time_a_final_holds_reaches_the_mlflow_run_at_the_last_step(flow_workspace, tiny, tmp_path, the_run,
+                                                                            stage):
+    """train/seconds went into the final's marker only: it is logged with the last step's metrics, so the MLflow run
+    holds every metric the marker does."""
+    if stage == "grpo":
+        final = grpo_flow(GRPOConfig(policy_path=tiny, group_size=4, rewards=SHAPED, **ROLLOUT))
+    else:
+        reward_model = RewardModel.from_policy(tiny, device="cpu", seed=1).save_pretrained(tmp_path / "rm",
+                                                                                           load_tokenizer(tiny))
+        final = ppo_flow(PPOConfig(policy_path=tiny, reward_model_path=str(reward_model), mini_batch_size=2,
+                                   ppo_epochs=1, **ROLLOUT))
+    stored = final_metrics(Path(final))
+    run, _ = the_run(flow_workspace, stage)
+    assert "train/seconds" in stored and set(stored) <= set(run.data.metrics)
+    assert {key: run.data.metrics[key] for key in stored} == pytest.approx(stored)
+    history = MlflowClient(flow_workspace.tracking_uri).get_metric_history(run.info.run_id, "train/seconds")
+    assert [metric.step for metric in history] == [2]

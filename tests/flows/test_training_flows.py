@@ -284,6 +284,30 @@ def test_dpo_flow_logs_before_after_and_caches_reference_logps(flow_workspace, t
     assert {"eval/pref_accuracy_start", "eval/pref_accuracy"} <= set(metrics)
 
 
+@pytest.mark.parametrize(("stage", "totals"), [
+    ("sft", {"data/rows", "train/seconds"}),
+    ("rm", {"eval/n_groups", "train/packed_groups", "train/seconds"}),
+    ("dpo", {"train/packed_pairs", "train/seconds"}),
+])
+def test_every_metric_a_stages_final_holds_reaches_its_mlflow_run_at_the_last_step(flow_workspace, tiny, the_run,
+                                                                                   stage, totals):
+    """The totals a stage computes at its end went into the final's marker and Prefect's result table, never into
+    its MLflow run: each is logged there once, at the last step, with the value the marker holds."""
+    flows = {"sft": lambda: sft_flow(SFTConfig(model_path=tiny, **FAST)),
+             "rm": lambda: rm_flow(RMConfig(model_path=tiny, eval_fraction=0.2, **FAST)),
+             "dpo": lambda: dpo_flow(DPOConfig(policy_path=tiny, eval_fraction=0.2, **FAST))}
+    stored = {key: value for key, value in final_metrics(Path(flows[stage]())).items()
+              if not key.endswith("_start")}  # the held-out values at the start: logged at step 0 under their names
+    run, _ = the_run(flow_workspace, stage)
+    assert totals <= set(stored) and set(stored) <= set(run.data.metrics)
+    assert {key: run.data.metrics[key] for key in stored} == pytest.approx(stored)
+    client = MlflowClient(flow_workspace.tracking_uri)
+    assert {key: [m.step for m in client.get_metric_history(run.info.run_id, key)] for key in totals} == \
+        {key: [2] for key in totals}
+    if stage == "sft":
+        assert run.data.metrics["data/rows"] == 8  # the train split's problems
+
+
 def test_sft_in_two_torchrun_processes_logs_every_step_as_one_process_does(flow_workspace, tiny, the_run):
     """processes: 2 trains the stage under torchrun (gloo, 2 rows per rank): rank 0's metrics reach the MLflow run
     at every step, at full precision, equal to one process's on the same global batch, and the held-out rows go

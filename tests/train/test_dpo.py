@@ -23,6 +23,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from pipeline_lib.config import DPOConfig, SFTConfig
 from pipeline_lib.errors import AlignflowError
+from pipeline_lib.losses import dpo_loss
 from pipeline_lib.models import build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.train import dpo as dpo_module
 from pipeline_lib.train.common import CheckpointWriteError, Dist, NonFiniteLossError, final_metrics
@@ -150,6 +151,33 @@ def test_rpo_term_adds_the_chosen_nll_and_holds_the_chosen_answers_up(tiny, tmp_
     assert first["nll/chosen"] > 0 and "nll/chosen" not in runs[0.0][0]
     assert first["train/loss"] == pytest.approx(math.log(2) + first["nll/chosen"], abs=1e-5)
     assert runs[1.0][-1]["logps/chosen"] > runs[0.0][-1]["logps/chosen"] + 0.5
+
+
+def test_eval_loss_is_the_training_objective_on_the_held_out_pairs(tiny, tmp_path, collect):
+    """eval/loss is the loss train/loss is, label smoothing and RPO's NLL term included (TRL's DPOTrainer computes
+    both with one loss); it was the plain DPO loss, log 2 at the start whatever rpo_alpha added to train/loss.
+    Recomputed here from the saved final weights and the starting model on the held-out pairs."""
+    logged, log = collect()
+    cfg = DPOConfig(policy_path=str(tiny), max_steps=3, batch_size=8, lr=3e-3, log_every=1, rpo_alpha=0.5,
+                    label_smoothing=0.2, eval_fraction=0.25, device="cpu")
+    pairs = toy_pairs(40)
+    final = train_dpo(cfg, pairs, tmp_path / "out", log=log)
+    tokenizer = load_tokenizer(tiny)
+    encoded = encode_pairs(tokenizer, pairs, max_length=cfg.max_length)
+    _, eval_ids = holdout_split(pairs["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
+    lengths = torch.tensor([len(encoded.completion_ids[2 * i]) for i in eval_ids])
+    logps = {}
+    for name, path in (("ref", tiny), ("final", final)):
+        model = load_policy(str(path), dtype="float32", device="cpu").eval()
+        logps[name] = logprob_sums(model, encoded, eval_ids, packed=(), pad_id=tokenizer.pad_token_id,
+                                   device=torch.device("cpu"), batch_size=64)  # (P, 2)
+    ref_nll = float(-(logps["ref"][:, 0] / lengths).mean())
+    evals = [(step, m["eval/loss"]) for step, m in logged if "eval/loss" in m]
+    assert evals[0] == (0, pytest.approx(math.log(2) + 0.5 * ref_nll, abs=1e-4))  # policy == reference
+    expected, _ = dpo_loss(logps["final"][:, 0], logps["final"][:, 1], logps["ref"][:, 0], logps["ref"][:, 1],
+                           beta=cfg.beta, label_smoothing=0.2, rpo_alpha=0.5, chosen_lengths=lengths)
+    assert evals[-1] == (3, pytest.approx(float(expected), abs=1e-4))
+    assert final_metrics(final)["eval/loss_start"] == pytest.approx(evals[0][1])
 
 
 def test_a_long_pair_keeps_one_prompt_for_chosen_and_rejected(tiny):
