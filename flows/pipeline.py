@@ -24,6 +24,7 @@ from flows.sample import sample_flow
 from flows.sft import sft_flow
 from pipeline_lib import tracking
 from pipeline_lib.config import PipelineConfig
+from pipeline_lib.config.pipeline import STAGE_ORDER
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.store.ingest import IngestReport
 from pipeline_lib.train.common import reserve_deterministic_cublas
@@ -50,8 +51,7 @@ def named(stage: str) -> Iterator[None]:
 def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str, str]:
     """Run every enabled stage in order; returns each stage's output (model dir or sampling run id)."""
     cfg.check_force(force)
-    if any(getattr(getattr(cfg, stage), "deterministic", False) for stage in ("sft", "rm", "rs_sft", "dpo", "grpo",
-                                                                               "dapo", "ppo")):
+    if any(getattr(getattr(cfg, stage), "deterministic", False) for stage in STAGE_ORDER):
         reserve_deterministic_cublas()  # before the first stage's CUDA matmul: cuBLAS reads it once
     with tracking.pipeline_run(current_workspace(), cfg.name, cfg, tags=run_tags()) as pipeline_run_id:
         for ingest_cfg in cfg.ingest:  # each file's counts on stdout, as `alignflow ingest` prints them

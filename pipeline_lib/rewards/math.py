@@ -20,9 +20,10 @@ MAX_EXPONENT = 100
 # as the same value. Far below the 4300 digits Python's int() accepts, so parsing stays cheap.
 MAX_ANSWER_CHARS = 1_000
 # Between a repeating value and a decimal (1/3 vs 0.333333) only: |a-b| <= tol * (1 + max(|a|, |b|)), six decimal
-# places, and |a-b| <= rel_tol * max(|a|, |b|), four significant digits (1/3000000 is not 0, nor 0.000001)
+# places, and |a-b| <= rel_tol * max(|a|, |b|), four significant digits (half a unit of the fourth of 1.000: 0.0001667
+# is 1/6000; 1/3000000 is not 0, nor 0.000001)
 TOLERANCE = Fraction(1, 10**6)
-REL_TOLERANCE = Fraction(1, 10**4)
+REL_TOLERANCE = Fraction(5, 10**4)
 
 # A space inside a number token: any whitespace but a line break (str.splitlines' boundaries), so a number ending
 # one line never joins a markdown bullet or a `/` starting the next (`12\n* 10^2` is 12 and 10^2, not 1200).
@@ -518,7 +519,7 @@ def terminates(value: Fraction) -> bool:
 def values_equivalent(a: Fraction | str, b: Fraction | str) -> bool:
     """Two `answer_value`s: text exactly equal; numbers exactly equal (`1000001 != 1000000`), or, when one of
     them has no finite decimal expansion (`1/3` vs `0.333333`), within |a-b| <= tol + tol*max(|a|,|b|), tol 1e-6, and
-    within |a-b| <= rel_tol*max(|a|,|b|), rel_tol 1e-4 (a value near 0 needs its significant digits, not 0)."""
+    within |a-b| <= rel_tol*max(|a|,|b|), rel_tol 5e-4 (a value near 0 needs four significant digits, not 0)."""
     if a == b:
         return True
     if not (isinstance(a, Fraction) and isinstance(b, Fraction)) or (terminates(a) and terminates(b)):

@@ -241,6 +241,9 @@ def memory_share(*, beside_trainer: bool) -> float | None:
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(0)
     share = math.floor(90 * free / total) / 100
+    if share == 0:  # vLLM takes no share of 0
+        raise VLLMServerError(f"GPU 0 has {free / 2**30:.1f} GiB free of {total / 2**30:.1f}: too little for a vLLM "
+                              "server; free some (another process holds it) or use backend: hf")
     return min(share, BESIDE_TRAINER_SHARE) if beside_trainer else share
 
 

@@ -70,20 +70,21 @@ def reserve_deterministic_cublas() -> None:
 
 
 @contextmanager
-def deterministic_kernels(enabled: bool) -> Iterator[None]:
+def deterministic_kernels(enabled: bool, device: str = "auto") -> Iterator[None]:
     """With `enabled`, torch's deterministic kernels inside the block, what transformers' `enable_full_determinism`
     sets for torch; the process-global settings before it are restored at its end (the stages of an in-process
     pipeline each get their own config's mode). CPU training is deterministic without it.
 
     cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, at its first call: the loops enter this block before they load a
     model (`with_deterministic_kernels`), and a pipeline sets it before its first stage
-    (`reserve_deterministic_cublas`); a process that used CUDA without it gets a one-line ConfigError here, not
-    torch's error at the first matmul. torch raises on an op that has no deterministic kernel."""
+    (`reserve_deterministic_cublas`); a stage on CUDA (`device`) in a process that used CUDA without it gets a
+    one-line ConfigError here, not torch's error at the first matmul. torch raises on an op that has no deterministic
+    kernel."""
     if not enabled:
         yield
         return
     unset = [key for key in DETERMINISTIC_CUBLAS if key not in os.environ]
-    if unset and torch.cuda.is_initialized():
+    if unset and torch.cuda.is_initialized() and resolve_device(device).type == "cuda":
         raise ConfigError(f"deterministic: true in a process that used CUDA before without {unset[0]} (cuBLAS reads "
                           "it once, at its first call): run the stage in a process of its own, or export "
                           f"{unset[0]}={DETERMINISTIC_CUBLAS[unset[0]]} before starting")
@@ -100,12 +101,12 @@ def deterministic_kernels(enabled: bool) -> Iterator[None]:
 
 
 def with_deterministic_kernels(train: Callable[..., Path]) -> Callable[..., Path]:
-    """The training loop `train(cfg, ...)` run inside `deterministic_kernels(cfg.deterministic)`: on before it loads
-    any model, the settings before it back when it returns or raises."""
+    """The training loop `train(cfg, ...)` run inside `deterministic_kernels(cfg.deterministic, cfg.device)`: on
+    before it loads any model, the settings before it back when it returns or raises."""
 
     @functools.wraps(train)
     def run(cfg, *args, **kwargs) -> Path:
-        with deterministic_kernels(cfg.deterministic):
+        with deterministic_kernels(cfg.deterministic, cfg.device):
             return train(cfg, *args, **kwargs)
 
     return run
@@ -557,7 +558,7 @@ def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=Non
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
     rank = int(os.environ.get("RANK", "0"))
-    mine = rank if rank < len(state["rng"]) else 0  # fewer ranks wrote it: a resume elsewhere (warned below)
+    mine = rank if rank < len(state["rng"]) else 0  # a rank the writing run lacked: rank 0's (a resume elsewhere)
     torch.set_rng_state(state["rng"][mine]["torch"])
     if torch.cuda.is_available():  # only the GPUs this process sees (a run on 8 resumed on 1)
         for index, cuda_state in enumerate(state["rng"][mine]["cuda"][: torch.cuda.device_count()]):
@@ -565,7 +566,7 @@ def load_checkpoint(out_dir: Path, *, model: nn.Module, optimizer, scheduler=Non
     version, internal, gauss = python_rng[mine]
     random.setstate((version, tuple(internal), gauss))
     written, current = {key: trainer_state.get(key) for key in ("world_size", "device")}, _topology(model)
-    if None not in written.values() and written != current and int(os.environ.get("RANK", "0")) == 0:
+    if None not in written.values() and written != current and rank == 0:
         warnings.warn(f"resuming {ckpt} (step {step}) written by {_describe(written)} with {_describe(current)}: "
                       "training continues, but the final will not equal an uninterrupted run's bit for bit",
                       RuntimeWarning, stacklevel=2)

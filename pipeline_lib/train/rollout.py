@@ -71,8 +71,8 @@ def open_policy_sampler(
     save_model(policy, tokenizer, sync_dir)
     gpu = server_gpu(policy.device)
     server_args = {} if vllm_max_model_len is None else {"max_model_len": vllm_max_model_len}
-    if gpu is None:  # on this process's GPU, beside the policy (or on the CPU: no share)
-        server_args["gpu_memory_utilization"] = memory_share(beside_trainer=True)
+    if gpu is None:  # on this process's first GPU, beside the policy where it trains there (none on the CPU)
+        server_args["gpu_memory_utilization"] = memory_share(beside_trainer=policy.device.type == "cuda")
     with VLLMServer(sync_dir, weight_updates=True, nccl_weight_transfer=gpu is not None, cuda_devices=gpu,
                     trust_remote_code=trust_remote_code, **server_args) as server:
         sampler = server.sampler(add_special_tokens=add_special_tokens)

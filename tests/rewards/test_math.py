@@ -123,6 +123,9 @@ def test_only_the_tail_of_a_long_completion_is_read():
         ("0.000000333333", "1/3000000", True),
         ("0.166667", "1/6", True),
         ("0.058824", "1/17", True),  # six places of a small repeating value: relative error 8e-6
+        ("0.001667", "1/600", True),  # six places, four significant digits: relative error 2e-4
+        ("0.0001667", "1/6000", True),
+        ("0.000167", "1/6000", False),  # six places but three significant digits
         ("2.50", "2.5", True),
         ("1{,}000", "1000", True),
         (r"1.2 \times 10^{3}", "1200", True),

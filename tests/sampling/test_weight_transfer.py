@@ -11,7 +11,7 @@ import torch
 
 from pipeline_lib.models import load_policy, load_tokenizer
 from pipeline_lib.sampling.hf import HFSampler
-from pipeline_lib.sampling.vllm import VLLMServer, find_vllm_python, memory_share
+from pipeline_lib.sampling.vllm import VLLMServer, VLLMServerError, find_vllm_python, memory_share
 from pipeline_lib.sampling.weight_transfer import (
     NCCL_LIB_ENV,
     NcclWeightTransfer,
@@ -71,6 +71,9 @@ def test_a_server_on_a_gpu_this_process_uses_asks_for_what_is_free(tiny_model_di
     assert memory_share(beside_trainer=True) == 0.3
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 80 * 2**30))
     assert memory_share(beside_trainer=True) == 0.11
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**29, 80 * 2**30))  # under 1/90 free
+    with pytest.raises(VLLMServerError, match=r"^GPU 0 has 0.5 GiB free of 80.0: too little for a vLLM server"):
+        memory_share(beside_trainer=False)
     server = VLLMServer(tiny_model_dir, python=sys.executable, gpu_memory_utilization=0.11)
     server.cuda = True  # the command a GPU machine builds
     command = server.command()

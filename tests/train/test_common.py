@@ -628,11 +628,16 @@ def test_deterministic_kernels_in_a_process_that_used_cuda_without_the_cublas_se
     after one that trained on CUDA), torch raised at the stage's first matmul. Now one ConfigError says what to do;
     a pipeline sets it before its first stage (`reserve_deterministic_cublas`). CUDA's state is simulated."""
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match=r"^deterministic: true in a process that used CUDA before without "
                                           r"CUBLAS_WORKSPACE_CONFIG .* export CUBLAS_WORKSPACE_CONFIG=:4096:8 before"):
-        with deterministic_kernels(True):
+        with deterministic_kernels(True, "cuda"):
             pytest.fail("entered")
     assert determinism_settings() == global_determinism  # nothing switched on
+    with deterministic_kernels(True, "cpu"):  # a CPU stage makes no cuBLAS call
+        assert torch.are_deterministic_algorithms_enabled()
+    os.environ.pop("CUBLAS_WORKSPACE_CONFIG")
     reserve_deterministic_cublas()
     with deterministic_kernels(True):
         assert torch.are_deterministic_algorithms_enabled()
