@@ -20,7 +20,9 @@ def ingest_task(cfg: IngestConfig) -> dict:
             report = ingest_file(cfg.resolved_path, store, format=cfg.format, source=cfg.source,
                                  split=cfg.split, max_record_bytes=cfg.max_record_bytes)
         log(report.metrics(), 0)
-        tracking.set_tags({"data.fingerprint": report.fingerprint, "data.table": report.table})
+        # the file read: `path` as written may be the checkout's shipped data/, found by `resolved_path`
+        tracking.set_tags({"data.fingerprint": report.fingerprint, "data.table": report.table,
+                           "data.file": str(cfg.resolved_path.resolve())})
     print(report.summary())
     create_markdown_artifact(report.markdown(), key="ingest-counts", description=report.summary())
     return report.as_dict()

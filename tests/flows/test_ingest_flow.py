@@ -33,6 +33,18 @@ def test_ingest_flow_fills_store_and_logs_counts_to_mlflow(flow_workspace, prefe
     assert run.data.params["path"].endswith("pairs.jsonl")
     assert run.data.tags["prefect.flow_run_id"]
     assert run.data.tags["data.fingerprint"] == report["fingerprint"]
+    assert run.data.tags["data.file"] == str((DATA / "demo" / "pairs.jsonl").resolve())
+
+
+def test_an_ingest_run_names_the_file_it_read_where_the_path_was_the_checkouts_data(flow_workspace, tmp_path,
+                                                                                   monkeypatch):
+    """`data/demo/rankings.jsonl` from another dir is the checkout's shipped file: the run's `path` param holds it as
+    written, its `data.file` tag the file read (a pipeline's five ingest runs, all named `ingest`, told apart)."""
+    monkeypatch.chdir(tmp_path)
+    ingest_flow(IngestConfig(path="data/demo/rankings.jsonl", source="demo"))
+    run = tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'ingest'")[0]
+    assert run.data.params["path"] == "data/demo/rankings.jsonl"
+    assert run.data.tags["data.file"] == str((DATA / "demo" / "rankings.jsonl").resolve())
 
 
 def test_reingest_through_flow_adds_nothing(flow_workspace):
