@@ -117,6 +117,11 @@ class HFSampler:
         if not prompts:
             return []
         device = self.model.device
+        if top_p < 1 and temperature > 0 and device.type == "cuda" and torch.are_deterministic_algorithms_enabled():
+            # torch raises at the first draw otherwise, deep inside transformers' top-p warper
+            raise SamplingError(f"top_p {top_p} on CUDA under deterministic kernels: the nucleus needs torch.cumsum, "
+                                "which has no deterministic CUDA kernel for floats; set top_p 1.0 or deterministic "
+                                "false")
         batch = self.tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left",
                                add_special_tokens=self.add_special_tokens).to(device)
         lengths = batch["attention_mask"].sum(dim=1)  # (B,)

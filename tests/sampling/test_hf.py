@@ -13,7 +13,7 @@ from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaFor
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from pipeline_lib.models import build_tiny_model, load_tokenizer
+from pipeline_lib.models import build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.rewards.math import is_correct
 from pipeline_lib.sampling import hf as hf_module
 from pipeline_lib.sampling.base import Completion, SamplingError
@@ -428,3 +428,27 @@ def test_the_token_ending_a_stop_string_is_found_in_log_many_decodes(hf_sampler,
     assert hf_sampler._stop_string_end(ids, ["=46"]) == len(ids)
     assert hf_sampler._stop_string_end(ids, ["4="]) == 5 + 1  # "12+34=": the first 4= ends at token 6
     assert len(calls) <= 2 * (1 + len(ids).bit_length())
+
+
+def test_top_p_under_deterministic_kernels_samples_on_cpu(hf_sampler):
+    """CPU's cumsum is deterministic: top-p sampling under `deterministic: true` runs (the refusal is CUDA's alone)."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        rows = hf_sampler.generate(["12+34="], n=2, max_new_tokens=4, temperature=1.0, top_p=0.9, seed=0)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(rows[0]) == 2
+
+
+@pytest.mark.gpu
+def test_top_p_on_cuda_under_deterministic_kernels_is_one_line(tiny_model_dir):
+    """torch has no deterministic CUDA cumsum for floats, which transformers' top-p warper needs: a GRPO rollout with
+    `deterministic: true` and `top_p < 1` raised at its first draw, deep in generate. Now one line, before it."""
+    sampler = HFSampler(load_policy(tiny_model_dir, device="cuda"), load_tokenizer(tiny_model_dir))
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(SamplingError, match=r"^top_p 0.9 on CUDA under deterministic kernels"):
+            sampler.generate(["12+34="], n=2, max_new_tokens=4, temperature=1.0, top_p=0.9)
+        assert sampler.generate(["12+34="], n=2, max_new_tokens=4, temperature=1.0, top_p=1.0)  # no nucleus
+    finally:
+        torch.use_deterministic_algorithms(False)
