@@ -639,6 +639,8 @@ def run_main(config_cls: type[C], train: Callable[..., Path], argv: Sequence[str
         # one write per line (print writes its end apart): torchrun's workers (`python -u`) share its pipes, and
         # `train.launch` reads these lines whole
         print(f"error: {exc}\n", end="", file=sys.stderr, flush=True)
+        if dist.is_initialized():  # at once: tearing the group down can wait on a rank inside a collective
+            os._exit(2)  # (seen: rank 0 failing its checkpoint write hung with rank 1 in the next step's all-reduce)
         sys.exit(2)
     finally:
         if dist.is_initialized():
