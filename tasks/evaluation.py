@@ -35,8 +35,7 @@ def eval_task(cfg: EvalConfig, inputs_fingerprint: str) -> list[dict]:
     with tracking.stage_run(workspace, f"eval-{name}", logged, tags=run_tags(inputs_fingerprint), echo=False) as log:
         with open_store(workspace.store_path) as store:
             results, samples, report = run_eval_stage(cfg, store, log=log)
-        # the sampling run it scored, tagged as the sample stage tags its run: MLflow named none
-        tracking.set_tags({"samples.run_id": report.run_id, "samples.policy": report.policy})
+        tracking.set_tags(report.tags())  # the sampling run it scored, as the sample stage tags its run
         fig_pass, fig_maj = plot_curves(results)
         tracking.log_figure(fig_pass, "plots/pass_at_k.png")
         tracking.log_figure(fig_maj, "plots/maj_at_k.png")

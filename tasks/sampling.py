@@ -23,7 +23,7 @@ def sample_task(cfg: SampleConfig, inputs_fingerprint: str) -> dict:
         with open_store(workspace.store_path) as store:
             report = run_sample_stage(cfg, store, log=log)
         log(report.metrics(), 0)
-        tracking.set_tags({"samples.run_id": report.run_id, "samples.policy": report.policy})
+        tracking.set_tags(report.tags())
     print(report.summary())
     create_markdown_artifact(report.markdown(), key="sample-report", description=report.summary())
     return report.as_dict()

@@ -61,6 +61,10 @@ class SampleReport:
     def tokens_per_s(self) -> float:
         return self.tokens_now / self.generate_seconds if self.generate_seconds > 0 else 0.0
 
+    def tags(self) -> dict[str, str]:
+        """The tracking run's tags naming the sampling run (the sample stage's, and an eval stage's that scores it)."""
+        return {"samples.run_id": self.run_id, "samples.policy": self.policy}
+
     def metrics(self) -> dict[str, float]:
         return {
             "sample/prompts": self.n_problems,
