@@ -41,6 +41,7 @@ TRUNCATED = "...[truncated]"
 MODEL_COPY_ENV = "ALIGNFLOW_MLFLOW_MODEL_MIB"
 DEFAULT_MODEL_COPY_MIB = 1024
 SMALL_FILE_BYTES = 64 * 2**20  # config, tokenizer, metrics: copied whatever the model's size
+CARRY_BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics a call
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
 
@@ -125,7 +126,13 @@ def stage_run(
             dumped = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
             mlflow.log_dict(dumped, "config.json")
 
+        carried = not resumes  # the resumed run's earlier points, copied at the first step this run logs
+
         def log(metrics: Mapping[str, float], step: int) -> None:
+            nonlocal carried
+            if not carried:
+                _carry_history(resumes, run.info.run_id, before_step=step)
+                carried = True
             clean = {k: float(v) for k, v in metrics.items()}
             mlflow.log_metrics(clean, step=step, run_id=run.info.run_id)
             if echo:
@@ -238,6 +245,30 @@ def _killed_run_to_resume(experiment_id: str, stage: str, params: Mapping[str, s
                                          filter_string=f"tags.`alignflow.resumes` = '{run.info.run_id}'")
             return None if resumed else run.info.run_id
     return None
+
+
+def _carry_history(resumed: str, run_id: str, before_step: int) -> None:
+    """Copy the points of the resumed (killed) run logged before `before_step`, the first step this run logs (the
+    step after its checkpoint), into this run: its curves start at step 0, as an uninterrupted run's do. The steps
+    the killed run logged after its checkpoint are left out: this run computes them again. The tag
+    `alignflow.resumes_at_step` says from which step the points are this run's own."""
+    client = MlflowClient()
+    points = [point for key in client.get_run(resumed).data.metrics
+              for point in client.get_metric_history(resumed, key) if point.step < before_step]
+    for start in range(0, len(points), CARRY_BATCH):
+        client.log_batch(run_id, metrics=points[start:start + CARRY_BATCH])
+    client.set_tag(run_id, "alignflow.resumes_at_step", str(before_step))
+
+
+def metric_history(keys: list[str]) -> list[tuple[int, dict[str, float]]]:
+    """The active run's points of `keys` as (step, {key: value}) in step order: its curves, carried ones included."""
+    client = MlflowClient()
+    run_id = mlflow.active_run().info.run_id
+    steps: dict[int, dict[str, float]] = {}
+    for key in keys:
+        for point in sorted(client.get_metric_history(run_id, key), key=lambda point: (point.step, point.timestamp)):
+            steps.setdefault(point.step, {})[key] = point.value
+    return sorted(steps.items())
 
 
 def _run_params(params: Mapping[str, str]) -> dict[str, str]:

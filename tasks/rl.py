@@ -18,7 +18,7 @@ from pipeline_lib.train.data import stage_dir
 from pipeline_lib.train.grpo import load_grpo_data, train_grpo
 from pipeline_lib.train.ppo import load_ppo_data, train_ppo
 from tasks.common import CACHED, artifact_key, current_workspace, run_tags
-from tasks.training import log_curves, recording, result_table
+from tasks.training import log_curves, result_table
 
 GRPO_CURVES = ["rewards/accuracy", "rewards/mean", "policy/kl_ref", "policy/entropy", "completions/mean_length"]
 DAPO_CURVES = ["rewards/accuracy", "rewards/mean", "rollout/groups_filtered_frac", "policy/clipfrac_high",
@@ -35,11 +35,10 @@ def run_rl_stage(stage: str, cfg: BaseModel, load: Callable, train: Callable, cu
     out_dir = stage_dir(workspace.models_dir, stage, cfg, data)
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
-    history: list[tuple[int, dict[str, float]]] = []
     with tracking.stage_run(workspace, stage, cfg, tags=run_tags(inputs_fingerprint)) as log:
-        final = train(cfg, data, out_dir, log=recording(log, history))
+        final = train(cfg, data, out_dir, log=log)
         tracking.log_model(final)
-        log_curves(history, curves, f"{stage}_curves.png")
+        log_curves(curves, f"{stage}_curves.png")
     shown = [key for key in curves + ["train/updates", "train/seconds"] if key in final_metrics(final)]
     create_markdown_artifact(result_table(f"{stage.upper()} -> {final}", final_metrics(final), shown),
                              key=artifact_key(stage, "result"))

@@ -14,7 +14,6 @@ from prefect.artifacts import create_markdown_artifact
 
 from pipeline_lib import tracking
 from pipeline_lib.config import DPOConfig, RMConfig, SFTConfig
-from pipeline_lib.logfns import LogFn
 from pipeline_lib.store.db import open_store
 from pipeline_lib.train.common import final_metrics
 from pipeline_lib.train.data import stage_dir
@@ -60,18 +59,10 @@ def curves_figure(history: list[tuple[int, dict[str, float]]], keys: list[str]) 
     return figure
 
 
-def recording(log: LogFn, history: list[tuple[int, dict[str, float]]]) -> LogFn:
-    """`log` that also keeps every (step, metrics) it is given in `history`, the points of the curves figure."""
-
-    def record(metrics: Mapping[str, float], step: int) -> None:
-        history.append((step, dict(metrics)))
-        log(metrics, step)
-
-    return record
-
-
-def log_curves(history: list[tuple[int, dict[str, float]]], keys: list[str], artifact_file: str) -> None:
-    """The training curves of `keys` into the active MLflow run, one panel per metric."""
+def log_curves(keys: list[str], artifact_file: str) -> None:
+    """The training curves of `keys` into the active MLflow run, one panel per metric, from the run's points (a
+    resumed run's include those it carried over from the run it resumes)."""
+    history = tracking.metric_history(keys)
     if history:  # a run that logged one point (max_steps <= log_every) gets its dots
         tracking.log_figure(curves_figure(history, keys), artifact_file)
 
@@ -98,11 +89,10 @@ def sft_task(cfg: SFTConfig, inputs_fingerprint: str = "", force: bool = False) 
     out_dir = stage_dir(workspace.models_dir, stage, cfg, rows, *held_out)
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
-    history: list[tuple[int, dict[str, float]]] = []
     with tracking.stage_run(workspace, stage, cfg, tags=run_tags(inputs_fingerprint)) as log:
-        final = train_stage(train_sft, cfg, {"rows": rows, "eval_rows": eval_rows}, out_dir, recording(log, history))
+        final = train_stage(train_sft, cfg, {"rows": rows, "eval_rows": eval_rows}, out_dir, log)
         tracking.log_model(final)
-        log_curves(history, SFT_CURVES, f"{stage}_curves.png")
+        log_curves(SFT_CURVES, f"{stage}_curves.png")
     metrics = final_metrics(final)
     create_markdown_artifact(result_table(f"SFT ({cfg.data}) -> {final}", metrics,
                                           ["data/rows", "train/loss", "eval/loss", "train/seconds"]),
@@ -118,11 +108,10 @@ def rm_task(cfg: RMConfig, inputs_fingerprint: str = "", force: bool = False) ->
     out_dir = stage_dir(workspace.models_dir, "rm", cfg, data)
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
-    history: list[tuple[int, dict[str, float]]] = []
     with tracking.stage_run(workspace, "rm", cfg, tags=run_tags(inputs_fingerprint)) as log:
-        final = train_stage(train_rm, cfg, {"data": data}, out_dir, recording(log, history))
+        final = train_stage(train_rm, cfg, {"data": data}, out_dir, log)
         tracking.log_model(final)
-        log_curves(history, RM_CURVES, "rm_curves.png")
+        log_curves(RM_CURVES, "rm_curves.png")
     create_markdown_artifact(result_table(f"Reward model ({cfg.loss}) -> {final}", final_metrics(final),
                                           ["eval/rm_accuracy", "eval/rm_margin", "eval/n_groups", "train/seconds"]),
                              key="rm-result")
@@ -138,14 +127,13 @@ def dpo_task(cfg: DPOConfig, inputs_fingerprint: str = "", force: bool = False) 
     if force:
         shutil.rmtree(out_dir, ignore_errors=True)
     keys = ["eval/pref_accuracy", "eval/logp_margin"]
-    history: list[tuple[int, dict[str, float]]] = []
     with tracking.stage_run(workspace, "dpo", cfg, tags=run_tags(inputs_fingerprint)) as log:
-        final = train_stage(train_dpo, cfg, {"pairs": pairs}, out_dir, recording(log, history),
+        final = train_stage(train_dpo, cfg, {"pairs": pairs}, out_dir, log,
                             cache_dir=workspace.root / "cache")
         tracking.log_model(final)
         metrics = final_metrics(final)
         tracking.log_figure(before_after_figure(metrics, keys), "dpo_before_after.png")
-        log_curves(history, DPO_CURVES, "dpo_curves.png")
+        log_curves(DPO_CURVES, "dpo_curves.png")
     shown = [k for key in keys for k in (f"{key}_start", key)]
     create_markdown_artifact(result_table(f"DPO -> {final}", metrics, shown), key="dpo-result")
     return str(final)

@@ -185,6 +185,36 @@ def test_a_killed_stage_run_is_marked_killed_and_its_rerun_says_it_resumes_it(wo
     assert not any("alignflow.resumes" in run.data.tags for run in (again, other, first))
 
 
+def test_a_rerun_carries_the_points_its_resumed_run_logged_before_its_own_first_step(workspace, monkeypatch):
+    """The killed run logged steps 1-5 (its checkpoint was at 3); the rerun resumes at 4: it holds the killed run's
+    points of steps 1-3, their values and timestamps, then its own, once each, and says where its own begin. In
+    batches of CARRY_BATCH, here 2."""
+    monkeypatch.setattr(tracking, "CARRY_BATCH", 2)
+    with pytest.raises(KeyboardInterrupt):
+        with tracking.stage_run(workspace, "sft", {"lr": 0.1}, echo=False) as log:
+            for step in range(1, 6):
+                log({"train/loss": 10.0 - step, **({"eval/loss": 20.0 - step} if step % 2 else {})}, step)
+            raise KeyboardInterrupt
+    with tracking.stage_run(workspace, "sft", {"lr": 0.1}, echo=False) as log:
+        for step in range(4, 7):
+            log({"train/loss": 100.0 + step}, step)
+        curves = tracking.metric_history(["train/loss", "eval/loss", "never/logged"])
+    rerun, killed = tracking.find_runs(workspace)
+    client = MlflowClient(workspace.tracking_uri)
+
+    def points(run, key: str) -> list[tuple[int, float, int]]:
+        return sorted((m.step, m.value, m.timestamp) for m in client.get_metric_history(run.info.run_id, key))
+
+    assert [(step, value) for step, value, _ in points(rerun, "train/loss")] == \
+        [(1, 9.0), (2, 8.0), (3, 7.0), (4, 104.0), (5, 105.0), (6, 106.0)]
+    assert points(rerun, "train/loss")[:3] == points(killed, "train/loss")[:3]
+    assert points(rerun, "eval/loss") == points(killed, "eval/loss")[:2]  # steps 1 and 3; not 5
+    assert rerun.data.tags["alignflow.resumes_at_step"] == "4"
+    assert curves == [(1, {"train/loss": 9.0, "eval/loss": 19.0}), (2, {"train/loss": 8.0}),
+                      (3, {"train/loss": 7.0, "eval/loss": 17.0}), (4, {"train/loss": 104.0}),
+                      (5, {"train/loss": 105.0}), (6, {"train/loss": 106.0})]
+
+
 def test_an_interrupted_stage_run_is_killed_and_a_rerun_with_another_save_every_resumes_it(workspace):
     """Ctrl-C (KeyboardInterrupt) is no failure of the stage: its run ends KILLED, as a killed process's does, and
     the rerun that resumes its checkpoint links to it, also under a new checkpoint interval (`save_every` is not

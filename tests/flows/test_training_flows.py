@@ -24,6 +24,7 @@ from pipeline_lib.models import RewardModel, build_tiny_model, load_policy
 from pipeline_lib.store.db import open_store
 from pipeline_lib.train.common import final_metrics
 from pipeline_lib.train.data import stage_dir
+from tasks import training
 from tasks.training import sft_task
 
 FAST = dict(max_steps=2, batch_size=4, log_every=1, device="cpu")
@@ -83,6 +84,42 @@ def test_a_run_that_logged_one_point_still_gets_its_curves(flow_workspace, tiny,
     run, artifacts = the_run(flow_workspace, "sft")
     assert len(MlflowClient(flow_workspace.tracking_uri).get_metric_history(run.info.run_id, "train/loss")) == 1
     assert (artifacts / "sft_curves.png").is_file()
+
+
+def test_a_stage_interrupted_and_rerun_holds_the_uninterrupted_runs_curves(flow_workspace, tiny, monkeypatch):
+    """Interrupted at step 5 (its checkpoint is step 3) and rerun, SFT resumes at step 4: the rerun's MLflow run
+    held steps 4-6 only, so its curves started at the checkpoint. It now holds the interrupted run's points of
+    steps 0-3 (eval/loss starts at 0), then its own, equal to an uninterrupted run's at every step, and draws them
+    all."""
+    cfg = SFTConfig(model_path=tiny, max_steps=6, batch_size=4, log_every=1, eval_every=1, save_every=3,
+                    device="cpu")
+    sft_task.fn(cfg)
+    real_train_stage = training.train_stage
+
+    def interrupted_at_step_5(train, cfg, data, out_dir, log, **options):
+        def log_then_interrupt(metrics, step):
+            log(metrics, step)
+            if step == 5:
+                raise KeyboardInterrupt
+
+        return real_train_stage(train, cfg, data, out_dir, log_then_interrupt, **options)
+
+    monkeypatch.setattr(training, "train_stage", interrupted_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        sft_task.fn(cfg, force=True)
+    monkeypatch.setattr(training, "train_stage", real_train_stage)
+    sft_task.fn(cfg)
+    resumed, killed, full = tracking.find_runs(flow_workspace)
+    assert resumed.data.tags["alignflow.resumes"] == killed.info.run_id
+    assert resumed.data.tags["alignflow.resumes_at_step"] == "4"
+    client = MlflowClient(flow_workspace.tracking_uri)
+    for key in ("train/loss", "eval/loss"):
+        curves = [sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+                  for run in (resumed, full)]
+        assert [step for step, _ in curves[0]] == [step for step, _ in curves[1]] == [0] * (key == "eval/loss") + \
+            [1, 2, 3, 4, 5, 6], key
+        assert all(abs(a - b) <= 1e-6 for (_, a), (_, b) in zip(*curves)), (key, curves)
+    assert "sft_curves.png" in [artifact.path for artifact in client.list_artifacts(resumed.info.run_id)]
 
 
 def test_rs_sft_is_named_rs_sft_in_prefect_and_mlflow(insert_samples, flow_workspace, tiny, the_run, prefect_run):
