@@ -222,6 +222,11 @@ def test_invalid_values_are_one_line_errors_naming_the_field(model, data, messag
     (SampleConfig, {"model_path": "m", "vllm_max_model_len": 512}, "vllm_max_model_len"),
     (GRPOConfig, {"policy_path": "m", "vllm_max_model_len": 512}, "vllm_max_model_len"),
     (PPOConfig, {"policy_path": "m", "reward_model_path": "r", "vllm_max_model_len": 512}, "vllm_max_model_len"),
+    (SampleConfig, {"model_path": "m", "vllm_gpu_memory_utilization": 0.5}, "vllm_gpu_memory_utilization"),
+    (EvalConfig, {"model_path": "m", "vllm_gpu_memory_utilization": 0.5}, "vllm_gpu_memory_utilization"),
+    (DAPOConfig, {"policy_path": "m", "vllm_gpu_memory_utilization": 0.5}, "vllm_gpu_memory_utilization"),
+    (PPOConfig, {"policy_path": "m", "reward_model_path": "r", "vllm_gpu_memory_utilization": 0.5},
+     "vllm_gpu_memory_utilization"),
 ])
 def test_a_vllm_setting_without_the_vllm_backend_is_refused_when_the_config_loads(model, data, named):
     """With backend hf the setting would be ignored; an evaluation's sampling run refused vllm_url only once the
@@ -290,6 +295,22 @@ def test_processes_is_no_part_of_a_stages_keys():
     cfg = DPOConfig(policy_path="m")
     assert config_key(cfg.model_copy(update={"processes": 8})) == config_key(cfg)
     assert config_key(cfg.model_copy(update={"beta": 0.2})) != config_key(cfg)
+
+
+@pytest.mark.parametrize("share", [0, -0.1, 1.5, "half"])
+def test_a_vllm_memory_share_outside_0_to_1_is_one_line(share):
+    with pytest.raises(ConfigError) as err:
+        validate_config(GRPOConfig, {"policy_path": "m", "backend": "vllm", "vllm_gpu_memory_utilization": share},
+                        origin="cfg.yaml")
+    assert str(err.value).startswith("cfg.yaml: field 'vllm_gpu_memory_utilization': ") and "\n" not in str(err.value)
+
+
+def test_the_vllm_memory_share_is_no_part_of_a_stages_keys_and_reaches_an_evaluations_sampling():
+    """It changes where the rollouts' KV cache fits, not the rollouts: a new share resumes the same stage."""
+    cfg = GRPOConfig(policy_path="m", backend="vllm")
+    assert config_key(cfg.model_copy(update={"vllm_gpu_memory_utilization": 0.5})) == config_key(cfg)
+    evaluation = EvalConfig(model_path="m", backend="vllm", vllm_gpu_memory_utilization=0.4)
+    assert evaluation.sample_config.vllm_gpu_memory_utilization == 0.4
 
 
 def test_model_paths_are_no_part_of_a_stages_config_key():

@@ -52,6 +52,10 @@ class SampleConfig(Config):
     """Base URL of an already running vLLM server to use instead of starting one (backend vllm only)."""
     vllm_max_model_len: int | None = Field(None, ge=16)
     """Context length the started vLLM server reserves KV cache for; None: the model's maximum."""
+    vllm_gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """Share of its GPU's memory the started vLLM server takes (vLLM's `--gpu-memory-utilization`); None: 90% of what
+    is free when it starts. GPU only: vLLM's CPU build sizes its KV cache by $VLLM_CPU_KVCACHE_SPACE (GiB; default
+    1)."""
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """Device of the hf backend: `auto` (CUDA when available), `cpu`, `cuda`, `cuda:N`."""
     batch_size: int = Field(32, ge=1)
@@ -79,7 +83,8 @@ class SampleConfig(Config):
 
     @model_validator(mode="after")
     def _check_backend_and_rewards(self):
-        _check_vllm_settings(self.backend, vllm_url=self.vllm_url, vllm_max_model_len=self.vllm_max_model_len)
+        _check_vllm_settings(self.backend, vllm_url=self.vllm_url, vllm_max_model_len=self.vllm_max_model_len,
+                             vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization)
         _check_reward_specs(self.rewards, self.reward_model_path)
         return self
 
@@ -153,6 +158,8 @@ class EvalConfig(Config):
     """Sampling backend: in-process transformers or a vLLM server."""
     vllm_url: str | None = None
     """An already running vLLM server to use (backend vllm)."""
+    vllm_gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    """Share of its GPU's memory a started vLLM server takes (GPU only; None: 90% of what is free)."""
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """Device of the hf backend."""
     batch_size: int = Field(32, ge=1)
@@ -162,7 +169,8 @@ class EvalConfig(Config):
 
     @model_validator(mode="after")
     def _check_backend_and_ks(self):
-        _check_vllm_settings(self.backend, vllm_url=self.vllm_url)  # now, not when the flow builds its sampling run
+        _check_vllm_settings(self.backend, vllm_url=self.vllm_url,  # now, not when the flow builds its sampling run
+                             vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization)
         if self.ks is None:
             return self
         if not self.ks or max(self.ks) > self.n or min(self.ks) < 1:
@@ -189,7 +197,8 @@ class EvalConfig(Config):
             model_path=self.model_path, problems_source=self.problems_source, split=self.split,
             max_problems=self.max_problems, n=self.n, max_new_tokens=self.max_new_tokens,
             temperature=self.temperature, top_p=self.top_p, seed=self.seed, chat_template=self.chat_template,
-            backend=self.backend, vllm_url=self.vllm_url, device=self.device, batch_size=self.batch_size,
+            backend=self.backend, vllm_url=self.vllm_url, vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization,
+            device=self.device, batch_size=self.batch_size,
             policy_name=self.label, trust_remote_code=self.trust_remote_code,
         )
 

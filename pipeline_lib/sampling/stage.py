@@ -36,7 +36,8 @@ SAMPLE_SCHEMA = {
 # batches, so the first 4 of 9 problems are batched differently from a run over all 9). The model dirs enter by
 # their content's fingerprint, not their path (`MODEL_FIELDS`, as in `config_key`): the same model at another
 # path resumes the same run.
-_RUN_ID_EXCLUDE = {"run_id", "vllm_url", "vllm_max_model_len", "device", "policy_name", *MODEL_FIELDS}
+_RUN_ID_EXCLUDE = {"run_id", "vllm_url", "vllm_max_model_len", "vllm_gpu_memory_utilization", "device", "policy_name",
+                   *MODEL_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,8 @@ def open_sampler(cfg: SampleConfig) -> Iterator[Sampler]:
             sampler.close()
         return
     with VLLMServer(cfg.model_path, max_model_len=cfg.vllm_max_model_len, trust_remote_code=cfg.trust_remote_code,
-                    gpu_memory_utilization=memory_share(beside_trainer=False)) as server:
+                    gpu_memory_utilization=cfg.vllm_gpu_memory_utilization or memory_share(beside_trainer=False)) \
+            as server:
         sampler = server.sampler(add_special_tokens=add_special_tokens)
         try:
             yield sampler

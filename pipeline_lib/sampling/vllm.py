@@ -28,8 +28,9 @@ from pipeline_lib.sampling.vllm_env import has_cuda, venv_python
 PYTHON_ENV = "ALIGNFLOW_VLLM_PYTHON"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
-# Measured on CPU: 1 GiB of KV cache is plenty for small models; no telemetry; offline.
-SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+# Measured on CPU: 1 GiB of KV cache (GiB, vLLM's CPU build) is plenty for small models; a user's setting wins
+SERVER_DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+SERVER_ENV = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}  # no telemetry; offline
 CONNECT_RETRIES = 3
 # the most of its GPU's memory a server takes beside a trainer on that GPU (one GPU: weights reloaded from disk), as
 # TRL's colocated vLLM does by default: the trainer keeps room for its activations
@@ -333,7 +334,7 @@ class VLLMServer:
     def start(self) -> "VLLMServer":
         if self.proc is not None:
             return self
-        env = {**os.environ, **SERVER_ENV}
+        env = {**SERVER_DEFAULT_ENV, **os.environ, **SERVER_ENV}
         if self.weight_updates:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /pause, /collective_rpc, /reset_prefix_cache, weight transfer
         if self.cuda_devices is not None:

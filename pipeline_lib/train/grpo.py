@@ -225,6 +225,7 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
     with open_policy_sampler(cfg.backend, policy, tokenizer, sync_dir=out_dir / "vllm_sync",
                              add_special_tokens=add_special_tokens,
                              vllm_max_model_len=cfg.vllm_max_model_len,
+                             vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                              trust_remote_code=cfg.trust_remote_code) as (sampler, sync):
         for step in range(start_step, cfg.max_steps):
             step_started = time.perf_counter()

