@@ -331,14 +331,18 @@ class VLLMServer:
             cmd.append("--trust-remote-code")
         return cmd + self.extra_args
 
-    def start(self) -> "VLLMServer":
-        if self.proc is not None:
-            return self
+    def environment(self) -> dict[str, str]:
         env = {**SERVER_DEFAULT_ENV, **os.environ, **SERVER_ENV}
         if self.weight_updates:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /pause, /collective_rpc, /reset_prefix_cache, weight transfer
         if self.cuda_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cuda_devices  # the server's GPUs, apart from the trainer's
+        return env
+
+    def start(self) -> "VLLMServer":
+        if self.proc is not None:
+            return self
+        env = self.environment()
         command = self.command()
         if sys.platform == "linux":  # a SIGKILLed parent runs no atexit: the kernel then stops the server
             command = [command[0], "-c", DIE_WITH_PARENT, str(os.getpid()), *command]

@@ -116,6 +116,16 @@ def test_a_memory_share_set_in_the_config_reaches_the_server_of_a_stage_and_of_r
     assert shares == ["0.45", "0.2", None]  # the last: memory_share's None on a CPU policy
 
 
+def test_the_servers_cpu_kv_cache_is_1_gib_unless_the_user_set_it(tiny_model_dir, monkeypatch):
+    """The server's environment overwrote a user's $VLLM_CPU_KVCACHE_SPACE with 1 (GiB); telemetry stays off."""
+    server = VLLMServer(tiny_model_dir, python=sys.executable)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert server.environment()["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    monkeypatch.setenv("VLLM_NO_USAGE_STATS", "0")
+    assert server.environment()["VLLM_CPU_KVCACHE_SPACE"] == "8" and server.environment()["VLLM_NO_USAGE_STATS"] == "1"
+
+
 @pytest.mark.gpu
 @pytest.mark.vllm
 @pytest.mark.skipif(find_vllm_python() is None, reason="needs the vLLM env")
