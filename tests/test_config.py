@@ -618,14 +618,21 @@ def test_stored_selections_name_what_each_stage_reads_but_not_what_the_pipeline_
     assert selections(sft=pairs_sft, rm=rankings_rm, dpo={"policy_path": "from:sft"}, ppo=pairs_ppo) == [
         ("sft", "preference_pairs", {"source": "hh"}), ("rm", "rankings", {"source": "ranked"}),
         ("dpo", "preference_pairs", {"source": None}), ("ppo", "preference_pairs", {"source": None})]
-    # with a sample stage, pairs of every source or of the West-of-N source may be the ones it adds
+    # with a sample stage, pairs of every source or of the West-of-N source may be the ones it adds, for the stages
+    # after it; sft and rm train before it, so the store must hold theirs already (an rm reading West-of-N pairs
+    # failed only once sft had trained, or trained on an earlier run's pairs)
     sample = {"model_path": "from:base", "problems_source": "math"}
     assert selections(sample=sample, dpo={"policy_path": "from:base"}) == [
         ("sample", "problems", {"source": "math", "split": "test"})]
     assert selections(rm={"model_path": "from:base"}, sample=sample,
                       dpo={"policy_path": "from:base", "source": "west_of_n"},
                       ppo=pairs_ppo | {"problems_source": "hh"}) == [
-        ("sample", "problems", {"source": "math", "split": "test"}), ("ppo", "preference_pairs", {"source": "hh"})]
+        ("rm", "preference_pairs", {"source": None}), ("sample", "problems", {"source": "math", "split": "test"}),
+        ("ppo", "preference_pairs", {"source": "hh"})]
+    assert selections(sft=pairs_sft | {"source": "west_of_n"}, rm={"model_path": "from:base", "source": "west_of_n"},
+                      sample=sample) == [
+        ("sft", "preference_pairs", {"source": "west_of_n"}), ("rm", "preference_pairs", {"source": "west_of_n"}),
+        ("sample", "problems", {"source": "math", "split": "test"})]
     # the eval section reads its problems when a stage it evaluates runs
     assert selections(sft={"model_path": "from:base"}, eval={"problems_source": "demo"}, eval_models=["sft"]) == [
         ("sft", "problems", {"source": None, "split": "train"}),

@@ -165,15 +165,17 @@ class PipelineConfig(Config):
         """(stage, table, column filters) of the ingested store rows each enabled stage and the evaluation read, so
         that a pipeline refuses a mistyped source or split before its first stage trains. Left out: what the
         pipeline makes itself (Best-of-N samples, a sampling run's West-of-N pairs, and, when it has a sample
-        stage, preference pairs of the West-of-N source or of every source)."""
+        stage, preference pairs of the West-of-N source or of every source read by a stage after it: sft and rm
+        train before the sample stage, so the store must already hold theirs)."""
         selections = []
         for stage in [*STAGE_ORDER[1:], *(["eval"] if self.evaluated else [])]:
             cfg = getattr(self, stage)
             if cfg is not None and (selection := stored_selection(cfg)) is not None:
                 selections.append((stage, *selection))
         made_here = (None, self.west_of_n_source) if self.sample is not None else ()
+        after_sample = STAGE_ORDER[STAGE_ORDER.index("sample") + 1:]  # sft and rm train before its pairs exist
         return [(stage, table, where) for stage, table, where in selections
-                if not (table == "preference_pairs" and where["source"] in made_here)]
+                if not (stage in after_sample and table == "preference_pairs" and where["source"] in made_here)]
 
     def resolved(self, stage: str, outputs: dict[str, str]) -> BaseModel:
         """The stage's config with its `from:` fields replaced by the outputs of earlier stages."""

@@ -43,7 +43,8 @@ class TrainLoopConfig(Config):
     """Clip the global gradient norm to this value; None disables clipping."""
     max_length: int = Field(256, ge=2)
     """Max tokens of prompt + response; longer rows lose prompt tokens from the left (a DPO pair one cut for both
-    answers); a response alone too long is cut from the right, with a warning."""
+    answers); in SFT and DPO a response alone too long is cut from the right, with a warning. A reward model's texts
+    lose tokens from the left only, and it records the length: its scorer cuts the texts it scores the same way."""
     save_every: int = Field(100, ge=1)
     """Write a resumable checkpoint (model, optimizer, scheduler, RNG, step) every N steps."""
     eval_every: int = Field(0, ge=0)

@@ -184,7 +184,7 @@ class RewardModel(nn.Module):
     before it is given the same norm, `final_norm_name`). The head is float32 whatever the backbone dtype."""
 
     def __init__(self, backbone: PreTrainedModel, head: nn.Linear, pooling: Pooling = "last_token",
-                 chat_prompts: bool | None = None) -> None:
+                 chat_prompts: bool | None = None, max_length: int | None = None) -> None:
         super().__init__()
         if pooling not in POOLINGS:
             raise ValueError(f"pooling={pooling!r}: expected one of {POOLINGS}")
@@ -192,6 +192,9 @@ class RewardModel(nn.Module):
         self.norm_name = final_norm_name(backbone) if pooling == "last_two_layers" else None
         self.backbone, self.head, self.pooling = backbone, head.float(), pooling
         self.chat_prompts = chat_prompts  # trained on chat-rendered prompts (None: not recorded); saved with it
+        # the tokens of its texts it was trained on, their last (None: not recorded); saved with it, so its scorer
+        # cuts the texts it scores as training did
+        self.max_length = max_length
 
     @classmethod
     def from_policy(
@@ -215,11 +218,13 @@ class RewardModel(nn.Module):
             raise ModelLoadError(f"{path}: a last_two_layers reward model of alignflow < 0.4.1, whose pooling left "
                                  "the layer before the last un-normed: its head does not fit this pooling; train it "
                                  "again (`--force rm`)")
-        return cls(backbone, head, config["pooling"], config.get("chat_prompts"))  # None before 0.2.0
+        # chat_prompts: None before 0.2.0; max_length: None where an earlier alignflow wrote the model
+        return cls(backbone, head, config["pooling"], config.get("chat_prompts"), config.get("max_length"))
 
     def save_pretrained(self, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
         return _save(out_dir, self.backbone, self.head, "reward",
-                     {"pooling": self.pooling, "chat_prompts": self.chat_prompts, "penultimate_normed": True},
+                     {"pooling": self.pooling, "chat_prompts": self.chat_prompts, "max_length": self.max_length,
+                      "penultimate_normed": True},
                      tokenizer)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, packed: PackedGroups | None = None) -> Tensor:

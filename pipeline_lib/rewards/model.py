@@ -20,14 +20,16 @@ class RewardModelScorer:
     """Scores texts with `model(input_ids, attention_mask) -> (B,)` (e.g. models.heads.RewardModel).
 
     Texts are tokenized by `text_ids`, truncated from the LEFT to `max_length` (the end of the completion is what
-    last-token pooling reads; by default a RewardModel's positions, `max_position_embeddings`, with a note the first
-    time a text is cut), left-padded, at most `batch_size` texts a forward, scored under no_grad in eval mode;
-    scores come back in input order. With a RewardModel and `pack` on, texts that begin with the same tokens (the
-    samples of one prompt) are packed into one row behind their shared start, as `train_rm` packs a pair's texts
-    (`RewardModel.forward(..., packed)`), where that costs fewer multiply-adds than their own rows
-    (`packing_costs`) and fits the model's positions and attention window; the first time groups pack, their packed
-    scores are checked against the rows' (`packed_values_hold`), and a model that fails keeps the rows, with a
-    note. The others run as rows, sorted by length so each batch pads little."""
+    last-token pooling reads; `build_reward` passes the length a RewardModel was trained on, `RewardModel.max_length`;
+    by default its positions, `max_position_embeddings`; either with a note the first time a text is cut),
+    left-padded, at most `batch_size` texts a forward, scored under no_grad in eval mode; scores come back in input
+    order, one per distinct text (copies of a text, a converged policy's samples, are scored once and tie exactly).
+    With a RewardModel and `pack` on, texts that begin with the same tokens (the samples of one prompt) are packed
+    into one row behind their shared start, as `train_rm` packs a pair's texts (`RewardModel.forward(..., packed)`),
+    where that costs fewer multiply-adds than their own rows (`packing_costs`) and fits the model's positions and
+    attention window; the first time groups pack, their packed scores are checked against the rows'
+    (`packed_values_hold`), and a model that fails keeps the rows, with a note. The others run as rows, sorted by
+    length so each batch pads little."""
 
     def __init__(
         self,
@@ -44,10 +46,13 @@ class RewardModelScorer:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_id is None:
             raise ValueError("tokenizer: expected a pad_token_id or eos_token_id to pad batches with")
-        self.positions_note = False  # once, where texts are cut to the model's positions
+        # a note, once, where texts are cut to the model's positions or to the texts it was trained on
+        self.cut_note = None
         if max_length is None and isinstance(model, RewardModel):  # absolute positions past these raise IndexError
             max_length = model_positions(model)
-            self.positions_note = max_length is not None
+            self.cut_note = "the reward model's {n} positions" if max_length is not None else None
+        elif isinstance(model, RewardModel) and max_length == model.max_length:
+            self.cut_note = "the {n} tokens the reward model's training cut its texts to"
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.max_length, self.pad_id = batch_size, max_length, pad_id
         self.pack = pack and isinstance(model, RewardModel)
@@ -65,15 +70,19 @@ class RewardModelScorer:
 
     def __call__(self, texts: Sequence[str]) -> list[float]:
         texts = list(texts)
+        distinct = list(dict.fromkeys(texts))
+        if len(distinct) < len(texts):  # packed copies sit at other columns: their float rounding differed
+            scores = dict(zip(distinct, self(distinct)))
+            return [scores[text] for text in texts]
         if not texts:
             return []
         ids = text_ids(self.tokenizer, texts)
         if self.max_length is not None:
             cut = sum(len(row) > self.max_length for row in ids)
-            if cut and self.positions_note:
-                print(f"note: {cut} of {len(ids)} texts are longer than the reward model's {self.max_length} "
-                      "positions: they are scored on their last tokens", file=sys.stderr, flush=True)
-                self.positions_note = False
+            if cut and self.cut_note:
+                print(f"note: {cut} of {len(ids)} texts are longer than {self.cut_note.format(n=self.max_length)}: "
+                      "they are scored on their last tokens", file=sys.stderr, flush=True)
+                self.cut_note = None
             ids = [row[-self.max_length:] for row in ids]
         empty = next((i for i, row in enumerate(ids) if not row), None)
         if empty is not None:

@@ -152,6 +152,28 @@ def test_samples_of_one_prompt_are_scored_packed_as_their_own_rows_score_them(ti
     assert unpacked.packed_texts == 0 and max(seen) <= 4 and sum(seen) == len(texts)
 
 
+def test_copies_of_a_text_score_exactly_alike_packed_too(tiny_rm):
+    """A converged policy samples one answer several times: packed behind their prompt, each copy sat at other
+    columns of the row and scored up to ~1e-6 apart (the audit's 30 of 30 groups), which GRPO's std-normalized
+    advantages turned into signals of up to ±0.31. Copies are scored once, and each of them is scored as before."""
+    tokenizer = load_tokenizer(tiny_rm)
+    model = RewardModel.from_policy(tiny_rm, device="cpu", seed=3)
+    prompts = _samples(6, 1, prompt_chars=40, answer_chars=(1, 1))
+    texts = [prompt + answer for prompt in prompts for answer in ("12.5", "12.5", "7", "12.5", "7", "3")]
+    seen = _texts_per_forward(model)
+    scorer = RewardModelScorer(model, tokenizer, batch_size=8)
+    scores = scorer(texts)
+    for start in range(0, len(texts), 6):
+        group = scores[start:start + 6]
+        assert group[0] == group[1] == group[3] and group[2] == group[4] and len(set(group)) == 3
+    scored_texts = sum(seen)
+    seen.clear()
+    RewardModelScorer(model, tokenizer, batch_size=8)(list(dict.fromkeys(texts)))
+    assert scored_texts == sum(seen)  # each distinct text once
+    alone = [RewardModelScorer(model, tokenizer)([text])[0] for text in texts]
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor(alone), atol=1e-5, rtol=0)
+
+
 def test_a_model_whose_packed_scores_do_not_hold_scores_rows_with_one_note(tiny_rm, capsys, dropping):
     tokenizer = load_tokenizer(tiny_rm)
     model = RewardModel.from_policy(tiny_rm, device="cpu")

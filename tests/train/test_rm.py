@@ -20,9 +20,10 @@ from safetensors.torch import load_file
 
 from pipeline_lib.config import RMConfig, SFTConfig
 from pipeline_lib.models import RewardModel, build_tiny_model, load_tokenizer
+from pipeline_lib.rewards.model import RewardModelScorer
 from pipeline_lib.rewards.registry import build_reward
 from pipeline_lib.train.common import NonFiniteLossError, batches, final_metrics
-from pipeline_lib.train.data import TrainDataError, group_width, holdout_split
+from pipeline_lib.train.data import TrainDataError, group_width, holdout_split, text_ids
 from pipeline_lib.train import rm
 from pipeline_lib.train.rm import build_groups, group_scores, packed_groups, pairwise_accuracy, train_rm
 from pipeline_lib.train.sft import sft_rows, train_sft
@@ -242,6 +243,31 @@ def test_the_reward_model_records_its_prompt_form_and_scoring_checks_it(tiny, tm
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         build_reward([{"name": "reward_model"}], reward_model_path=str(final), chat_prompts=False)
+
+
+def test_a_reward_model_scores_texts_cut_as_its_training_cut_them(tiny, tmp_path, capsys):
+    """Trained with max_length 16, the model saw the last 16 tokens of each text, but the scorer every stage uses
+    (`build_reward`) read whole texts, up to the model's positions: the audit's scores moved by 0.18 on average for
+    a spread of 0.19. The model records the length, and its scorer cuts to it, with one note."""
+    data = toy_pairs(8).with_columns(prompt=pl.lit("Q: what is twelve plus thirty-four? A: ") + pl.col("prompt"))
+    cfg = RMConfig(model_path=str(tiny), max_steps=2, batch_size=4, lr=1e-3, max_length=16, device="cpu")
+    final = train_rm(cfg, data, tmp_path / "out")
+    assert json.loads((final / "reward_config.json").read_text())["max_length"] == 16
+    model = RewardModel.from_pretrained(final, device="cpu")
+    assert model.max_length == 16
+    prompts, answers = data["prompt"].to_list(), data["chosen"].to_list()
+    texts = [p + c for p, c in zip(prompts, answers)]
+    tokenizer = load_tokenizer(final)
+    assert min(len(ids) for ids in text_ids(tokenizer, texts)) > 16  # every text is cut
+    scorer = build_reward([{"name": "reward_model"}], reward_model_path=str(final))
+    capsys.readouterr()
+    scored = scorer(prompts, answers, answers=[None] * len(texts), lengths=[1] * len(texts))[0]
+    scorer(prompts, answers, answers=[None] * len(texts), lengths=[1] * len(texts))  # the note is given once
+    assert capsys.readouterr().err == ("note: 8 of 8 texts are longer than the 16 tokens the reward model's training "
+                                       "cut its texts to: they are scored on their last tokens\n")
+    as_trained = RewardModelScorer(model, tokenizer, max_length=16)(texts)
+    whole = RewardModelScorer(model, tokenizer, max_length=None)(texts)
+    assert scored == as_trained and scored != whole
 
 
 def test_plackett_luce_on_rankings_of_different_sizes(tiny, tmp_path):
