@@ -237,6 +237,29 @@ def test_a_vllm_setting_without_the_vllm_backend_is_refused_when_the_config_load
         validate_config(model, data | {"backend": "vllm"})
 
 
+@pytest.mark.parametrize(("model", "data", "error"), [
+    (SFTConfig, {"model_path": "m", "data": "pairs", "split": "test"},
+     "split selects the problems of data=problems; data=pairs has none: leave it out"),
+    (SFTConfig, {"model_path": "m", "data": "best_of_n", "samples_run_id": "s", "source": "gsm8k"},
+     "source selects stored problems or pairs; data=best_of_n reads the sampling run samples_run_id: leave it out"),
+    (RMConfig, {"model_path": "m", "loss": "plackett_luce", "margin": 2.0},
+     "margin 2.0 is Bradley-Terry's; loss plackett_luce has none: leave it out"),
+    (DPOConfig, {"policy_path": "m", "lora_alpha": 32, "lora_target_modules": ["nonexistent"]},
+     "lora_alpha, lora_target_modules set but lora_r is 0 (no LoRA: every weight trains): set lora_r to train "
+     "adapters, or leave them out"),
+])
+def test_a_field_the_stage_would_ignore_is_refused(model, data, error):
+    """Each trained the same weights as without it (the audit: bit-identical), under another cache key: a retraining
+    for nothing, and a setting the user believes in. Their defaults, as a Prefect UI sends every field, still load."""
+    with pytest.raises(ConfigError) as err:
+        validate_config(model, data, origin="cfg.yaml")
+    assert str(err.value) == f"cfg.yaml: {error}"
+    defaults = {name: model.model_fields[name].default for name in data if name not in ("model_path", "policy_path",
+                                                                                       "data", "loss",
+                                                                                       "samples_run_id")}
+    validate_config(model, data | defaults)
+
+
 @pytest.mark.parametrize("data", [{"samples_run_id": "sample-1"}, {"min_reward": 1.0},
                                   {"data": "pairs", "samples_run_id": "sample-1"}])
 def test_best_of_n_settings_without_data_best_of_n_are_refused(data):

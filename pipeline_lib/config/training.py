@@ -117,6 +117,12 @@ class SFTConfig(TrainLoopConfig):
         if self.data != "best_of_n" and (self.samples_run_id is not None or self.min_reward is not None):
             raise ValueError(f"samples_run_id and min_reward select a Best-of-N sampling run: they go with "
                              f"data=best_of_n, not data={self.data}")
+        # each would be ignored, and still change the stage's keys (a retraining for nothing)
+        if self.data != "problems" and self.split != "train":
+            raise ValueError(f"split selects the problems of data=problems; data={self.data} has none: leave it out")
+        if self.data == "best_of_n" and self.source is not None:
+            raise ValueError("source selects stored problems or pairs; data=best_of_n reads the sampling run "
+                             "samples_run_id: leave it out")
         return self
 
 
@@ -131,7 +137,8 @@ class RMConfig(TrainLoopConfig):
     """Hidden state fed to the head: last token, masked mean, or mean of the last two layers at the last token
     (both through the backbone's final norm)."""
     margin: float = 0.0
-    """Bradley-Terry margin m in -log σ(r_w - r_l - m) (Llama 2 eq. 2); 0 is the plain loss."""
+    """Bradley-Terry margin m in -log σ(r_w - r_l - m) (Llama 2 eq. 2); 0 is the plain loss (plackett_luce has
+    none)."""
     disable_dropout: bool = True
     """Train with dropout off (TRL's RewardConfig default). False trains with the backbone's dropout on; a group's
     responses then run as rows of their own, each drawing its own dropout (packed behind their shared prompt they
@@ -142,6 +149,12 @@ class RMConfig(TrainLoopConfig):
     """Seeded share of pairs/rankings held out for eval/rm_accuracy."""
     lr: float = Field(3e-4, gt=0)
     """Peak AdamW learning rate (3e-4 for the tiny demo model; 1e-5..1e-4 for real LMs)."""
+
+    @model_validator(mode="after")
+    def _margin_is_bradley_terrys(self):
+        if self.loss == "plackett_luce" and self.margin != 0:  # ignored, yet part of the stage's keys
+            raise ValueError(f"margin {self.margin} is Bradley-Terry's; loss plackett_luce has none: leave it out")
+        return self
 
 
 class DPOConfig(TrainLoopConfig):
@@ -186,6 +199,11 @@ class DPOConfig(TrainLoopConfig):
     def _fields_agree(self):
         if self.source and self.samples_run_id:
             raise ValueError("set one of source (stored pairs) and samples_run_id (a sampling run's West-of-N pairs)")
+        lora = [name for name in ("lora_alpha", "lora_dropout", "lora_target_modules")
+                if getattr(self, name) != type(self).model_fields[name].default]
+        if self.lora_r == 0 and lora:  # ignored, yet part of the stage's keys
+            raise ValueError(f"{', '.join(lora)} set but lora_r is 0 (no LoRA: every weight trains): set lora_r to "
+                             "train adapters, or leave them out")
         if self.lora_r > 0 and not self.lora_target_modules:
             raise ValueError(f"lora_r {self.lora_r} but lora_target_modules is empty: name the modules to adapt")
         if self.lora_dropout > 0 and self.disable_dropout:
