@@ -14,7 +14,8 @@ from tasks.store import samples_fingerprint_task, west_of_n_missing_task
 def filter_flow(kind: Literal["best_of_n", "west_of_n", "dynamic"], samples_run_id: str, group_size: int | None = None,
                 source: str = "west_of_n") -> dict:
     """West-of-N stores its pairs under `source`, those of a run that sampled with the chat template as
-    conversations (the samples record it); `group_size` is the dynamic filter's. A cache hit whose West-of-N
+    conversations (the samples record it); `group_size` is the dynamic filter's (None: the run's samples per
+    prompt). A cache hit whose West-of-N
     pairs have left the store since (`alignflow data delete --source`) filters again."""
     inputs = samples_fingerprint_task(samples_run_id)
     stats = filter_task(kind, samples_run_id, group_size, inputs, source)

@@ -247,7 +247,11 @@ def run_best_of_n_stage(store: Store, *, run_id: str) -> dict[str, float]:
             "filter/best_accuracy": mean(best["is_correct"]), "filter/all_accuracy": mean(samples["is_correct"])}
 
 
-def run_dynamic_filter_stage(store: Store, *, run_id: str, group_size: int) -> dict[str, int]:
-    """DAPO dynamic-sampling statistics of a sampling run: how many groups carry a learning signal."""
-    _, stats = dynamic_sampling(run_samples(store, run_id), group_size)
+def run_dynamic_filter_stage(store: Store, *, run_id: str, group_size: int | None = None) -> dict[str, int]:
+    """DAPO dynamic-sampling statistics of a sampling run: how many groups carry a learning signal. A group is a
+    prompt's `group_size` samples; None: the run's samples per prompt (its `n`)."""
+    samples = run_samples(store, run_id)
+    if group_size is None:  # a prompt short of samples (a run still sampling) is then dynamic_sampling's error
+        group_size = samples.group_by("prompt_id").len()["len"].max()
+    _, stats = dynamic_sampling(samples, group_size)
     return {f"filter/{key}": value for key, value in stats.items()}

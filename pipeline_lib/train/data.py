@@ -162,6 +162,12 @@ def row_limit(max_length: int, positions: int | None) -> tuple[int, bool]:
     return (positions if by_positions else max_length), by_positions
 
 
+def cut_to(max_length: int, positions: int | None) -> str:
+    """What a row is cut to (`row_limit`), as a warning names it."""
+    length, by_positions = row_limit(max_length, positions)
+    return f"the model's {length} positions" if by_positions else f"max_length = {max_length}"
+
+
 def encode(
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[str],

@@ -6,6 +6,7 @@ its adapters disabled; eval on held-out pairs before and after."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 from collections.abc import Collection
@@ -58,6 +59,7 @@ from pipeline_lib.train.data import (
     Encoded,
     TrainDataError,
     by_layout,
+    cut_to,
     encode,
     holdout_split,
     micro_batches,
@@ -90,8 +92,15 @@ def encode_pairs(tokenizer, pairs: pl.DataFrame, *, max_length: int, positions: 
     require_columns(pairs, ["prompt", "chosen", "rejected"], "dpo pairs")
     prompts, templated = render_prompts(tokenizer, pairs)
     completions = [text for pair in zip(pairs["chosen"].to_list(), pairs["rejected"].to_list()) for text in pair]
-    return encode(tokenizer, [p for p in prompts for _ in range(2)], completions, max_length=max_length,
-                  templated=[t for t in templated for _ in range(2)], group_size=2, positions=positions, stops=stops)
+    encoded = encode(tokenizer, [p for p in prompts for _ in range(2)], completions, max_length=max_length,
+                     templated=[t for t in templated for _ in range(2)], group_size=2, positions=positions,
+                     stops=stops)
+    alike = sum(encoded.completion_ids[i] == encoded.completion_ids[i + 1] for i in range(0, len(encoded), 2))
+    if alike:  # answers differing past the cut, or in characters the tokenizer maps to one token (<unk>)
+        print(f"warning: {alike} of {len(pairs)} pairs hold a chosen and a rejected answer that are the same tokens "
+              f"(cut to {cut_to(max_length, positions)}): DPO cannot tell them apart (loss log 2 and no gradient "
+              "from them; counted as wrong in eval/pref_accuracy)", file=sys.stderr, flush=True)
+    return encoded
 
 
 def pair_rows(pair_ids: list[int]) -> list[int]:

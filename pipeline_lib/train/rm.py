@@ -48,6 +48,7 @@ from pipeline_lib.train.data import (
     Encoded,
     TrainDataError,
     by_layout,
+    cut_to,
     encode_texts,
     group_width,
     holdout_split,
@@ -104,13 +105,11 @@ def build_groups(tokenizer, frame: pl.DataFrame, loss: str, *, max_length: int,
     starts = [0]
     for size in sizes[:-1]:
         starts.append(starts[-1] + size)
-    length, by_positions = row_limit(max_length, positions)
-    cut_to = f"the model's {length} positions" if by_positions else f"max_length = {max_length}"
     alike = sum(len({tuple(encoded.prompt_ids[i]) for i in range(start, start + size)}) < size
                 for start, size in zip(starts, sizes))
     if alike:
         print(f"warning: {alike} of {len(sizes)} {'pairs' if loss == 'bradley_terry' else 'rankings'} hold two "
-              f"responses whose scored texts are the same tokens (cut to {cut_to}): the model "
+              f"responses whose scored texts are the same tokens (cut to {cut_to(max_length, positions)}): the model "
               "cannot tell them apart (no gradient between them; counted as wrong in eval/rm_accuracy)",
               file=sys.stderr, flush=True)
     return Groups(encoded, starts, sizes, any(templated))

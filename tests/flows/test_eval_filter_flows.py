@@ -186,6 +186,7 @@ def test_filter_flows_on_a_sampling_run(insert_samples, flow_workspace, the_run,
     dyn = filter_flow("dynamic", "r1", group_size=4)
     assert dyn == {"filter/groups_total": 3, "filter/groups_kept": 1, "filter/dropped_all_correct": 1,
                    "filter/dropped_all_wrong": 1}
+    assert filter_task.fn("dynamic", "r1") == dyn  # no group_size: the run's 4 samples per prompt (a TypeError)
 
 
 def test_best_of_n_of_a_run_without_a_whole_scored_sample_reports_nan_means(insert_samples, flow_workspace):

@@ -186,6 +186,24 @@ def test_a_long_pair_keeps_one_prompt_for_chosen_and_rejected(tiny):
     assert encoded.prompt_ids[0] == encoded.prompt_ids[1] and len(encoded.prompt_ids[0]) == 12 - len("no idea") - 1
 
 
+def test_a_pair_whose_answers_are_the_same_tokens_after_the_cut_is_warned_of(tiny, capsys):
+    """Answers differing only past the cut, or only in characters the tokenizer maps to <unk>, are one answer to
+    DPO (loss log 2, no gradient, a wrong held-out pair): only the generic "cut from the right" warning printed,
+    where the reward model warns of the same case."""
+    tokenizer = load_tokenizer(tiny)
+    pairs = pl.DataFrame({"prompt": ["1+1=", "2+2=", "3+3="], "chosen": ["2", "41234567", "6ä"],
+                          "rejected": ["3", "41234568", "6ö"]})
+    capsys.readouterr()
+    encoded = encode_pairs(tokenizer, pairs, max_length=8)
+    answers = encoded.completion_ids
+    assert answers[2] == answers[3] and answers[4] == answers[5]
+    err = capsys.readouterr().err
+    assert "warning: 2 of 3 pairs hold a chosen and a rejected answer that are the same tokens (cut to max_length = " \
+           "8): DPO cannot tell them apart" in err
+    encode_pairs(tokenizer, pairs.head(1), max_length=8)
+    assert "same tokens" not in capsys.readouterr().err
+
+
 def test_reference_logps_are_cached_by_weights_and_data(tiny, tmp_path):
     tokenizer, model = load_tokenizer(tiny), load_policy(tiny, device="cpu")
     encoded = encode_pairs(tokenizer, toy_pairs(6), max_length=64)
