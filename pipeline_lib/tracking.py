@@ -249,15 +249,16 @@ def _killed_run_to_resume(experiment_id: str, stage: str, params: Mapping[str, s
 
 def _carry_history(resumed: str, run_id: str, before_step: int) -> None:
     """Copy the points of the resumed (killed) run logged before `before_step`, the first step this run logs (the
-    step after its checkpoint), into this run: its curves start at step 0, as an uninterrupted run's do. The steps
-    the killed run logged after its checkpoint are left out: this run computes them again. The tag
-    `alignflow.resumes_at_step` says from which step the points are this run's own."""
+    first it logs after its checkpoint: with `log_every` > 1, past the checkpoint's step), into this run: its curves
+    start at step 0, as an uninterrupted run's do. The steps the killed run logged after its checkpoint are left out:
+    this run computes them again. The tag `alignflow.carried_before_step` says from which step the points are this
+    run's own."""
     client = MlflowClient()
     points = [point for key in client.get_run(resumed).data.metrics
               for point in client.get_metric_history(resumed, key) if point.step < before_step]
     for start in range(0, len(points), CARRY_BATCH):
         client.log_batch(run_id, metrics=points[start:start + CARRY_BATCH])
-    client.set_tag(run_id, "alignflow.resumes_at_step", str(before_step))
+    client.set_tag(run_id, "alignflow.carried_before_step", str(before_step))
 
 
 def metric_history(keys: list[str]) -> list[tuple[int, dict[str, float]]]:

@@ -28,6 +28,24 @@ def test_help_everywhere(tmp_path, command):
     assert ("--trust-remote-code" in result.stdout) == (command in (["sample"], ["eval"]))  # off unless given
 
 
+def test_vllm_env_builds_where_the_samplers_look_from_any_directory(tmp_path):
+    """`alignflow vllm-env` built ./.venv-vllm in the current directory, where the samplers never look (they read
+    <checkout>/.venv-vllm or $ALIGNFLOW_VLLM_PYTHON), though their error names this command: the default is now
+    the checkout's. A venv built elsewhere on purpose is told how to reach them. (A stamped venv: nothing is
+    installed.)"""
+    from pipeline_lib.sampling.vllm_env import STAMP, _plan
+
+    elsewhere = tmp_path / "venvs" / "vllm"
+    (elsewhere / "bin").mkdir(parents=True)
+    (elsewhere / "bin" / "python").write_text("")
+    (elsewhere / STAMP).write_text(__import__("json").dumps(_plan(cuda=False)))
+    result = alignflow("vllm-env", "--cpu", "--venv", "vllm", workspace=tmp_path / "ws", cwd=tmp_path / "venvs")
+    assert result.returncode == 0, result.stderr
+    python = elsewhere / "bin" / "python"
+    assert result.stdout.splitlines() == [f"vllm python: {python}",
+                                          f"the samplers use it with: export ALIGNFLOW_VLLM_PYTHON={python}"]
+
+
 @pytest.mark.parametrize("args, expected", [
     (["ingest", "/no/such.jsonl"], "error: /no/such.jsonl: no such file"),
     (["ingest", str(DATA)], f"error: {DATA}: is a directory, expected a data file"),

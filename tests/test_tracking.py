@@ -209,7 +209,7 @@ def test_a_rerun_carries_the_points_its_resumed_run_logged_before_its_own_first_
         [(1, 9.0), (2, 8.0), (3, 7.0), (4, 104.0), (5, 105.0), (6, 106.0)]
     assert points(rerun, "train/loss")[:3] == points(killed, "train/loss")[:3]
     assert points(rerun, "eval/loss") == points(killed, "eval/loss")[:2]  # steps 1 and 3; not 5
-    assert rerun.data.tags["alignflow.resumes_at_step"] == "4"
+    assert rerun.data.tags["alignflow.carried_before_step"] == "4"
     assert curves == [(1, {"train/loss": 9.0, "eval/loss": 19.0}), (2, {"train/loss": 8.0}),
                       (3, {"train/loss": 7.0, "eval/loss": 17.0}), (4, {"train/loss": 104.0}),
                       (5, {"train/loss": 105.0}), (6, {"train/loss": 106.0})]

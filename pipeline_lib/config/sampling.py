@@ -54,8 +54,8 @@ class SampleConfig(Config):
     """Context length the started vLLM server reserves KV cache for; None: the model's maximum."""
     vllm_gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     """Share of its GPU's memory the started vLLM server takes (vLLM's `--gpu-memory-utilization`); None: 90% of what
-    is free when it starts. GPU only: vLLM's CPU build sizes its KV cache by $VLLM_CPU_KVCACHE_SPACE (GiB; default
-    1)."""
+    is free when it starts where this process has used the GPU (an earlier in-process stage), else vLLM's 0.92. GPU
+    only: vLLM's CPU build sizes its KV cache by $VLLM_CPU_KVCACHE_SPACE (GiB; default 1)."""
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """Device of the hf backend: `auto` (CUDA when available), `cpu`, `cuda`, `cuda:N`."""
     batch_size: int = Field(32, ge=1)
@@ -159,7 +159,7 @@ class EvalConfig(Config):
     vllm_url: str | None = None
     """An already running vLLM server to use (backend vllm)."""
     vllm_gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    """Share of its GPU's memory a started vLLM server takes (GPU only; None: 90% of what is free)."""
+    """Share of its GPU's memory a started vLLM server takes (GPU only; None: as SampleConfig's)."""
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     """Device of the hf backend."""
     batch_size: int = Field(32, ge=1)

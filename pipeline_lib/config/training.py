@@ -229,14 +229,14 @@ class OnlineRLConfig(Config):
     their own."""
 
     backend: Literal["hf", "vllm"] = "hf"
-    """`hf`: in-process transformers generate on the live policy; `vllm`: a vLLM server in its own venv that
-    reloads the policy's saved weights before every rollout."""
+    """`hf`: in-process transformers generate on the live policy; `vllm`: a vLLM server in its own venv that takes
+    the policy's weights before every rollout (by NCCL onto a second GPU, else saved and reloaded)."""
     vllm_max_model_len: int | None = Field(None, ge=16)
-    """Context length the vLLM server reserves KV cache for; None: the sampling client's default (256)."""
+    """Context length the vLLM server reserves KV cache for; None: the model's maximum."""
     vllm_gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    """Share of its GPU's memory the vLLM server takes (vLLM's `--gpu-memory-utilization`); None: 90% of what is free
-    when it starts, at most 0.3 on the GPU the policy trains on (TRL's colocate default), vLLM's own 0.92 on a GPU of
-    its own. GPU only: vLLM's CPU build sizes its KV cache by $VLLM_CPU_KVCACHE_SPACE (GiB; default 1)."""
+    """Share of its GPU's memory the vLLM server takes (vLLM's `--gpu-memory-utilization`); None: on the GPU the
+    policy trains on, 90% of what is free when it starts, at most 0.3 (TRL's colocate default); on a GPU of its own,
+    vLLM's 0.92. GPU only: vLLM's CPU build sizes its KV cache by $VLLM_CPU_KVCACHE_SPACE (GiB; default 1)."""
     log_every: int = Field(1, ge=1)
     """Log metrics every N steps."""
     seed: Seed = 0

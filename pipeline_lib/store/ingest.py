@@ -91,6 +91,8 @@ class IngestReport:
     fingerprint: str
     elsewhere: str = ""
     """Duplicates the store holds under another source (or split): where, e.g. "40 under source 'a'"."""
+    own_splits: str = ""
+    """Problems whose records name a split other than the one given, which they keep: e.g. "100 test"."""
 
     def summary(self) -> str:
         line = (f"{Path(self.file).name} ({self.format} -> {self.table}): read {self.rows_read} = "
@@ -98,6 +100,8 @@ class IngestReport:
         if self.elsewhere:
             line += (f"; of the duplicates, {self.elsewhere} stay as first ingested (`alignflow data delete "
                      f"--source NAME` removes a source)")
+        if self.own_splits:
+            line += f"; records naming their own split keep it, over the split given: {self.own_splits}"
         return line
 
     def quarantine_hint(self, workspace: Path) -> str:
@@ -147,12 +151,16 @@ def ingest_file(
     source = source or path.name[: -len(suffix)]
     lines, line_nos, pre_bad, fmt = _read_records(path, suffix, format, max_record_bytes)
     _refuse_split(path, fmt, split)
+    given = split
     split = "train" if split is None else split.strip()
     if not split:
         raise IngestError(f"{path}: split is blank; expected a split name such as train or test")
     rows = _screen(lines, fmt, max_record_bytes, pre_bad)
     accepted, bad = shape_records(fmt, rows, split=split)
     table = TABLE_OF[fmt]
+    # a split given (`--split`) does not move the records that name theirs: said, not silent
+    own = accepted.filter(pl.col("split") != split)["split"].value_counts(sort=True) \
+        if given is not None and table == "problems" else None
     if table == "problems":
         accepted, conflicts = one_answer_per_prompt(accepted, store.stored_answers(source, accepted))
         bad += conflicts
@@ -185,6 +193,7 @@ def ingest_file(
         seconds=time.perf_counter() - start,
         fingerprint=fingerprint_path(path),
         elsewhere=" and ".join(_placement(columns, row) for row in elsewhere),
+        own_splits="" if own is None else ", ".join(f"{count} {name}" for name, count in own.iter_rows()),
     )
     if report.rows_read != report.accepted + report.duplicates + report.quarantined:
         raise RuntimeError(f"ingest invariant broken (a bug in alignflow): {report.summary()}")

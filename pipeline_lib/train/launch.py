@@ -107,12 +107,14 @@ def train_in_processes(module: str, cfg: TrainConfig, frames: Mapping[str, pl.Da
 
 
 def _relay(pipe: IO[str], target: IO[str], kept: deque[str]) -> threading.Thread:
-    """A thread copying `pipe` to `target` line by line as it comes, keeping the last lines in `kept`."""
+    """A thread copying `pipe` to `target` line by line as it comes, keeping the last lines in `kept`. The ranks'
+    `FINAL_LINE`s are for the launcher alone: every rank prints one, and a CLI's stdout holds its output dir once."""
 
     def copy() -> None:
         for line in pipe:
-            target.write(line)
-            target.flush()
+            if not line.startswith(FINAL_LINE):
+                target.write(line)
+                target.flush()
             kept.append(line.rstrip("\n"))
 
     thread = threading.Thread(target=copy, daemon=True)

@@ -111,7 +111,7 @@ def test_a_stage_interrupted_and_rerun_holds_the_uninterrupted_runs_curves(flow_
     sft_task.fn(cfg)
     resumed, killed, full = tracking.find_runs(flow_workspace)
     assert resumed.data.tags["alignflow.resumes"] == killed.info.run_id
-    assert resumed.data.tags["alignflow.resumes_at_step"] == "4"
+    assert resumed.data.tags["alignflow.carried_before_step"] == "4"
     client = MlflowClient(flow_workspace.tracking_uri)
     for key in ("train/loss", "eval/loss"):
         curves = [sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))

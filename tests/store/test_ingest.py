@@ -278,6 +278,11 @@ def test_problems_gsm8k_plain_numeric_and_split(tmp_path, store):
     assert (rows["Q2"]["answer"], rows["Q2"]["meta"]) == ("x = 3", None)  # a plain answer is kept as is
     assert (rows["Q3"]["answer"], rows["Q3"]["split"]) == ("7", "test")  # the record's split wins
     assert rows["Q1"]["problem_id"] == content_id("Q1", "4")
+    # and the counts line says so (`--split` was silently overruled); without a split given there is nothing to say
+    assert report.own_splits == "2 test"
+    assert report.summary().endswith("; records naming their own split keep it, over the split given: 2 test")
+    again = ingest_file(write_jsonl(tmp_path / "more.jsonl", records[2:] + [{"prompt": "Q5", "answer": "5"}]), store)
+    assert again.own_splits == "" and "own split" not in again.summary()
 
 
 def test_the_split_argument_is_stripped_as_a_records_split_is_and_a_blank_one_is_an_error(tmp_path, store):

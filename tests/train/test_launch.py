@@ -62,6 +62,15 @@ def test_a_stage_failing_under_torchrun_is_one_line_with_the_workers_message(tin
     assert "error: batch_size 5: expected a multiple of world size 2" in relayed and "Traceback" not in relayed
 
 
+def test_a_stage_under_torchrun_prints_no_rank_s_final_line(tiny, tmp_path, capfd):
+    """Each rank printed `final model: DIR` through to the CLI's stdout, which then held three paths where the
+    README promises one (the CLI's `output: DIR`)."""
+    cfg = SFTConfig(model_path=str(tiny), max_steps=1, batch_size=4, device="cpu", processes=2)
+    final = train_stage(train_sft, cfg, {"rows": ROWS, "eval_rows": None}, tmp_path / "out", no_log)
+    assert json.loads((final / FINAL_MARKER).read_text())["topology"]["world_size"] == 2
+    assert "final model:" not in capfd.readouterr().out
+
+
 LAUNCHER = textwrap.dedent("""
     import sys
     import time
