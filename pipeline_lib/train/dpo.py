@@ -9,7 +9,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -156,9 +156,15 @@ def packed_pairs(model: nn.Module, encoded: Encoded, *, pad_id: int, device: tor
                          unit="pairs", fallback="each pair runs as two rows", ctx=ctx)
 
 
-def reference_logps(model: nn.Module, encoded: Encoded, *, packed: Collection[int], policy_path: str, cache_dir: Path,
-                    pad_id: int, device: torch.device, batch_size: int, ctx: Dist) -> Tensor:
+def reference_logps(model: nn.Module, encoded: Encoded, *, parts: Sequence[list[int]], packed: Collection[int],
+                    policy_path: str, cache_dir: Path, pad_id: int, device: torch.device, batch_size: int,
+                    ctx: Dist) -> Tensor:
     """log π_ref(y|x) of every row, computed once and cached at cache_dir/ref_logps/<key>.safetensors.
+
+    Each of `parts` (the training pairs, the held-out pairs: every pair once) runs as its own `logprob_sums`, as
+    `preference_eval` runs the held-out pairs, so at step 0 the policy's held-out log-probs equal the reference's
+    bit for bit (rewards 0, `eval/rewards_accuracy` 0, `eval/loss` log 2). One pass over all pairs batched them with
+    others, and its float noise counted as preferences (0.17 accuracy for a policy equal to its reference).
 
     The key hashes the reference model's dir (`model_fingerprint`: its weights and its config, which changes the
     log-probs as much), the tokenized data, the numeric setting (device type, dtype, which pairs run packed: the
@@ -169,14 +175,18 @@ def reference_logps(model: nn.Module, encoded: Encoded, *, packed: Collection[in
     second copy of the weights."""
     dtype = "bf16" if device.type == "cuda" else "fp32"
     layout = content_id(*map(str, sorted(packed)))
+    split = content_id(*(",".join(map(str, part)) for part in parts))
     key = content_id(model_fingerprint(resolve_model_dir(policy_path)), encoded.fingerprint(), device.type, dtype,
-                     layout, code_version())
+                     layout, split, code_version())
     path = Path(cache_dir) / "ref_logps" / f"{key[:32]}.safetensors"
     if ctx.is_main and not _cached_whole(path, rows=len(encoded)):
         adapters_off = model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext()
+        pairs = torch.zeros((len(encoded) // 2, 2), dtype=torch.float32)
         with adapters_off:
-            logps = logprob_sums(model, encoded, list(range(len(encoded) // 2)), packed=packed, pad_id=pad_id,
-                                 device=device, batch_size=batch_size).flatten()  # rows 2i, 2i + 1
+            for part in parts:
+                pairs[part] = logprob_sums(model, encoded, part, packed=packed, pad_id=pad_id, device=device,
+                                           batch_size=batch_size)
+        logps = pairs.flatten()  # rows 2i, 2i + 1
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
@@ -275,7 +285,7 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)
     pad_id = tokenizer.pad_token_id
     packed = packed_pairs(model, encoded, pad_id=pad_id, device=device, ctx=ctx)
-    ref = reference_logps(model, encoded, packed=packed, policy_path=cfg.policy_path,
+    ref = reference_logps(model, encoded, parts=(train_ids, eval_ids), packed=packed, policy_path=cfg.policy_path,
                           cache_dir=Path(cache_dir or out_dir / "cache"), pad_id=pad_id, device=device,
                           batch_size=cfg.ref_batch_size, ctx=ctx)  # (2N,)
     optimizer = make_optimizer(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)

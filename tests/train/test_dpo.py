@@ -204,11 +204,33 @@ def test_a_pair_whose_answers_are_the_same_tokens_after_the_cut_is_warned_of(tin
     assert "same tokens" not in capsys.readouterr().err
 
 
+def test_at_step_0_the_held_out_pairs_score_exactly_as_their_reference(tmp_path, collect):
+    """The reference log-probs came from one pass over every pair, the held-out evaluation's from a pass over its
+    own: a pair padded to other widths in the two (rows of 1-3 sums here), other float rounding (~1e-6), so a policy
+    equal to its reference was preferred on 0.125 of the held-out pairs at step 0 (0.21 in the demo; the MLflow
+    audit's 0.17). The held-out pairs now take their reference in a pass of their own, batched as the evaluation
+    batches them. (An SFT-trained model: a random one's log-probs did not show the rounding.)"""
+    tiny = build_tiny_model(tmp_path / "base", ["0123456789+="], hidden_size=128, num_heads=4, intermediate_size=512)
+    rng = random.Random(0)
+    rows = [(rng.randrange(50), rng.randrange(50)) for _ in range(240)]
+    pairs = pl.DataFrame({"prompt": [f"{a:02d}+{b:02d}=" * (i % 3 + 1) for i, (a, b) in enumerate(rows)],
+                          "chosen": [str(a + b) for a, b in rows],
+                          "rejected": [str(a + b + rng.choice([1, -1, 10])) for a, b in rows]})
+    sft = train_sft(SFTConfig(model_path=str(tiny), max_steps=60, batch_size=64, lr=1e-3, device="cpu"),
+                    pairs.select("prompt", completion="chosen"), tmp_path / "sft")
+    logged, log = collect()
+    train_dpo(DPOConfig(policy_path=str(sft), max_steps=1, batch_size=8, log_every=1, device="cpu"), pairs,
+              tmp_path / "dpo", log=log)
+    (start,) = [metrics for step, metrics in logged if step == 0]
+    assert start["eval/rewards_accuracy"] == 0.0  # every reward exactly 0 (0.125 here before)
+    assert start["eval/loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
 def test_reference_logps_are_cached_by_weights_and_data(tiny, tmp_path):
     tokenizer, model = load_tokenizer(tiny), load_policy(tiny, device="cpu")
     encoded = encode_pairs(tokenizer, toy_pairs(6), max_length=64)
-    kwargs = dict(packed=frozenset(range(6)), policy_path=str(tiny), cache_dir=tmp_path, pad_id=tokenizer.pad_token_id,
-                  device=torch.device("cpu"), batch_size=4, ctx=Dist())
+    kwargs = dict(parts=([0, 2, 3, 5], [1, 4]), packed=frozenset(range(6)), policy_path=str(tiny), cache_dir=tmp_path,
+                  pad_id=tokenizer.pad_token_id, device=torch.device("cpu"), batch_size=4, ctx=Dist())
     ref = reference_logps(model, encoded, **kwargs)
     files = list((tmp_path / "ref_logps").glob("*.safetensors"))
     assert len(files) == 1 and ref.shape == (12,)
@@ -228,6 +250,8 @@ def test_reference_logps_are_cached_by_weights_and_data(tiny, tmp_path):
     assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 3
     reference_logps(model, encoded, **{**kwargs, "packed": {0, 5}})  # and another
     assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 4
+    reference_logps(model, encoded, **{**kwargs, "parts": ([0, 1, 2, 3], [4, 5])})  # another held-out split
+    assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 5
 
 
 def test_a_damaged_reference_cache_file_is_computed_again_and_a_failed_write_is_one_line(tiny, tmp_path,
@@ -236,8 +260,8 @@ def test_a_damaged_reference_cache_file_is_computed_again_and_a_failed_write_is_
     recomputed; a full disk while writing it was a traceback too."""
     tokenizer, model = load_tokenizer(tiny), load_policy(tiny, device="cpu")
     encoded = encode_pairs(tokenizer, toy_pairs(6), max_length=64)
-    kwargs = dict(packed=frozenset(range(6)), policy_path=str(tiny), cache_dir=tmp_path, pad_id=tokenizer.pad_token_id,
-                  device=torch.device("cpu"), batch_size=4, ctx=Dist())
+    kwargs = dict(parts=([0, 2, 3, 5], [1, 4]), packed=frozenset(range(6)), policy_path=str(tiny), cache_dir=tmp_path,
+                  pad_id=tokenizer.pad_token_id, device=torch.device("cpu"), batch_size=4, ctx=Dist())
     ref = reference_logps(model, encoded, **kwargs).clone()  # not a view of the file that is damaged below
     (cached,) = (tmp_path / "ref_logps").glob("*.safetensors")
     for damage in (cached.read_bytes()[:100], b"", safetensors_bytes({"logps": torch.zeros(3)}),
@@ -268,8 +292,8 @@ def test_the_reference_cache_key_follows_the_model_s_config_and_weights_in_subdi
     encoded = encode_pairs(tokenizer, toy_pairs(6), max_length=64)
     edited = tmp_path / "edited"
     shutil.copytree(tiny, edited)
-    kwargs = dict(packed=frozenset(range(6)), cache_dir=tmp_path / "cache", pad_id=tokenizer.pad_token_id,
-                  device=torch.device("cpu"), batch_size=4, ctx=Dist())
+    kwargs = dict(parts=(list(range(6)),), packed=frozenset(range(6)), cache_dir=tmp_path / "cache",
+                  pad_id=tokenizer.pad_token_id, device=torch.device("cpu"), batch_size=4, ctx=Dist())
     before = reference_logps(load_policy(edited, device="cpu"), encoded, policy_path=str(edited), **kwargs)
     config = json.loads((edited / "config.json").read_text())
     (edited / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 0.5}))
