@@ -252,10 +252,14 @@ def _carry_history(resumed: str, run_id: str, before_step: int) -> None:
     first it logs after its checkpoint: with `log_every` > 1, past the checkpoint's step), into this run: its curves
     start at step 0, as an uninterrupted run's do. The steps the killed run logged after its checkpoint are left out:
     this run computes them again. The tag `alignflow.carried_before_step` says from which step the points are this
-    run's own."""
+    run's own. A resumed run killed before it logged anything (a Ctrl-C while its model loaded) holds no points: they
+    are in the run it resumed in turn."""
     client = MlflowClient()
-    points = [point for key in client.get_run(resumed).data.metrics
-              for point in client.get_metric_history(resumed, key) if point.step < before_step]
+    run = client.get_run(resumed)
+    while not run.data.metrics and "alignflow.resumes" in run.data.tags:  # (each resumes an earlier run)
+        run = client.get_run(run.data.tags["alignflow.resumes"])
+    points = [point for key in run.data.metrics
+              for point in client.get_metric_history(run.info.run_id, key) if point.step < before_step]
     for start in range(0, len(points), CARRY_BATCH):
         client.log_batch(run_id, metrics=points[start:start + CARRY_BATCH])
     client.set_tag(run_id, "alignflow.carried_before_step", str(before_step))

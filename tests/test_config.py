@@ -320,6 +320,17 @@ def test_processes_is_no_part_of_a_stages_keys():
     assert config_key(cfg.model_copy(update={"beta": 0.2})) != config_key(cfg)
 
 
+def test_a_started_servers_setting_beside_a_running_servers_url_is_refused():
+    """With vllm_url no server is started: its memory share or context length were accepted and ignored."""
+    for model, data in ((SampleConfig, {"model_path": "m", "vllm_max_model_len": 512}),
+                        (EvalConfig, {"model_path": "m", "vllm_gpu_memory_utilization": 0.5})):
+        field = next(iter(set(data) - {"model_path"}))
+        with pytest.raises(ConfigError) as err:
+            validate_config(model, data | {"backend": "vllm", "vllm_url": "http://127.0.0.1:8000"}, origin="cfg.yaml")
+        assert str(err.value) == (f"cfg.yaml: {field} sets up the vLLM server alignflow starts; with vllm_url none "
+                                  "is started (your server's own settings apply): leave it out")
+
+
 @pytest.mark.parametrize("share", [0, -0.1, 1.5, "half"])
 def test_a_vllm_memory_share_outside_0_to_1_is_one_line(share):
     with pytest.raises(ConfigError) as err:

@@ -215,6 +215,26 @@ def test_a_rerun_carries_the_points_its_resumed_run_logged_before_its_own_first_
                       (5, {"train/loss": 105.0}), (6, {"train/loss": 106.0})]
 
 
+def test_a_rerun_carries_the_points_past_a_resume_killed_before_it_logged(workspace):
+    """Killed at step 5 (checkpoint 3), then a rerun killed while its model loaded (it logged nothing), then a
+    third: it resumed the second, which held no points, so its curves started at step 4 (the review's case)."""
+    with pytest.raises(KeyboardInterrupt):
+        with tracking.stage_run(workspace, "rm", {"lr": 0.1}, echo=False) as log:
+            for step in range(1, 6):
+                log({"train/loss": 10.0 - step}, step)
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        with tracking.stage_run(workspace, "rm", {"lr": 0.1}, echo=False):
+            raise KeyboardInterrupt
+    with tracking.stage_run(workspace, "rm", {"lr": 0.1}, echo=False) as log:
+        log({"train/loss": 104.0}, 4)
+    third, second, first = tracking.find_runs(workspace)
+    assert third.data.tags["alignflow.resumes"] == second.info.run_id
+    assert second.data.tags["alignflow.resumes"] == first.info.run_id
+    points = MlflowClient(workspace.tracking_uri).get_metric_history(third.info.run_id, "train/loss")
+    assert sorted((m.step, m.value) for m in points) == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 104.0)]
+
+
 def test_an_interrupted_stage_run_is_killed_and_a_rerun_with_another_save_every_resumes_it(workspace):
     """Ctrl-C (KeyboardInterrupt) is no failure of the stage: its run ends KILLED, as a killed process's does, and
     the rerun that resumes its checkpoint links to it, also under a new checkpoint interval (`save_every` is not

@@ -318,10 +318,15 @@ def check_ingest_files(cfg: BaseModel, origin: str = "config") -> None:
 
 
 def _check_vllm_settings(backend: str, **settings: object) -> None:
-    """Settings of the vLLM backend are set only with it: with `hf` they would be ignored."""
+    """Settings of the vLLM backend are set only with it: with `hf` they would be ignored; so would those of the
+    server alignflow starts (all but `vllm_url`) beside the `vllm_url` of a server already running."""
     named = next((name for name, value in settings.items() if value is not None), None)
     if named is not None and backend != "vllm":
         raise ValueError(f"{named} is set but backend is not 'vllm'")
+    server = next((name for name, value in settings.items() if value is not None and name != "vllm_url"), None)
+    if server is not None and settings.get("vllm_url") is not None:
+        raise ValueError(f"{server} sets up the vLLM server alignflow starts; with vllm_url none is started (your "
+                         "server's own settings apply): leave it out")
 
 
 def _check_reward_specs(rewards: tuple[dict, ...], reward_model_path: str | None) -> None:

@@ -20,10 +20,11 @@ class RewardModelScorer:
     """Scores texts with `model(input_ids, attention_mask) -> (B,)` (e.g. models.heads.RewardModel).
 
     Texts are tokenized by `text_ids`, truncated from the LEFT to `max_length` (the end of the completion is what
-    last-token pooling reads; `build_reward` passes the length a RewardModel was trained on, `RewardModel.max_length`;
-    by default its positions, `max_position_embeddings`; either with a note the first time a text is cut),
+    last-token pooling reads; by default, the length a RewardModel was trained on, `RewardModel.max_length`, or where
+    it holds none its positions, `max_position_embeddings`; either with a note the first time a text is cut),
     left-padded, at most `batch_size` texts a forward, scored under no_grad in eval mode; scores come back in input
-    order, one per distinct text (copies of a text, a converged policy's samples, are scored once and tie exactly).
+    order, one per distinct token row (copies of a text, a converged policy's samples, or texts that differ only
+    before the cut, are scored once and tie exactly).
     With a RewardModel and `pack` on, texts that begin with the same tokens (the samples of one prompt) are packed
     into one row behind their shared start, as `train_rm` packs a pair's texts (`RewardModel.forward(..., packed)`),
     where that costs fewer multiply-adds than their own rows (`packing_costs`) and fits the model's positions and
@@ -46,13 +47,15 @@ class RewardModelScorer:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_id is None:
             raise ValueError("tokenizer: expected a pad_token_id or eos_token_id to pad batches with")
-        # a note, once, where texts are cut to the model's positions or to the texts it was trained on
+        # by default a RewardModel's texts are cut as its training cut them, else (an older alignflow's model) to its
+        # positions (absolute ones raise IndexError past them); either with a note, once
         self.cut_note = None
-        if max_length is None and isinstance(model, RewardModel):  # absolute positions past these raise IndexError
+        if max_length is None and isinstance(model, RewardModel) and model.max_length is not None:
+            max_length = model.max_length
+            self.cut_note = "the {n} tokens the reward model's training cut its texts to"
+        elif max_length is None and isinstance(model, RewardModel):
             max_length = model_positions(model)
             self.cut_note = "the reward model's {n} positions" if max_length is not None else None
-        elif isinstance(model, RewardModel) and max_length == model.max_length:
-            self.cut_note = "the {n} tokens the reward model's training cut its texts to"
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.max_length, self.pad_id = batch_size, max_length, pad_id
         self.pack = pack and isinstance(model, RewardModel)
@@ -70,10 +73,6 @@ class RewardModelScorer:
 
     def __call__(self, texts: Sequence[str]) -> list[float]:
         texts = list(texts)
-        distinct = list(dict.fromkeys(texts))
-        if len(distinct) < len(texts):  # packed copies sit at other columns: their float rounding differed
-            scores = dict(zip(distinct, self(distinct)))
-            return [scores[text] for text in texts]
         if not texts:
             return []
         ids = text_ids(self.tokenizer, texts)
@@ -87,6 +86,14 @@ class RewardModelScorer:
         empty = next((i for i, row in enumerate(ids) if not row), None)
         if empty is not None:
             raise ValueError(f"texts[{empty}]: tokenizes to no tokens; a reward model needs at least one")
+        # texts that are the same tokens (copies; texts differing only before the cut) are scored once: packed, each
+        # copy sat at other columns of its row, and their float rounding differed
+        distinct = list(dict.fromkeys(map(tuple, ids)))
+        scores = dict(zip(distinct, self._score([list(row) for row in distinct])))
+        return [scores[tuple(row)] for row in ids]
+
+    def _score(self, ids: list[list[int]]) -> list[float]:
+        """The scores of token rows, packed where that pays (`_packed`), the others as rows."""
         encoded = Encoded(ids, [[] for _ in ids])
         scores = [0.0] * len(ids)
         was_training = self.model.training

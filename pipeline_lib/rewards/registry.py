@@ -209,7 +209,7 @@ def build_reward(specs: Sequence[Mapping[str, Any]], *, reward_model_path: str |
                               f"but scores {forms[chat_prompts]} ones here; set chat_template "
                               f"{str(model.chat_prompts).lower()} to match", RuntimeWarning, stacklevel=2)
             tokenizer = load_tokenizer(reward_model_path, trust_remote_code=trust_remote_code)
-            spec["scorer"] = RewardModelScorer(model, tokenizer, max_length=model.max_length)
+            spec["scorer"] = RewardModelScorer(model, tokenizer)  # texts cut as the model's training cut them
     try:
         return combined_reward(specs)
     except ValueError as exc:

@@ -92,7 +92,8 @@ class IngestReport:
     elsewhere: str = ""
     """Duplicates the store holds under another source (or split): where, e.g. "40 under source 'a'"."""
     own_splits: str = ""
-    """Problems whose records name a split other than the one given, which they keep: e.g. "100 test"."""
+    """The file's problems (quarantined ones and in-file duplicates left out) whose records name a split other than
+    the one given, which they keep: e.g. "100 test"."""
 
     def summary(self) -> str:
         line = (f"{Path(self.file).name} ({self.format} -> {self.table}): read {self.rows_read} = "
@@ -101,7 +102,7 @@ class IngestReport:
             line += (f"; of the duplicates, {self.elsewhere} stay as first ingested (`alignflow data delete "
                      f"--source NAME` removes a source)")
         if self.own_splits:
-            line += f"; records naming their own split keep it, over the split given: {self.own_splits}"
+            line += f"; of its problems, these name their own split, which wins over the split given: {self.own_splits}"
         return line
 
     def quarantine_hint(self, workspace: Path) -> str:
@@ -158,9 +159,6 @@ def ingest_file(
     rows = _screen(lines, fmt, max_record_bytes, pre_bad)
     accepted, bad = shape_records(fmt, rows, split=split)
     table = TABLE_OF[fmt]
-    # a split given (`--split`) does not move the records that name theirs: said, not silent
-    own = accepted.filter(pl.col("split") != split)["split"].value_counts(sort=True) \
-        if given is not None and table == "problems" else None
     if table == "problems":
         accepted, conflicts = one_answer_per_prompt(accepted, store.stored_answers(source, accepted))
         bad += conflicts
@@ -174,6 +172,9 @@ def ingest_file(
     # first occurrence wins inside the file; the store's anti-join skips ids it already holds
     first = candidates.select(pl.col(_ID_FIELDS[table][0]).is_first_distinct()).to_series()
     unique = candidates if first.all() else candidates.filter(first)
+    # a split given (`--split`) does not move the file's problems that name theirs: said, not silent
+    own = unique.filter(pl.col("split") != split)["split"].value_counts(sort=True) \
+        if given is not None and table == "problems" else None
     with store.transaction():
         inserted = store.insert_new(table, unique)
         store.insert_new("quarantine", quarantine)

@@ -172,6 +172,10 @@ def test_copies_of_a_text_score_exactly_alike_packed_too(tiny_rm):
     assert scored_texts == sum(seen)  # each distinct text once
     alone = [RewardModelScorer(model, tokenizer)([text])[0] for text in texts]
     torch.testing.assert_close(torch.tensor(scores), torch.tensor(alone), atol=1e-5, rtol=0)
+    # texts differing only in what the cut removes are the same tokens to the model: they tie as well
+    cut = RewardModelScorer(model, tokenizer, batch_size=8, max_length=12)
+    answers = [cut([f"{first}{prompt}{answer}" for first in "abcdefgh"]) for prompt in prompts for answer in ("1", "22")]
+    assert all(len(set(group)) == 1 for group in answers) and len({group[0] for group in answers}) > 1
 
 
 def test_a_model_whose_packed_scores_do_not_hold_scores_rows_with_one_note(tiny_rm, capsys, dropping):

@@ -278,9 +278,14 @@ def test_problems_gsm8k_plain_numeric_and_split(tmp_path, store):
     assert (rows["Q2"]["answer"], rows["Q2"]["meta"]) == ("x = 3", None)  # a plain answer is kept as is
     assert (rows["Q3"]["answer"], rows["Q3"]["split"]) == ("7", "test")  # the record's split wins
     assert rows["Q1"]["problem_id"] == content_id("Q1", "4")
-    # and the counts line says so (`--split` was silently overruled); without a split given there is nothing to say
+    # and the counts line says so (`--split` was silently overruled), counting the file's problems that are kept or
+    # were stored already, not a quarantined one (another answer to Q3) nor an in-file copy (Q4's)
     assert report.own_splits == "2 test"
-    assert report.summary().endswith("; records naming their own split keep it, over the split given: 2 test")
+    assert report.summary().endswith("; of its problems, these name their own split, which wins over the split "
+                                     "given: 2 test")
+    extra = [{"question": "Q3", "answer": "8", "split": "test"}, {"question": "Q4", "answer": "1", "split": "test"}]
+    repeat = ingest_file(write_jsonl(tmp_path / "again.jsonl", records + extra), store, split="dev")
+    assert (repeat.accepted, repeat.duplicates, repeat.quarantined, repeat.own_splits) == (0, 5, 1, "2 test")
     again = ingest_file(write_jsonl(tmp_path / "more.jsonl", records[2:] + [{"prompt": "Q5", "answer": "5"}]), store)
     assert again.own_splits == "" and "own split" not in again.summary()
 

@@ -266,7 +266,7 @@ def test_a_reward_model_scores_texts_cut_as_its_training_cut_them(tiny, tmp_path
     assert capsys.readouterr().err == ("note: 8 of 8 texts are longer than the 16 tokens the reward model's training "
                                        "cut its texts to: they are scored on their last tokens\n")
     as_trained = RewardModelScorer(model, tokenizer, max_length=16)(texts)
-    whole = RewardModelScorer(model, tokenizer, max_length=None)(texts)
+    whole = RewardModelScorer(model, tokenizer, max_length=10_000)(texts)
     assert scored == as_trained and scored != whole
 
 
