@@ -451,6 +451,9 @@ def sample(
     temperature: float = typer.Option(1.0, "--temperature"),
     backend: str = typer.Option("hf", "--backend", help="hf | vllm"),
     max_problems: Optional[int] = typer.Option(None, "--max-problems"),
+    chat_template: bool = typer.Option(False, "--chat-template",
+                                       help="Render each problem as a user turn of the tokenizer's chat template "
+                                            "(instruct models)."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code",
                                            help="Run the model dir's own Python code (off by default)."),
 ) -> None:
@@ -462,7 +465,7 @@ def sample(
     cfg = validate_config(SampleConfig, {
         "model_path": str(model.resolve()), "problems_source": problems, "split": split, "n": n, "backend": backend,
         "max_new_tokens": max_new_tokens, "temperature": temperature, "max_problems": max_problems,
-        "trust_remote_code": trust_remote_code,
+        "chat_template": chat_template, "trust_remote_code": trust_remote_code,
     }, origin="alignflow sample")
     require_model_dir(model)
     require_store(resolve_workspace().store_path)  # a workspace never ingested into holds no problems
@@ -532,6 +535,11 @@ def evaluate(
     ks: Optional[str] = typer.Option(None, "--ks", help="Comma-separated K values (<= n); default: the powers "
                                                           "of 2 up to n, and n."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    backend: str = typer.Option("hf", "--backend", help="hf | vllm"),
+    chat_template: bool = typer.Option(False, "--chat-template",
+                                       help="Render each problem as a user turn of the tokenizer's chat template "
+                                            "(instruct models; as a pipeline's eval section with chat_template: "
+                                            "true)."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code",
                                            help="Run the model dir's own Python code (off by default)."),
 ) -> None:
@@ -542,7 +550,8 @@ def evaluate(
     cfg = validate_config(EvalConfig, {
         "model_path": str(model.resolve()), "model_name": name, "problems_source": problems, "split": split, "n": n,
         "ks": None if ks is None else [k.strip() for k in ks.split(",") if k.strip()],  # the config parses them
-        "max_new_tokens": max_new_tokens, "trust_remote_code": trust_remote_code,
+        "max_new_tokens": max_new_tokens, "backend": backend, "chat_template": chat_template,
+        "trust_remote_code": trust_remote_code,
     }, origin="alignflow eval")
     require_model_dir(model)
     require_store(resolve_workspace().store_path)  # a workspace never ingested into holds no problems

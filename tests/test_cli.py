@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import polars as pl
 import pytest
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -341,7 +342,7 @@ def test_a_file_ingested_again_under_another_split_says_where_its_rows_stay_and_
     assert missing.returncode == 2 and "error: source 'test-first100': no rows in the store" in missing.stderr
 
 
-@pytest.mark.slow  # several CLI processes, each starting Prefect: ~60 s on 2 cores
+@pytest.mark.slow  # several CLI processes, each starting Prefect: ~80 s on 2 cores
 def test_a_model_given_by_relative_paths_from_two_directories_is_evaluated_once_under_its_absolute_path(tmp_path):
     """`eval --model` as typed in two working directories names one model: the second run reads the first's
     samples instead of sampling again, and eval_results label the model by its absolute path, not by a relative
@@ -362,6 +363,13 @@ def test_a_model_given_by_relative_paths_from_two_directories_is_evaluated_once_
     with open_store(tmp_path / "ws" / "store.duckdb", read_only=True) as store:
         assert store.read("samples")["run_id"].n_unique() == 1
         assert sorted(set(store.read("eval_results")["model"])) == [str(model.resolve())]
+    # an instruct model is evaluated on chat-rendered prompts as a pipeline's eval section does: the CLI had no way
+    result = alignflow("eval", "--model", str(model), "--n", "2", "--max-new-tokens", "4", "--chat-template",
+                       workspace=tmp_path / "ws")
+    assert result.returncode == 0, result.stderr
+    with open_store(tmp_path / "ws" / "store.duckdb", read_only=True) as store:
+        runs = store.read("samples").group_by("run_id").agg(pl.col("chat_template").first())
+    assert sorted(runs["chat_template"].to_list()) == [False, True]
 
 
 @pytest.mark.slow  # three CLI processes, each starting Prefect: ~80 s on 2 cores

@@ -224,6 +224,7 @@ def test_invalid_values_are_one_line_errors_naming_the_field(model, data, messag
     (PPOConfig, {"policy_path": "m", "reward_model_path": "r", "vllm_max_model_len": 512}, "vllm_max_model_len"),
     (SampleConfig, {"model_path": "m", "vllm_gpu_memory_utilization": 0.5}, "vllm_gpu_memory_utilization"),
     (EvalConfig, {"model_path": "m", "vllm_gpu_memory_utilization": 0.5}, "vllm_gpu_memory_utilization"),
+    (EvalConfig, {"model_path": "m", "vllm_max_model_len": 512}, "vllm_max_model_len"),
     (DAPOConfig, {"policy_path": "m", "vllm_gpu_memory_utilization": 0.5}, "vllm_gpu_memory_utilization"),
     (PPOConfig, {"policy_path": "m", "reward_model_path": "r", "vllm_gpu_memory_utilization": 0.5},
      "vllm_gpu_memory_utilization"),
@@ -343,8 +344,9 @@ def test_the_vllm_memory_share_is_no_part_of_a_stages_keys_and_reaches_an_evalua
     """It changes where the rollouts' KV cache fits, not the rollouts: a new share resumes the same stage."""
     cfg = GRPOConfig(policy_path="m", backend="vllm")
     assert config_key(cfg.model_copy(update={"vllm_gpu_memory_utilization": 0.5})) == config_key(cfg)
-    evaluation = EvalConfig(model_path="m", backend="vllm", vllm_gpu_memory_utilization=0.4)
+    evaluation = EvalConfig(model_path="m", backend="vllm", vllm_gpu_memory_utilization=0.4, vllm_max_model_len=4096)
     assert evaluation.sample_config.vllm_gpu_memory_utilization == 0.4
+    assert evaluation.sample_config.vllm_max_model_len == 4096  # an eval section had no way to fit a long model
 
 
 def test_model_paths_are_no_part_of_a_stages_config_key():

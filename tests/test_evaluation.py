@@ -86,6 +86,16 @@ def test_pass_at_k_matches_brute_force(seed):
                 assert got[p] == pytest.approx(float(brute_pass(flags, k)), abs=1e-12)
 
 
+def test_pass_at_1_is_the_fraction_correct_exactly_as_maj_at_1_is():
+    """Log space left Pass@1 an ulp below c/n: 1 of 80 gave 0.012499999999999994 against Maj@1's 0.0125, printed
+    0.012 beside 0.013, as if Maj@K could exceed Pass@K."""
+    n = np.array([80, 80, 3, 7])
+    c = np.array([1, 6, 1, 5])
+    assert pass_at_k(n, c, 1).tolist() == (c / n).tolist()
+    answers = [["1"] + ["x"] * 79]
+    assert pass_at_k(80, 1, 1) == maj_at_k(answers, ["1"], 1)[0] == 0.0125
+
+
 def test_pass_at_k_is_stable_for_large_n():
     n, c, k = 10_000, 7, 1000  # C(10000, 1000) overflows float64; the product form does not
     exact = 1 - Fraction(comb(n - c, k), comb(n, k))

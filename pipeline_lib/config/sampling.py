@@ -158,6 +158,8 @@ class EvalConfig(Config):
     """Sampling backend: in-process transformers or a vLLM server."""
     vllm_url: str | None = None
     """An already running vLLM server to use (backend vllm)."""
+    vllm_max_model_len: int | None = Field(None, ge=16)
+    """Context length a started vLLM server reserves KV cache for; None: the model's maximum."""
     vllm_gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     """Share of its GPU's memory a started vLLM server takes (GPU only; None: as SampleConfig's)."""
     device: str = Field("auto", pattern=DEVICE_PATTERN)
@@ -170,6 +172,7 @@ class EvalConfig(Config):
     @model_validator(mode="after")
     def _check_backend_and_ks(self):
         _check_vllm_settings(self.backend, vllm_url=self.vllm_url,  # now, not when the flow builds its sampling run
+                             vllm_max_model_len=self.vllm_max_model_len,
                              vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization)
         if self.ks is None:
             return self
@@ -197,8 +200,9 @@ class EvalConfig(Config):
             model_path=self.model_path, problems_source=self.problems_source, split=self.split,
             max_problems=self.max_problems, n=self.n, max_new_tokens=self.max_new_tokens,
             temperature=self.temperature, top_p=self.top_p, seed=self.seed, chat_template=self.chat_template,
-            backend=self.backend, vllm_url=self.vllm_url, vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization,
-            device=self.device, batch_size=self.batch_size,
+            backend=self.backend, vllm_url=self.vllm_url, vllm_max_model_len=self.vllm_max_model_len,
+            vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization, device=self.device,
+            batch_size=self.batch_size,
             policy_name=self.label, trust_remote_code=self.trust_remote_code,
         )
 

@@ -122,8 +122,10 @@ class HFSampler:
             raise SamplingError(f"top_p {top_p} on CUDA under deterministic kernels: the nucleus needs torch.cumsum, "
                                 "which has no deterministic CUDA kernel for floats; set top_p 1.0 or deterministic "
                                 "false")
-        batch = self.tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left",
-                               add_special_tokens=self.add_special_tokens).to(device)
+        # padded apart (`pad`): a padded call leaves the fast tokenizer's padding on, and a stage saving this
+        # tokenizer with its model then wrote it into tokenizer.json (so the same model got another dir)
+        batch = self.tokenizer.pad(self.tokenizer(list(prompts), add_special_tokens=self.add_special_tokens),
+                                   padding=True, padding_side="left", return_tensors="pt").to(device)
         lengths = batch["attention_mask"].sum(dim=1)  # (B,)
         if int(lengths.min()) == 0:
             empty = int((lengths == 0).nonzero()[0])

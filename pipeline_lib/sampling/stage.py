@@ -99,13 +99,13 @@ class SampleReport:
 
 
 def sample_problems(
-    sampler: Sampler,
+    sampler: Sampler | None,
     problems: pl.DataFrame,
     store: Store,
     *,
     run_id: str,
     n: int,
-    reward_fn: RewardFn,
+    reward_fn: RewardFn | None,
     policy_name: str,
     batch_size: int,
     max_new_tokens: int,
@@ -124,7 +124,8 @@ def sample_problems(
     `run_id`: the resumed run holds the same rows as an uninterrupted one. `render` maps a problem's
     prompt to the text sent to the model (chat template); rewards score that text + the completion (a reward
     model trained on chat-rendered pairs reads the same form) and the table keeps the problem's own prompt, with
-    `chat_template` true (West-of-N then stores its pairs as that conversation)."""
+    `chat_template` true (West-of-N then stores its pairs as that conversation). `sampler` and `reward_fn` may be
+    None where the run holds every prompt already (`run_sample_stage` then starts no server and loads no model)."""
     missing = {"problem_id", "prompt", "answer"} - set(problems.columns)
     if missing:
         raise SamplingError(f"problems: missing column(s) {sorted(missing)}")
@@ -297,17 +298,21 @@ def chat_renderer(model_path: str, *, trust_remote_code: bool = False) -> Callab
 
 
 def run_sample_stage(cfg: SampleConfig, store: Store, *, log: LogFn = no_log, progress: bool = True) -> SampleReport:
-    """The whole stage from its config: problems, reward, backend, then `sample_problems`."""
+    """The whole stage from its config: problems, reward, backend, then `sample_problems`. A run that holds every
+    prompt already (an eval whose results left the store, `--force eval`) starts no vLLM server and loads no model:
+    each start cost ~26 s on CPU, and a GPU server's start far more."""
     problems = select_problems(store, cfg)
+    ids = problems["problem_id"].to_list()
+    run_id = sample_run_id(cfg, ids)
+    left = not set(ids) <= store.sampled_prompt_ids(run_id)
     with ExitStack() as stack:
         with store.released():  # other processes may read the store while the models load (a vLLM server starts)
-            reward_fn = build_reward_fn(cfg)
             render = (chat_renderer(cfg.model_path, trust_remote_code=cfg.trust_remote_code)
                       if cfg.chat_template else None)
-            sampler = stack.enter_context(open_sampler(cfg))
+            reward_fn = build_reward_fn(cfg) if left else None
+            sampler = stack.enter_context(open_sampler(cfg)) if left else None
         return sample_problems(
-            sampler, problems, store, run_id=sample_run_id(cfg, problems["problem_id"].to_list()), n=cfg.n,
-            reward_fn=reward_fn,
+            sampler, problems, store, run_id=run_id, n=cfg.n, reward_fn=reward_fn,
             policy_name=cfg.policy_name or cfg.model_path, batch_size=cfg.batch_size,
             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
             stop=cfg.stop, render=render, progress=progress, log=log,

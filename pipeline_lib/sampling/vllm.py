@@ -415,8 +415,17 @@ class VLLMServer:
     def __enter__(self) -> "VLLMServer":
         return self.start()
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        """A server-side failure out of the block (an HTTP 5xx, a crash) keeps the server's log and names it, with
+        its error line: vLLM answers only "EngineCore encountered an issue. See stack trace (above)", which is in the
+        log (an engine that cannot run the model, say), and the log was removed."""
+        failed = isinstance(exc, VLLMServerError) and exc.transient and self.log_path is not None
+        if failed:
+            self._remove_log = False
         self.stop()
+        if failed:
+            raise VLLMServerError(f"{exc}; the server's log says: {log_tail(self.log_path)} (log: {self.log_path})",
+                                  status=exc.status, transient=True) from None
 
 
 def _signal_group(pgid: int, sig: int) -> None:

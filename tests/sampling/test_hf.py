@@ -240,6 +240,17 @@ def test_greedy_batched_left_padded_equals_unpadded_argmax_loop(hf_sampler):
         assert group[0].token_ids == _greedy_reference(hf_sampler.model, hf_sampler.tokenizer, prompt, 6)
 
 
+def test_sampling_leaves_the_tokenizer_it_saves_as_it_was(hf_sampler, tmp_path):
+    """The padded prompt batch left the fast tokenizer's padding on, so a stage that saved its tokenizer after HF
+    rollouts (DAPO with no update) wrote `padding` into tokenizer.json: its model dir, equal to its start's in
+    weights, got another fingerprint and another sampling run."""
+    hf_sampler.tokenizer.save_pretrained(tmp_path / "before")
+    hf_sampler.generate(PROMPTS, n=2, max_new_tokens=3, temperature=1.0, seed=0)
+    hf_sampler.tokenizer.save_pretrained(tmp_path / "after")
+    assert (tmp_path / "after" / "tokenizer.json").read_bytes() == (tmp_path / "before" / "tokenizer.json").read_bytes()
+    assert json.loads((tmp_path / "after" / "tokenizer.json").read_text())["padding"] is None
+
+
 @pytest.mark.parametrize("setting", [{"suppress_tokens": "digits"}, {"max_time": 1e-6}, {"num_beams": 3},
                                      {"repetition_penalty": 5.0, "top_k": 2, "min_p": 0.9, "bad_words_ids": "digits"}])
 def test_a_model_dirs_generation_config_changes_no_sample(hf_sampler, tiny_model_dir, tmp_path, setting):

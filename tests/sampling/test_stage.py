@@ -15,6 +15,7 @@ from pipeline_lib.errors import AlignflowError
 from pipeline_lib.model_dirs import ModelLoadError
 from pipeline_lib.models import RewardModel, load_tokenizer
 from pipeline_lib.sampling.base import Completion, SamplingError
+from pipeline_lib.sampling import stage as stage_module
 from pipeline_lib.sampling.stage import (
     build_reward_fn,
     chat_renderer,
@@ -129,7 +130,7 @@ def test_crash_then_resume_equals_one_uninterrupted_run(workspace, tmp_path, pro
     assert crashed.select(columns).sort(KEY).equals(straight.select(columns).sort(KEY))
 
 
-def test_run_sample_stage_from_config(store, tiny_model_dir):
+def test_run_sample_stage_from_config(store, tiny_model_dir, monkeypatch):
     cfg = SampleConfig(model_path=str(tiny_model_dir), problems_source="demo", max_problems=4, n=2,
                        max_new_tokens=6, batch_size=3, device="cpu")
     report = run_sample_stage(cfg, store, progress=False)
@@ -139,8 +140,16 @@ def test_run_sample_stage_from_config(store, tiny_model_dir):
     assert rows.height == 8 and report.n_rows == 8 and rows["n_tokens"].max() <= 6
     assert set(rows["policy"]) == {str(tiny_model_dir)}
     assert report.tokens_now == rows["n_tokens"].sum() and report.tokens_per_s > 0
-    # a rerun of the same config resumes the same run: nothing new
-    assert run_sample_stage(cfg, store, progress=False).rows_written_now == 0
+    # a rerun of the same config resumes the same run: nothing new, and with nothing left it opens no sampler (a
+    # vLLM server, ~26 s on CPU each, for every model of an `--force eval`) and loads no reward model
+    def refused(*args, **kwargs):
+        raise AssertionError("a run holding every prompt opened a sampler or built its rewards")
+
+    monkeypatch.setattr(stage_module, "open_sampler", refused)
+    monkeypatch.setattr(stage_module, "build_reward_fn", refused)
+    again = run_sample_stage(cfg, store, progress=False)
+    assert again.rows_written_now == 0 and (again.run_id, again.n_rows, again.mean_reward, again.accuracy) == \
+        (report.run_id, report.n_rows, report.mean_reward, report.accuracy)
 
 
 IDS = ["p0", "p1", "p2"]

@@ -105,6 +105,10 @@ def test_server_sigkilled_mid_sampling_stops_in_one_line_and_the_rerun_resumes_w
     # killed during a request: the answer never completes; between two batches: the next request cannot connect
     assert re.match(r"error: vLLM server http://127\.0\.0\.1:\d+(/v1/completions: no complete answer \(|: cannot "
                     r"connect \()", lines[0]), lines[0]
+    # and it names the server's log, kept: the server's own error is only there (it was removed)
+    log = Path(re.search(r"\(log: (\S+)\)$", lines[0]).group(1))
+    assert log.is_file() and "the server's log says: " in lines[0]
+    log.unlink()
     assert not [p for p in psutil.process_iter(["pid"]) if _in_group(p, server_group)], "engine processes left over"
 
     before = sample_counts(store_path)

@@ -116,6 +116,26 @@ def test_a_memory_share_set_in_the_config_reaches_the_server_of_a_stage_and_of_r
     assert shares == ["0.45", "0.2", None]  # the last: memory_share's None on a CPU policy
 
 
+def test_a_server_side_failure_keeps_the_servers_log_and_names_its_error(tiny_model_dir, tmp_path):
+    """An engine that dies mid-run answers "HTTP 500: EngineCore encountered an issue. See stack trace (above)", a
+    trace only its log holds, and the log was removed when the server stopped (the GSM8K audit's head_dim=24 model).
+    (The exit is run on a server not started.)"""
+    server = VLLMServer(tiny_model_dir, python=sys.executable)
+    server.log_path = tmp_path / "server.log"
+    server.log_path.write_text("INFO start\nRuntimeError: Unsupported CPU attention configuration: head_dim=24\n")
+    failure = VLLMServerError("vLLM server http://127.0.0.1:1/v1/completions: HTTP 500: EngineCore encountered an "
+                              "issue. See stack trace (above) for the root cause.", status=500, transient=True)
+    with pytest.raises(VLLMServerError) as raised:
+        server.__exit__(VLLMServerError, failure, None)
+    assert str(raised.value) == (f"{failure}; the server's log says: RuntimeError: Unsupported CPU attention "
+                                 f"configuration: head_dim=24 (log: {server.log_path})")
+    assert raised.value.transient and raised.value.status == 500 and server.log_path.is_file()
+    assert not server._remove_log  # stop() keeps it (removed after a clean run, or a 4xx: the request's own fault)
+    refused = VLLMServer(tiny_model_dir, python=sys.executable)
+    refused.__exit__(VLLMServerError, VLLMServerError("HTTP 400: prompt too long", status=400), None)
+    assert refused._remove_log
+
+
 def test_the_servers_cpu_kv_cache_is_1_gib_unless_the_user_set_it(tiny_model_dir, monkeypatch):
     """The server's environment overwrote a user's $VLLM_CPU_KVCACHE_SPACE with 1 (GiB); telemetry stays off."""
     server = VLLMServer(tiny_model_dir, python=sys.executable)
