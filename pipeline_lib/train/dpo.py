@@ -175,9 +175,9 @@ def reference_logps(model: nn.Module, encoded: Encoded, *, parts: Sequence[list[
     second copy of the weights."""
     dtype = "bf16" if device.type == "cuda" else "fp32"
     layout = content_id(*map(str, sorted(packed)))
-    split = content_id(*(",".join(map(str, part)) for part in parts))
+    split = content_id(*(",".join(map(str, part)) for part in parts))  # with batch_size: how the parts were batched
     key = content_id(model_fingerprint(resolve_model_dir(policy_path)), encoded.fingerprint(), device.type, dtype,
-                     layout, split, code_version())
+                     layout, split, str(batch_size), code_version())
     path = Path(cache_dir) / "ref_logps" / f"{key[:32]}.safetensors"
     if ctx.is_main and not _cached_whole(path, rows=len(encoded)):
         adapters_off = model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext()

@@ -252,6 +252,10 @@ def test_reference_logps_are_cached_by_weights_and_data(tiny, tmp_path):
     assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 4
     reference_logps(model, encoded, **{**kwargs, "parts": ([0, 1, 2, 3], [4, 5])})  # another held-out split
     assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 5
+    # another batch size batches the held-out pairs otherwise, as the evaluation then does: its own file (a run
+    # with another ref_batch_size read the first's, and its step-0 held-out rewards were float noise again)
+    reference_logps(model, encoded, **{**kwargs, "batch_size": 2})
+    assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 6
 
 
 def test_a_damaged_reference_cache_file_is_computed_again_and_a_failed_write_is_one_line(tiny, tmp_path,
