@@ -15,8 +15,8 @@ def filter_flow(kind: Literal["best_of_n", "west_of_n", "dynamic"], samples_run_
                 source: str = "west_of_n") -> dict:
     """West-of-N stores its pairs under `source`, those of a run that sampled with the chat template as
     conversations (the samples record it); `group_size` is the dynamic filter's (None: the run's samples per
-    prompt). A cache hit whose West-of-N
-    pairs have left the store since (`alignflow data delete --source`) filters again."""
+    prompt). A cache hit whose West-of-N pairs have left the store since (`alignflow data delete --source`) filters
+    again."""
     inputs = samples_fingerprint_task(samples_run_id)
     stats = filter_task(kind, samples_run_id, group_size, inputs, source)
     if kind == "west_of_n" and west_of_n_missing_task(samples_run_id, source):

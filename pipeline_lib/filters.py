@@ -252,6 +252,6 @@ def run_dynamic_filter_stage(store: Store, *, run_id: str, group_size: int | Non
     prompt's `group_size` samples; None: the run's samples per prompt (its `n`)."""
     samples = run_samples(store, run_id)
     if group_size is None:  # a prompt short of samples (a run still sampling) is then dynamic_sampling's error
-        group_size = samples.group_by("prompt_id").len()["len"].max()
+        group_size = max(store.samples_per_prompt(run_id))
     _, stats = dynamic_sampling(samples, group_size)
     return {f"filter/{key}": value for key, value in stats.items()}

@@ -48,8 +48,7 @@ def refuse_stage_references(cfg: object, origin: str) -> None:
 KEEPING_FIELDS = frozenset({"save_every", "processes", "vllm_gpu_memory_utilization"})
 """Config fields that change how a run is kept or where it runs, not what it trains or logs (`processes`: the same
 updates up to float rounding; a checkpoint resumed under another world size says so; the vLLM server's memory share:
-the same rollouts). (`log_every` and
-`eval_every` change the run's logged curves: they stay in its keys.)"""
+the same rollouts). (`log_every` and `eval_every` change the run's logged curves: they stay in its keys.)"""
 
 
 def config_key(cfg: BaseModel) -> str:

@@ -52,10 +52,10 @@ class RewardModelScorer:
         self.cut_note = None
         if max_length is None and isinstance(model, RewardModel) and model.max_length is not None:
             max_length = model.max_length
-            self.cut_note = "the {n} tokens the reward model's training cut its texts to"
+            self.cut_note = f"the {max_length} tokens the reward model's training cut its texts to"
         elif max_length is None and isinstance(model, RewardModel):
             max_length = model_positions(model)
-            self.cut_note = "the reward model's {n} positions" if max_length is not None else None
+            self.cut_note = f"the reward model's {max_length} positions" if max_length is not None else None
         self.model, self.tokenizer = model, tokenizer
         self.batch_size, self.max_length, self.pad_id = batch_size, max_length, pad_id
         self.pack = pack and isinstance(model, RewardModel)
@@ -79,8 +79,8 @@ class RewardModelScorer:
         if self.max_length is not None:
             cut = sum(len(row) > self.max_length for row in ids)
             if cut and self.cut_note:
-                print(f"note: {cut} of {len(ids)} texts are longer than {self.cut_note.format(n=self.max_length)}: "
-                      "they are scored on their last tokens", file=sys.stderr, flush=True)
+                print(f"note: {cut} of {len(ids)} texts are longer than {self.cut_note}: they are scored on their "
+                      "last tokens", file=sys.stderr, flush=True)
                 self.cut_note = None
             ids = [row[-self.max_length:] for row in ids]
         empty = next((i for i, row in enumerate(ids) if not row), None)

@@ -299,8 +299,7 @@ def chat_renderer(model_path: str, *, trust_remote_code: bool = False) -> Callab
 
 def run_sample_stage(cfg: SampleConfig, store: Store, *, log: LogFn = no_log, progress: bool = True) -> SampleReport:
     """The whole stage from its config: problems, reward, backend, then `sample_problems`. A run that holds every
-    prompt already (an eval whose results left the store, `--force eval`) starts no vLLM server and loads no model:
-    each start cost ~26 s on CPU, and a GPU server's start far more."""
+    prompt already (an eval whose results left the store, `--force eval`) starts no vLLM server and loads no model."""
     problems = select_problems(store, cfg)
     ids = problems["problem_id"].to_list()
     run_id = sample_run_id(cfg, ids)

@@ -164,11 +164,11 @@ def reference_logps(model: nn.Module, encoded: Encoded, *, parts: Sequence[list[
     Each of `parts` (the training pairs, the held-out pairs: every pair once) runs as its own `logprob_sums`, as
     `preference_eval` runs the held-out pairs, so at step 0 the policy's held-out log-probs equal the reference's
     bit for bit (rewards 0, `eval/rewards_accuracy` 0, `eval/loss` log 2). One pass over all pairs batched them with
-    others, and its float noise counted as preferences (0.17 accuracy for a policy equal to its reference).
+    others, and its float noise counted as preferences (0.208 on the demo model, a policy equal to its reference).
 
     The key hashes the reference model's dir (`model_fingerprint`: its weights and its config, which changes the
-    log-probs as much), the tokenized data, the numeric setting (device type, dtype, which pairs run packed: the
-    float sums differ in their last bits) and the code, so a rerun, a resumed run or another stage on the same data
+    log-probs as much), the tokenized data, the numeric setting (device type, dtype, which pairs run packed, the
+    parts and the batch size: the float sums differ in their last bits) and the code, so a rerun, a resumed run or another stage on the same data
     reuses the file. Rank 0 computes and writes (atomically and durably; a failed write is a one-line
     CheckpointWriteError, a file that does not read back whole is computed again with a warning); every rank then
     reads the same file. A peft model is evaluated with its adapters disabled: that is the reference, without a

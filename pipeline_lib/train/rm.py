@@ -202,9 +202,10 @@ def train_rm(cfg: RMConfig, data: pl.DataFrame, out_dir: Path, log: LogFn = no_l
     model = RewardModel.from_policy(cfg.model_path, pooling=cfg.pooling, dtype="float32", device=device,
                                     trust_remote_code=cfg.trust_remote_code, seed=cfg.seed)
     model.train(not cfg.disable_dropout)  # eval mode: dropout off
-    groups = build_groups(tokenizer, data, cfg.loss, max_length=cfg.max_length, positions=model_positions(model))
+    positions = model_positions(model)
+    groups = build_groups(tokenizer, data, cfg.loss, max_length=cfg.max_length, positions=positions)
     model.chat_prompts = groups.chat_prompts
-    model.max_length = row_limit(cfg.max_length, model_positions(model))[0]  # its scorer cuts texts as training did
+    model.max_length = row_limit(cfg.max_length, positions)[0]  # its scorer cuts texts as training did
     train_ids, eval_ids = holdout_split(data["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
     check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)
     pad_id = tokenizer.pad_token_id

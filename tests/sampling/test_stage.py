@@ -141,7 +141,7 @@ def test_run_sample_stage_from_config(store, tiny_model_dir, monkeypatch):
     assert set(rows["policy"]) == {str(tiny_model_dir)}
     assert report.tokens_now == rows["n_tokens"].sum() and report.tokens_per_s > 0
     # a rerun of the same config resumes the same run: nothing new, and with nothing left it opens no sampler (a
-    # vLLM server, ~26 s on CPU each, for every model of an `--force eval`) and loads no reward model
+    # vLLM server for every model of an `--force eval`) and loads no reward model
     def refused(*args, **kwargs):
         raise AssertionError("a run holding every prompt opened a sampler or built its rewards")
 
