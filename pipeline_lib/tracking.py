@@ -115,7 +115,7 @@ def stage_run(
     experiment_id = configure(workspace)
     params = flatten_params(config) if config is not None else {}
     _end_stale_runs(experiment_id)
-    resumes = _killed_run_to_resume(experiment_id, stage, params, dict(tags or {}).get("data.fingerprint"))
+    resumes = _run_to_resume(experiment_id, stage, params, dict(tags or {}).get("data.fingerprint"))
     parent = os.environ.get(PARENT_ENV)
     run = mlflow.start_run(run_name=stage, nested=parent is not None, parent_run_id=parent)
     try:
@@ -229,16 +229,17 @@ def _end_stale_runs(experiment_id: str) -> None:
         client.set_tag(run.info.run_id, "alignflow.error", f"process {pid} ended without closing the run")
 
 
-def _killed_run_to_resume(experiment_id: str, stage: str, params: Mapping[str, str],
-                          data_fingerprint: str | None) -> str | None:
-    """The latest KILLED (or interrupted) run of this stage with these params, data and code that no run resumed
-    yet: the run a rerun continues (other data or code trains in another dir, from the start). `KEEPING_FIELDS` are
-    left out of the comparison: a new `save_every` resumes the same run."""
+def _run_to_resume(experiment_id: str, stage: str, params: Mapping[str, str],
+                   data_fingerprint: str | None) -> str | None:
+    """The latest KILLED or FAILED run of this stage with these params, data and code that no run resumed yet: the
+    run a rerun continues from its last checkpoint (a failure, such as a full disk, leaves one as a kill does; other
+    data or code trains in another dir, from the start). `KEEPING_FIELDS` are left out of the comparison: a new
+    `save_every` resumes the same run."""
     client = MlflowClient()
-    killed = client.search_runs([experiment_id], filter_string="attributes.status = 'KILLED'",
-                                order_by=["attributes.start_time DESC"])
+    ended = client.search_runs([experiment_id], order_by=["attributes.start_time DESC"],
+                               filter_string="attributes.status != 'FINISHED' and attributes.status != 'RUNNING'")
     inputs = {"alignflow.code": code_version(), "data.fingerprint": data_fingerprint}
-    for run in killed:
+    for run in ended:
         same_inputs = all(run.data.tags.get(key) == value for key, value in inputs.items())
         if run.info.run_name == stage and same_inputs and _run_params(run.data.params) == _run_params(params):
             resumed = client.search_runs([experiment_id], max_results=1,
@@ -248,7 +249,7 @@ def _killed_run_to_resume(experiment_id: str, stage: str, params: Mapping[str, s
 
 
 def _carry_history(resumed: str, run_id: str, before_step: int) -> None:
-    """Copy the points of the resumed (killed) run logged before `before_step`, the first step this run logs (the
+    """Copy the points of the resumed (killed or failed) run logged before `before_step`, the first step this run logs (the
     first it logs after its checkpoint: with `log_every` > 1, past the checkpoint's step), into this run: its curves
     start at step 0, as an uninterrupted run's do. The steps the killed run logged after its checkpoint are left out:
     this run computes them again. The tag `alignflow.carried_before_step` says from which step the points are this

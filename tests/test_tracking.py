@@ -235,6 +235,26 @@ def test_a_rerun_carries_the_points_past_a_resume_killed_before_it_logged(worksp
     assert sorted((m.step, m.value) for m in points) == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 104.0)]
 
 
+def test_a_failed_stage_run_is_resumed_by_its_rerun_with_its_points(workspace):
+    """A failure (here a full disk while checkpointing, as an error) leaves the stage's checkpoint as a kill does, so
+    the rerun resumes it: the FAILED run is linked and its points before the rerun's first step carried. Before, only
+    KILLED runs were, and a failed run's rerun started its curves at its checkpoint."""
+    with pytest.raises(OSError):
+        with tracking.stage_run(workspace, "dpo", {"beta": 0.1}, echo=False) as log:
+            for step in range(1, 4):
+                log({"train/loss": 10.0 - step}, step)
+            raise OSError("no checkpoint written")
+    with tracking.stage_run(workspace, "dpo", {"beta": 0.1}, echo=False) as log:
+        log({"train/loss": 103.0}, 3)
+    with tracking.stage_run(workspace, "dpo", {"beta": 0.1}, echo=False):  # a finished run is no resume
+        pass
+    again, rerun, failed = tracking.find_runs(workspace)
+    assert failed.info.status == "FAILED" and failed.data.tags["alignflow.error"] == "OSError: no checkpoint written"
+    assert rerun.data.tags["alignflow.resumes"] == failed.info.run_id and "alignflow.resumes" not in again.data.tags
+    points = MlflowClient(workspace.tracking_uri).get_metric_history(rerun.info.run_id, "train/loss")
+    assert sorted((m.step, m.value) for m in points) == [(1, 9.0), (2, 8.0), (3, 103.0)]
+
+
 def test_an_interrupted_stage_run_is_killed_and_a_rerun_with_another_save_every_resumes_it(workspace):
     """Ctrl-C (KeyboardInterrupt) is no failure of the stage: its run ends KILLED, as a killed process's does, and
     the rerun that resumes its checkpoint links to it, also under a new checkpoint interval (`save_every` is not
