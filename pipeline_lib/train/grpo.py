@@ -44,7 +44,7 @@ from pipeline_lib.train.rollout import (
     check_single_process,
     context_limit,
     grouped_completions_batch,
-    grouped_logprobs_in_chunks,
+    grouped_logprobs,
     open_policy_sampler,
     read_problems,
     rollout_seed,
@@ -248,17 +248,24 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                 # the config makes mini_batch divide a full step; a step short of groups (dynamic sampling gave up
                 # refilling) is split into nearly equal mini-batches of at most mini_batch rows, not a short last one
                 n_mini_batches = -(-n_rows // mini_batch)
-                ref_logps = grouped_logprobs_in_chunks(ref, batch, mini_batch, temperature=cfg.temperature) \
+                # the mini-batches are drawn once and kept for the μ passes, each visiting them in a new order:
+                # θ_old's and the reference's log-probs come from passes over the policy's own mini-batches, so they
+                # equal its log-probs bit for bit while its weights are theirs. (Over other row groupings they were
+                # ~1e-7 apart: with all-zero advantages the KL term's gradient, zero at π = π_ref, was that noise,
+                # which Adam turned into full steps away from the reference.)
+                order_generator = torch.Generator().manual_seed(rollout_seed(cfg.seed, step, 997))
+                mini_batches = torch.tensor_split(torch.randperm(n_rows, generator=order_generator).to(device),
+                                                  n_mini_batches)
+                ref_logps = grouped_logprobs(ref, batch, mini_batches, temperature=cfg.temperature) \
                     if ref is not None else None  # (N, C)
                 # one mini-batch: θ_old = θ at its first pass, so its log-probs come free from that pass
-                old_logps = grouped_logprobs_in_chunks(policy, batch, mini_batch, temperature=cfg.temperature) \
+                old_logps = grouped_logprobs(policy, batch, mini_batches, temperature=cfg.temperature) \
                     if n_mini_batches > 1 else None
 
                 # ---- update: μ passes over the rollout, one optimizer step per mini-batch
-                order_generator = torch.Generator().manual_seed(rollout_seed(cfg.seed, step, 997))
                 for _ in range(cfg.num_iterations):
-                    order = torch.randperm(n_rows, generator=order_generator).to(device)
-                    for rows in torch.tensor_split(order, n_mini_batches):
+                    for k in torch.randperm(n_mini_batches, generator=order_generator).tolist():
+                        rows = mini_batches[k]
                         micro = batch.select(rows)
                         mask = micro.completion_mask
                         with autocast(device):

@@ -228,16 +228,16 @@ def grouped_completions_batch(
 
 
 @torch.no_grad()
-def grouped_logprobs_in_chunks(model: PreTrainedModel, batch: GroupedBatch, chunk: int, *,
-                               temperature: float = 1.0) -> Tensor:
-    """log π of the completion tokens, (N, C), `chunk` consecutive rows at a time (a group's rows share its
-    prompt pass), without gradients."""
-    parts = []
-    for start in range(0, len(batch), chunk):
+def grouped_logprobs(model: PreTrainedModel, batch: GroupedBatch, mini_batches: Sequence[Tensor], *,
+                     temperature: float = 1.0) -> Tensor:
+    """log π of the completion tokens, (N, C), without gradients, one pass per mini-batch of rows: the passes the
+    update makes, so that where the weights are the same the log-probs are too, bit for bit (rows grouped otherwise
+    give other kernel shapes, and log-probs ~1e-7 apart)."""
+    logps = torch.empty(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
+    for rows in mini_batches:
         with autocast(batch.completion_ids.device):
-            rows = torch.arange(start, min(start + chunk, len(batch)), device=batch.completion_ids.device)
-            parts.append(batch.select(rows).logprobs(model, temperature=temperature).float())
-    return torch.cat(parts)  # (N, C)
+            logps[rows] = batch.select(rows).logprobs(model, temperature=temperature).float()
+    return logps  # (N, C)
 
 
 def check_single_process(stage: str) -> None:

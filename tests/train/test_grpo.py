@@ -367,6 +367,37 @@ def test_grpo_without_a_reward_difference_in_any_group_warns_that_the_policy_is_
     assert not [w for w in caught if "had a group whose rewards differ" in str(w.message)]
 
 
+def test_all_zero_advantages_leave_the_policy_unchanged_over_several_mini_batches(tiny, tmp_path, monkeypatch,
+                                                                                 collect):
+    """4 prompts of other lengths x G = 4 completions of other lengths, none correct: every advantage is 0, and
+    4 mini-batches of 4 rows make 8 updates with the KL term (β = 0.04). The reference's log-probs were computed
+    over 4 consecutive rows, the policy's over 4 drawn ones: ~1e-7 apart, a KL gradient of noise that Adam made
+    into steps (here KL 0.024 at step 1; a helper's run on the demo's SFT model: KL 141 at step 1).
+    Now they come from the same mini-batches, and the policy stays the start one, bit for bit."""
+    script = {"1+2=": ["7", "77", "777", "7777"], "123+45=": ["8", "888888", "88", "8888"],
+              "12345+6789=": ["9999", "9", "99999", "99"], "9+87654321=": ["55", "5", "555555", "5555"]}
+    tokenizer = load_tokenizer(tiny)
+
+    class Sampler:
+        def generate(self, prompts, *, n, **kwargs):
+            return [[Completion(t, tokenizer(t)["input_ids"], "stop") for t in script[p][:n]] for p in prompts]
+
+    @contextmanager
+    def scripted_sampler(*args, **kwargs):
+        yield Sampler(), lambda: 0.0
+
+    monkeypatch.setattr(grpo_module, "open_policy_sampler", scripted_sampler)
+    unsolved = pl.DataFrame({"prompt": list(script), "answer": ["-1"] * 4})
+    logged, log = collect()
+    with pytest.warns(RuntimeWarning, match=r"the final model is the start policy \("):
+        final = train_grpo(small_config(tiny, mini_batch_size=4, rewards=({"name": "verifier"},)), unsolved,
+                           tmp_path / "grpo", log=log)
+    assert final_metrics(final)["train/updates"] == 16
+    assert [metrics["policy/kl_ref"] for _, metrics in logged] == [0.0, 0.0]
+    before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_the_learning_rate_schedule_follows_training_steps_not_updates(tiny, problems, tmp_path, collect):
     """Steps whose groups are all filtered make no update; the linear schedule still ends on time."""
     logged, log = collect()
@@ -401,7 +432,8 @@ def test_a_step_short_of_groups_splits_its_rows_without_a_short_last_update(tiny
                       num_iterations=2, max_refill_rounds=0)
     with pytest.warns(RuntimeWarning, match="dynamic sampling found 5 of 6 groups"):
         train_grpo(cfg, problems, tmp_path / "out")
-    assert sizes == rows_per_update * 2  # the same split in each of the 2 iterations
+    n = len(rows_per_update)  # the same split in each of the 2 iterations, its mini-batches in a new order
+    assert len(sizes) == 2 * n and sorted(sizes[:n]) == sorted(sizes[n:]) == sorted(rows_per_update)
 
 
 def test_dapo_preset_has_the_papers_settings_and_configs_reject_mixed_ones():
