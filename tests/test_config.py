@@ -248,6 +248,15 @@ def test_a_vllm_setting_without_the_vllm_backend_is_refused_when_the_config_load
     (DPOConfig, {"policy_path": "m", "lora_alpha": 32, "lora_target_modules": ["nonexistent"]},
      "lora_alpha, lora_target_modules set but lora_r is 0 (no LoRA: every weight trains): set lora_r to train "
      "adapters, or leave them out"),
+    (GRPOConfig, {"policy_path": "m", "max_refill_rounds": 8},
+     "max_refill_rounds 8 refills what dynamic sampling filters, and dynamic_sampling is false: set it true, or "
+     "leave max_refill_rounds out"),
+    (PPOConfig, {"policy_path": "m", "reward_model_path": "r", "kl_target": 3.0, "kl_horizon": 500},
+     "kl_target, kl_horizon set but adaptive_kl is false (β_kl stays kl_coef): set adaptive_kl true, or leave them "
+     "out"),
+    (PPOConfig, {"policy_path": "m", "reward_model_path": "r", "vf_coef": 0, "critic_lr": 1e-4, "value_clip_eps": 1},
+     "critic_lr, value_clip_eps set but vf_coef is 0 (the critic gets no gradient): set vf_coef > 0, or leave them "
+     "out"),
 ])
 def test_a_field_the_stage_would_ignore_is_refused(model, data, error):
     """Each trained the same weights as without it (the audit: bit-identical), under another cache key: a retraining
@@ -255,10 +264,37 @@ def test_a_field_the_stage_would_ignore_is_refused(model, data, error):
     with pytest.raises(ConfigError) as err:
         validate_config(model, data, origin="cfg.yaml")
     assert str(err.value) == f"cfg.yaml: {error}"
-    defaults = {name: model.model_fields[name].default for name in data if name not in ("model_path", "policy_path",
-                                                                                       "data", "loss",
-                                                                                       "samples_run_id")}
+    defaults = {name: model.model_fields[name].default for name in data
+                if name not in ("model_path", "policy_path", "reward_model_path", "data", "loss", "samples_run_id")}
     validate_config(model, data | defaults)
+
+
+@pytest.mark.parametrize(("model", "data", "error"), [
+    (PPOConfig, {"adaptive_kl": True, "kl_horizon": 12},
+     "kl_horizon 12 <= prompts_per_step 64 / 5: the controller's factor 1 + clip(KL / kl_target - 1, ±0.2) · "
+     "prompts_per_step / kl_horizon reaches 0 or below (a negative β_kl); expected kl_horizon > 12.8"),
+    (PPOConfig, {"adaptive_kl": True, "kl_coef": 0},
+     "adaptive_kl multiplies kl_coef by a factor each step, and kl_coef is 0: it would stay 0; expected kl_coef > 0 "
+     "(its start value)"),
+    (DPOConfig, {"label_smoothing": 0.5}, "field 'label_smoothing': Input should be less than 0.5 (got 0.5)"),
+    (SFTConfig, {"lr": 1e-3, "weight_decay": 1000},
+     "weight_decay 1000.0 x lr 0.001 >= 1: AdamW multiplies the weights by 1 - lr·weight_decay each update, which "
+     "zeroes them; expected weight_decay < 1000"),
+    (DAPOConfig, {"lr": 0.1, "weight_decay": 10},
+     "weight_decay 10.0 x lr 0.1 >= 1: AdamW multiplies the weights by 1 - lr·weight_decay each update, which "
+     "zeroes them; expected weight_decay < 10"),
+    (PPOConfig, {"critic_lr": 0.5, "weight_decay": 2},
+     "weight_decay 2.0 x critic_lr 0.5 >= 1: AdamW multiplies the weights by 1 - critic_lr·weight_decay each update, "
+     "which zeroes them; expected weight_decay < 2"),
+])
+def test_settings_that_break_the_update_are_refused(model, data, error):
+    """A KL controller whose factor turns β_kl negative (a helper saw 0.02 -> -0.012) or keeps it 0, DPO's loss at
+    ε = 0.5 (no preference left: eval accuracy fell 0.94 -> 0.68), AdamW's decay past 1 (weights ~0)."""
+    paths = {"model_path": "m"} if model is SFTConfig else {"policy_path": "m", "reward_model_path": "r"} \
+        if model is PPOConfig else {"policy_path": "m"}
+    with pytest.raises(ConfigError) as err:
+        validate_config(model, paths | data, origin="cfg.yaml")
+    assert str(err.value) == f"cfg.yaml: {error}"
 
 
 @pytest.mark.parametrize("data", [{"samples_run_id": "sample-1"}, {"min_reward": 1.0},

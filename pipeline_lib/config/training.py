@@ -72,6 +72,7 @@ class TrainLoopConfig(Config):
     def _accumulation_divides_batch(self):
         if self.batch_size % self.grad_accum_steps:
             raise ValueError(f"batch_size {self.batch_size} is not a multiple of grad_accum_steps {self.grad_accum_steps}")
+        _check_weight_decay(self.weight_decay, lr=self.lr)
         return self
 
     @model_validator(mode="after")
@@ -164,8 +165,9 @@ class DPOConfig(TrainLoopConfig):
     """Starting policy (usually the SFT checkpoint); also the frozen reference."""
     beta: float = Field(0.1, gt=0)
     """KL strength β, typically 0.1-0.5 (Rafailov et al. 2023)."""
-    label_smoothing: float = Field(0.0, ge=0, le=0.5)
-    """Conservative-DPO label noise ε (Mitchell 2023); 0 is plain DPO."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """Conservative-DPO label noise ε (Mitchell 2023); 0 is plain DPO. Below 0.5: at 0.5 the loss is symmetric in
+    chosen and rejected, its minimum at the start (no preference left to learn)."""
     rpo_alpha: float = Field(0.0, ge=0)
     """Weight α of RPO's per-token NLL on the chosen response (Pang et al. 2024; they use 1.0 on GSM8K); 0 is
     plain DPO. Keeps DPO from lowering the chosen answers' likelihood on near-miss pairs."""
@@ -199,8 +201,7 @@ class DPOConfig(TrainLoopConfig):
     def _fields_agree(self):
         if self.source and self.samples_run_id:
             raise ValueError("set one of source (stored pairs) and samples_run_id (a sampling run's West-of-N pairs)")
-        lora = [name for name in ("lora_alpha", "lora_dropout", "lora_target_modules")
-                if getattr(self, name) != type(self).model_fields[name].default]
+        lora = _changed(self, "lora_alpha", "lora_dropout", "lora_target_modules")
         if self.lora_r == 0 and lora:  # ignored, yet part of the stage's keys
             raise ValueError(f"{', '.join(lora)} set but lora_r is 0 (no LoRA: every weight trains): set lora_r to "
                              "train adapters, or leave them out")
@@ -213,6 +214,19 @@ class DPOConfig(TrainLoopConfig):
 
 
 # ---- online RL stages (pipeline_lib/train/grpo.py, ppo.py)
+
+
+def _changed(config: Config, *names: str) -> list[str]:
+    """Those of `names` whose value is not the field's default: set by the user (a field the stage would then
+    ignore is refused: it is part of the stage's keys, so it would train again, on the same result)."""
+    return [name for name in names if getattr(config, name) != type(config).model_fields[name].default]
+
+
+def _check_weight_decay(weight_decay: float, *, lr: float, lr_name: str = "lr") -> None:
+    """AdamW multiplies every weight by 1 - lr·weight_decay at each update: at 1 or more it zeroes or flips them."""
+    if lr * weight_decay >= 1:
+        raise ValueError(f"weight_decay {weight_decay} x {lr_name} {lr} >= 1: AdamW multiplies the weights by "
+                         f"1 - {lr_name}·weight_decay each update, which zeroes them; expected weight_decay < {1 / lr:g}")
 
 
 def _check_mini_batches(mini_batch_size: int | None, rows_per_step: int, rows_from: str) -> None:
@@ -343,6 +357,10 @@ class GRPOConfig(OnlineRLConfig):
         if self.clip_eps_high < self.clip_eps_low:
             raise ValueError(f"clip_eps_high {self.clip_eps_high} < clip_eps_low {self.clip_eps_low}: clip-higher "
                              "(DAPO §3.1) widens the upper bound, expected clip_eps_high >= clip_eps_low")
+        _check_weight_decay(self.weight_decay, lr=self.lr)
+        if not self.dynamic_sampling and _changed(self, "max_refill_rounds"):
+            raise ValueError(f"max_refill_rounds {self.max_refill_rounds} refills what dynamic sampling filters, and "
+                             "dynamic_sampling is false: set it true, or leave max_refill_rounds out")
         if self.dynamic_sampling and not any(spec["name"] == "verifier" and spec.get("weight", 1.0) != 0
                                              for spec in self.rewards):
             raise ValueError("dynamic_sampling keeps the groups with 0 < #correct < G, which only a reward with the "
@@ -482,6 +500,26 @@ class PPOConfig(OnlineRLConfig):
         if self.prompts_table == "preference_pairs" and any(spec["name"] == "verifier" for spec in self.rewards):
             raise ValueError("rewards name 'verifier' but prompts_table 'preference_pairs' has no answers; "
                              "use prompts_table 'problems'")
+        _check_weight_decay(self.weight_decay, lr=self.lr)
+        _check_weight_decay(self.weight_decay, lr=self.critic_lr, lr_name="critic_lr")
+        return self
+
+    @model_validator(mode="after")
+    def _fields_the_stage_reads(self):
+        """The KL controller's and the value loss's settings where they act; set elsewhere they would be ignored."""
+        if not self.adaptive_kl and (ignored := _changed(self, "kl_target", "kl_horizon")):
+            raise ValueError(f"{', '.join(ignored)} set but adaptive_kl is false (β_kl stays kl_coef): set "
+                             "adaptive_kl true, or leave them out")
+        if self.adaptive_kl and self.kl_coef == 0:
+            raise ValueError("adaptive_kl multiplies kl_coef by a factor each step, and kl_coef is 0: it would stay "
+                             "0; expected kl_coef > 0 (its start value)")
+        if self.adaptive_kl and self.kl_horizon * 5 <= self.prompts_per_step:
+            raise ValueError(f"kl_horizon {self.kl_horizon} <= prompts_per_step {self.prompts_per_step} / 5: the "
+                             "controller's factor 1 + clip(KL / kl_target - 1, ±0.2) · prompts_per_step / kl_horizon "
+                             f"reaches 0 or below (a negative β_kl); expected kl_horizon > {self.prompts_per_step / 5:g}")
+        if self.vf_coef == 0 and (ignored := _changed(self, "critic_lr", "value_clip_eps")):
+            raise ValueError(f"{', '.join(ignored)} set but vf_coef is 0 (the critic gets no gradient): set vf_coef "
+                             "> 0, or leave them out")
         return self
 
     @model_validator(mode="after")
