@@ -12,6 +12,7 @@ import transformers
 from pipeline_lib.models import build_tiny_model, completion_logprob_sums, load_policy, sequence_logprobs
 from pipeline_lib.models.logprobs import (
     UnsupportedModelError,
+    _chunk_logps,
     packs_pairs,
     pair_logprob_sums,
     position_ids_from_mask,
@@ -73,6 +74,22 @@ def test_matches_naive_log_softmax_with_entropy(model, chunk_size):
     assert torch.all(logps[completion == 0] == 0) and torch.all(logps[completion == 1] < 0)
     assert torch.all(entropy[completion == 1] > 0)
     assert torch.all(entropy <= torch.log(torch.tensor(float(model.config.vocab_size))) + ATOL)  # H ≤ log V
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.1, 0.01])
+def test_the_entropy_of_large_logits_is_that_of_float64_and_never_negative(temperature):
+    """Logits of a confident model (~N(0, 8), one token 40 up) over a low temperature: lse(z) - Σ p z cancelled
+    large numbers in float32 (a helper: -6e-3 at T = 0.01, in GRPO's policy/entropy); -Σ p log p keeps float64's
+    value of the same logits."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 64, 512, generator=generator) * 8
+    logits[..., 7] += 40.0
+    targets = torch.randint(0, 512, (4, 64), generator=generator)
+    _, entropy = _chunk_logps(lambda hidden: hidden, logits, targets, True, temperature)
+    exact = torch.log_softmax((logits / temperature).double(), dim=-1)  # (the division's float32 rounding kept)
+    exact_entropy = -(exact.exp() * exact).sum(-1)
+    assert torch.all(entropy >= 0)
+    torch.testing.assert_close(entropy.double(), exact_entropy, atol=1e-6, rtol=1e-5)
 
 
 def test_left_padding_gives_the_unpadded_values(model):
