@@ -85,7 +85,8 @@ _LIST_ITEM = re.compile(r"[ \t]*\d+[.)][ \t]+\S")
 # subtraction (`10 - 5` is 10 and 5), so it joins only at the start of an answer or right after an `=`.
 _SPACED_SIGN = re.compile(r"^\s*([-+])\s+(?=[\d.$\\])")
 _EQUALS_SPACED_SIGN = re.compile(rf"(={_INLINE_SPACE}*)-{_INLINE_SPACE}+(?=[\d.$\\])")
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# `\boxed{...}`, or MATH's `\boxed 5` without braces (its box ends at the next `$`, or here at the line's end)
+_BOXED = re.compile(r"\\(?:boxed|fbox)(?:\s*(?P<brace>\{)|[ \t]+(?=[^\s{]))")
 _ANSWER_IS = re.compile(r"\banswer\s{0,10}(?:is\b|:|=)|答案\s{0,10}(?:是|为|為|：|:|=)", re.IGNORECASE)
 # `A:` as the answer label of the Q/A format: at the start of the text or of a line, or right after a sentence's end
 # (`Q: How many? A: 42`), spaces and markdown bold allowed before it (`**A:** 42`); never after a word, where it names
@@ -372,12 +373,15 @@ def _gsm8k_line(after_marker: str) -> str | None:
 
 
 def boxed_content(text: str) -> str | None:
-    """The content of the last `\\boxed{...}`, braces matched (nested braces allowed), or None."""
+    """The content of the last `\\boxed{...}`, braces matched (nested braces allowed), or of the last `\\boxed 5`
+    (MATH's solutions write some so: up to the next `$` or the line's end), or None."""
     last = None
     for last in _BOXED.finditer(text):
         pass
     if last is None:
         return None
+    if last.group("brace") is None:
+        return re.split(r"[$\n]", text[last.end():], maxsplit=1)[0].strip() or None
     depth, start = 1, last.end()
     for i in range(start, len(text)):
         if text[i] == "{":
