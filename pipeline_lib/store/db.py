@@ -347,11 +347,14 @@ class Store:
         return {r[0] for r in rows}
 
     def corpus_texts(self, sources: list[str] | None = None) -> list[str]:
-        """Every prompt/response text of the store (optionally of some sources): a tokenizer's training corpus."""
+        """Every prompt/response text of the store (optionally of some sources), the problems' worked solutions
+        (which SFT trains on) included: a tokenizer's training corpus."""
         parts = [
             "SELECT source, prompt AS text FROM preference_pairs UNION ALL SELECT source, chosen FROM preference_pairs",
             "SELECT source, rejected FROM preference_pairs",
             "SELECT source, prompt FROM problems UNION ALL SELECT source, answer FROM problems",
+            "SELECT source, solution FROM (SELECT source, json_extract_string(meta, '$.solution') AS solution "
+            "FROM problems) WHERE solution IS NOT NULL",
             "SELECT source, prompt FROM rankings UNION ALL SELECT source, unnest(responses) FROM rankings",
         ]
         sql = f"SELECT text FROM ({' UNION ALL '.join(parts)})"

@@ -191,7 +191,8 @@ def test_a_boxed_gold_answer_is_read_as_its_box():
     # MATH's solutions also write `\boxed 5`: a box up to the next `$` (or the line's end), and the last box wins
     # (the braced one before it was read instead; alone, the solution had "no \boxed{} answer")
     assert boxed_content(r"$\boxed{3}$ candidate; the final answer is $\boxed 5$.") == "5"
-    assert boxed_content("so $\\boxed \\frac12$ here\n") == r"\frac12" and answer_value(r"$\boxed \frac12$") == Fraction(1, 2)
+    assert boxed_content("so $\\boxed \\frac12$ here\n") == r"\frac12"
+    assert answer_value(r"$\boxed \frac12$") == Fraction(1, 2)
     assert boxed_content("\\boxed 12\nnext line") == "12" and boxed_content(r"\boxed $") is None
     assert is_correct(r"The answer is $\boxed 9$.", "9") and not is_correct(r"$\boxed 9$", "8")
 

@@ -149,6 +149,19 @@ def test_read_filters_and_unknown_names(tmp_path):
             store.insert_new("problems", problems.rename({"prompt": "question"}))
 
 
+def test_the_corpus_holds_the_worked_solutions_sft_trains_on(tmp_path):
+    """SFT trains on a problem's meta.solution where it has one (GSM8K's `<<48/2=24>>` steps): the tiny model's
+    tokenizer left its `<`, `>`, `*`, `$` out (8% of SFT's tokens were <unk>). Problems without one add nothing."""
+    problems = pl.DataFrame({"problem_id": ["1", "2", "3"], "source": ["g", "g", "h"], "split": "train",
+                             "prompt": ["q1", "q2", "q3"], "answer": ["24", "5", "7"],
+                             "meta": ['{"solution": "48/2 = <<48/2=24>>24\\n#### 24"}', None, '{"id": 3}']})
+    with open_store(tmp_path / "s.duckdb") as store:
+        store.insert_new("problems", problems)
+        assert sorted(store.corpus_texts()) == sorted(["q1", "q2", "q3", "24", "5", "7",
+                                                       "48/2 = <<48/2=24>>24\n#### 24"])
+        assert sorted(store.corpus_texts(["h"])) == ["7", "q3"]
+
+
 def test_an_empty_selection_is_one_line_naming_it_and_what_the_table_holds(tmp_path):
     problems = pl.DataFrame({"problem_id": ["1", "2", "3"], "source": ["g", "g", "h"],
                              "split": ["train", "test", "test"], "prompt": ["a", "b", "c"], "answer": ["1", "2", "3"]})
