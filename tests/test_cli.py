@@ -199,8 +199,10 @@ def test_reading_a_workspace_that_is_not_there_creates_nothing(tmp_path):
 @pytest.mark.parametrize("text, expected, options", [
     ("", "the file holds no records", []),
     ("\n\n", "the file holds no records", ["--format", "pairs"]),  # a named format does not make it readable
-    ('{"foo": 1}\n', "cannot detect the record format (fields ['foo']); pass --format pairs|hh|chat|ranking|problem",
-     []),
+    ('{"foo": 1}\n', "cannot detect the record format (fields ['foo']); the shapes read are pairs (prompt, chosen, "
+     "rejected), hh (chosen and rejected HH-RLHF transcripts), chat (chosen and rejected message lists), ranking "
+     "(prompt, responses[, ranks]) and problem (question, prompt or problem, with answer or solution): rename the "
+     "fields", []),
 ])
 def test_an_unreadable_data_file_fails_before_prefect_starts(tmp_path, text, expected, options):
     """A file ingest cannot read as a whole is one line, before Prefect's temporary server starts (which takes

@@ -94,6 +94,9 @@ class IngestReport:
     own_splits: str = ""
     """The file's problems (quarantined ones and in-file duplicates left out) whose records name a split other than
     the one given, which they keep: e.g. "100 test"."""
+    unread_fields: str = ""
+    """The records' fields no stage reads (kept in each row's meta), with how many records hold each: e.g.
+    "system (20), id (20)". A `system` beside text pairs is no system turn: chat messages carry one."""
 
     def summary(self) -> str:
         line = (f"{Path(self.file).name} ({self.format} -> {self.table}): read {self.rows_read} = "
@@ -103,6 +106,8 @@ class IngestReport:
                      f"--source NAME` removes a source)")
         if self.own_splits:
             line += f"; of its problems, these name their own split, which wins over the split given: {self.own_splits}"
+        if self.unread_fields:
+            line += f"; fields kept in meta, which no stage reads: {self.unread_fields}"
         return line
 
     def quarantine_hint(self, workspace: Path) -> str:
@@ -157,6 +162,8 @@ def ingest_file(
     if not split:
         raise IngestError(f"{path}: split is blank; expected a split name such as train or test")
     rows = _screen(lines, fmt, max_record_bytes, pre_bad)
+    # SFT reads a problem's `solution`, kept in meta
+    unread = [(name, count) for name, count in rows.extra_fields.most_common() if (fmt, name) != ("problem", "solution")]
     accepted, bad = shape_records(fmt, rows, split=split)
     table = TABLE_OF[fmt]
     if table == "problems":
@@ -195,6 +202,7 @@ def ingest_file(
         fingerprint=fingerprint_path(path),
         elsewhere=" and ".join(_placement(columns, row) for row in elsewhere),
         own_splits="" if own is None else ", ".join(f"{count} {name}" for name, count in own.iter_rows()),
+        unread_fields=", ".join(f"{name} ({count})" for name, count in unread),
     )
     if report.rows_read != report.accepted + report.duplicates + report.quarantined:
         raise RuntimeError(f"ingest invariant broken (a bug in alignflow): {report.summary()}")
@@ -529,7 +537,10 @@ def _detect_format(
                           f"field, and 'chosen' holds no HH-RLHF transcript ({HH_TURN!r} turns); name the "
                           f"prompt's field 'prompt'")
     raise IngestError(
-        f"{path}: cannot detect the record format (fields {first_keys}); pass --format {'|'.join(FORMATS)}"
+        f"{path}: cannot detect the record format (fields {first_keys}); the shapes read are pairs (prompt, chosen, "
+        "rejected), hh (chosen and rejected HH-RLHF transcripts), chat (chosen and rejected message lists), ranking "
+        "(prompt, responses[, ranks]) and problem (question, prompt or problem, with answer or solution): rename "
+        "the fields"
     )
 
 
@@ -557,6 +568,7 @@ def _screen(lines: list[bytes], fmt: str, limit: int, pre_bad: dict[int, str]) -
     good: list[int] = []
     bad: list[tuple[int, str]] = []
     metas: dict[int, str] = {}
+    extra_fields: Counter[str] = Counter()
     records: list[dict] = []
     n_records = 0
     for i, line in enumerate(lines):
@@ -600,6 +612,7 @@ def _screen(lines: list[bytes], fmt: str, limit: int, pre_bad: dict[int, str]) -
                 _check_unique_keys(line)
             if extra and (extras := _extra_keys(record, known, alternatives)):
                 metas[i] = _meta(line, record, extras)
+                extra_fields.update(extras)
         except _Rejected as exc:
             bad.append((i, str(exc)))
             continue
@@ -612,7 +625,8 @@ def _screen(lines: list[bytes], fmt: str, limit: int, pre_bad: dict[int, str]) -
         frame = pl.read_ndjson(buffer, schema=SCHEMAS[fmt]) if good else pl.DataFrame(schema=SCHEMAS[fmt])
         if frame.height != len(good):
             raise RuntimeError(f"polars read {frame.height} records of {len(good)} screened lines (a bug)")
-    return Rows(n_records=n_records, index=good, frame=frame, records=records, metas=metas, bad=bad)
+    return Rows(n_records=n_records, index=good, frame=frame, records=records, metas=metas, bad=bad,
+                extra_fields=extra_fields)
 
 
 class _Rejected(Exception):

@@ -4,6 +4,7 @@ into table rows (pairs, hh, chat -> preference_pairs; ranking -> rankings; probl
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 
 import orjson
@@ -43,6 +44,8 @@ PROMPT_ROLES = ("system", "user", "assistant", "tool")
 WHITESPACE = ("\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200b)))
               + "\u2028\u2029\u202f\u205f\u3000")
 BLANK = r"^[\s\x1c-\x1f]*$"  # anchored: stops at the first non-space character, no copy of the text
+# a chat message list written as text: JSON's `[{"role": ...` or a pandas CSV export's Python `[{'content': ...`
+MESSAGES_AS_TEXT = r"""^\s*\[\s*\{\s*["'](?:role|content|from|value)["']\s*:"""
 HH_TURN = "\n\nAssistant:"
 HH_HUMAN_TURN = "\n\nHuman:"
 MAX_DEPTH = 254  # levels of nesting orjson writes (it reads 1024): a deeper record cannot be stored
@@ -60,6 +63,8 @@ class Rows:
     records: list[dict]
     metas: dict[int, str]
     bad: list[tuple[int, str]]
+    extra_fields: Counter[str]
+    """How many of those records hold each field the format does not read (kept in their meta)."""
 
 
 def shape_records(fmt: str, rows: Rows, *, split: str) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
@@ -102,11 +107,13 @@ def _stripped(expr: pl.Expr) -> pl.Expr:
 
 
 def _pairs(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
-    reason = (
-        _empty_fields("prompt", "chosen", "rejected")
-        .when(_stripped(pl.col("chosen")) == _stripped(pl.col("rejected")))
+    reason = _empty_fields("prompt", "chosen", "rejected")
+    for column in ("prompt", "chosen", "rejected"):  # the list's syntax and its user turn would be trained on
+        reason = reason.when(pl.col(column).str.contains(MESSAGES_AS_TEXT)).then(pl.lit(
+            f"field '{column}' holds a chat message list written as text ([{{'role': ...): store the list itself "
+            "(a JSON array of {role, content} objects; a CSV cannot hold one: write JSON Lines or parquet)"))
+    reason = reason.when(_stripped(pl.col("chosen")) == _stripped(pl.col("rejected"))) \
         .then(pl.lit("chosen identical to rejected"))
-    )
     ok, bad = _split_off(frame, reason)
     no_messages = pl.lit(None, dtype=pl.String).alias("prompt_messages")
     return ok.select("prompt", "chosen", "rejected", no_messages, "meta"), bad
@@ -279,11 +286,17 @@ def _chat(rows: Rows) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
 
 def _ranking(frame: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
     """Responses are stored best -> worst and their ranks as 1..K, aligned with them (the record's ranks refer to
-    its own order of the responses and would misread beside the reordered ones)."""
+    its own order of the responses and would misread beside the reordered ones). Without `ranks` the responses
+    are best first as written; a record that carries scores of its own instead is refused (which way is best?)."""
     k = pl.col("responses").list.len()
     ranks = pl.col("ranks")
+    scores = pl.coalesce([pl.when(pl.col("meta").str.json_path_match(f"$.{name}").is_not_null()).then(pl.lit(name))
+                          for name in ("scores", "score", "ratings", "rating", "rewards", "rank", "ranking")])
     reason = (
         _empty_fields("prompt")
+        .when(ranks.is_null() & scores.is_not_null())
+        .then(pl.format("no 'ranks' but a field '{}': without ranks the responses are read best first as written, "
+                        "which it may contradict; give 'ranks' (1 = best)", scores))
         .when(k < 2)
         .then(pl.format("ranking has {} response(s), needs at least 2", k))
         .when(pl.col("responses").list.eval(pl.element().str.contains(BLANK)).list.any())
@@ -336,6 +349,12 @@ def _problem(frame: pl.DataFrame, split: str) -> tuple[pl.DataFrame, list[tuple[
         .then(pl.lit("no 'answer' field, and the last \\boxed{} of field 'solution' is empty"))
         .when(_blank("answer"))
         .then(pl.lit("empty field 'answer'"))
+        .when(~from_solution & ~pl.col("answer").str.contains("####", literal=True)
+              & _stripped(pl.col("answer")).str.contains("\n", literal=True)
+              & ~pl.col("answer").str.contains(r"\\(?:boxed|fbox)"))
+        .then(pl.format("field 'answer' holds {} lines and no '####': a worked solution, not a gold answer (the "
+                        "verifier would compare answers to all of it); put the final answer in 'answer', its "
+                        "solution under 'solution'", _stripped(pl.col("answer")).str.count_matches("\n") + 1))
         .when(pl.col("_final") == "")
         .then(pl.lit("empty answer after '####'"))
     )

@@ -83,7 +83,8 @@ def test_ids_of_records_with_separator_text_do_not_collide(tmp_path, store):
 
 def test_summary_line(tmp_path, store):
     report = ingest_file(write_jsonl(tmp_path / "p.jsonl", PAIRS), store)
-    assert report.summary() == "p.jsonl (pairs -> preference_pairs): read 3 = accepted 3 + duplicates 0 + quarantined 0"
+    assert report.summary() == ("p.jsonl (pairs -> preference_pairs): read 3 = accepted 3 + duplicates 0 + "
+                                "quarantined 0; fields kept in meta, which no stage reads: id (1)")
     assert (report.source, report.table, report.format) == ("p", "preference_pairs", "pairs")
     assert report.fingerprint == fingerprint_path(tmp_path / "p.jsonl")
     metrics = report.metrics()
@@ -259,6 +260,75 @@ def test_rankings_ordered_best_to_worst(tmp_path, store):
     assert rows["p1"]["ranks"] == [1, 2, 3]  # aligned with the reordered responses, not the record's [2, 1, 3]
     assert rows["p2"]["responses"] == ["a", "b"] and rows["p2"]["ranks"] == [1, 2]
     assert rows["p1"]["ranking_id"] == content_id("p1", "best", "mid", "worst")
+
+
+def test_a_ranking_without_ranks_but_with_scores_of_its_own_is_quarantined(tmp_path, store):
+    """Without ranks the responses are read best first; a record scoring them (here worst, best, mid) would have
+    been stored in that order as best first. Scores beside ranks are kept in meta; other fields do not count."""
+    records = [
+        {"prompt": "p1", "responses": ["worst", "best", "mid"], "scores": [1, 9, 5]},
+        {"prompt": "p2", "responses": ["a", "b"], "ratings": [5, 4]},
+        {"prompt": "p3", "responses": ["a", "b"], "ranks": [2, 1], "scores": [1, 2]},
+        {"prompt": "p4", "responses": ["a", "b"], "info": {"rank": 2}},
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "r.jsonl", records), store)
+    check_invariant(report)
+    assert (report.accepted, report.quarantined) == (2, 2)
+    assert quarantine(store) == {
+        1: "no 'ranks' but a field 'scores': without ranks the responses are read best first as written, which it "
+           "may contradict; give 'ranks' (1 = best)",
+        2: "no 'ranks' but a field 'ratings': without ranks the responses are read best first as written, which it "
+           "may contradict; give 'ranks' (1 = best)",
+    }
+    assert sorted(store.read("rankings")["prompt"]) == ["p3", "p4"]
+
+
+def test_a_chat_message_list_written_as_text_is_no_text_pair(tmp_path, store):
+    """A pandas CSV export of ultrafeedback_binarized writes its message lists as Python text; read as text pairs,
+    the list's syntax and the user turn became the trained response. JSON text of a list too."""
+    as_python = "[{'content': 'Q0?', 'role': 'user'}, {'content': 'good', 'role': 'assistant'}]"
+    records = [
+        {"prompt": "Q0?", "chosen": as_python, "rejected": as_python.replace("good", "bad")},
+        {"prompt": json.dumps([{"role": "user", "content": "Q1?"}]), "chosen": "a", "rejected": "b"},
+        {"prompt": "Q2?", "chosen": "[1] is a list", "rejected": "[{x}] is a set in braces"},
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "p.jsonl", records), store)
+    check_invariant(report)
+    assert (report.format, report.accepted, report.quarantined) == ("pairs", 1, 2)
+    written = ("holds a chat message list written as text ([{'role': ...): store the list itself (a JSON array of "
+               "{role, content} objects; a CSV cannot hold one: write JSON Lines or parquet)")
+    assert quarantine(store) == {1: f"field 'chosen' {written}", 2: f"field 'prompt' {written}"}
+
+
+def test_a_worked_solution_in_answer_without_a_final_answer_marker_is_quarantined(tmp_path, store):
+    """orca-math's `answer` is prose over several lines: stored as the gold answer, no completion could match it.
+    One line, GSM8K's `####` or a `\\boxed{}` in it still make a gold answer."""
+    records = [
+        {"question": "Q1", "answer": "To find the total:\n\n10 + 3 = 13\nSo she sold 13 clips."},
+        {"question": "Q2", "answer": " 13\n"},
+        {"question": "Q3", "answer": "2 + 2 = 4\n#### 4"},
+        {"question": "Q4", "answer": "Add them:\n$\\boxed{4}$"},
+        {"question": "Q5", "answer": "The Eiffel Tower"},
+    ]
+    report = ingest_file(write_jsonl(tmp_path / "orca.jsonl", records), store)
+    check_invariant(report)
+    assert (report.accepted, report.quarantined) == (4, 1)
+    assert quarantine(store) == {1: "field 'answer' holds 4 lines and no '####': a worked solution, not a gold answer "
+                                    "(the verifier would compare answers to all of it); put the final answer in "
+                                    "'answer', its solution under 'solution'"}
+
+
+def test_the_counts_line_names_the_fields_no_stage_reads(tmp_path, store):
+    """Intel/orca_dpo_pairs' `system` beside text pairs went to meta unsaid (no stage reads it); a problem's
+    `solution` is read by SFT, so it is not named."""
+    pairs = [{"system": "You are an AI.", "prompt": f"q{i}", "chosen": "a", "rejected": "b", "id": i}
+             for i in range(3)]
+    pairs[0].pop("id")
+    report = ingest_file(write_jsonl(tmp_path / "orca_dpo.jsonl", pairs), store)
+    assert report.unread_fields == "system (3), id (2)"
+    assert report.summary().endswith("; fields kept in meta, which no stage reads: system (3), id (2)")
+    problems = [{"question": "Q", "answer": "4", "solution": "2 + 2 = 4"}]
+    assert ingest_file(write_jsonl(tmp_path / "math.jsonl", problems), store).unread_fields == ""
 
 
 def test_problems_gsm8k_plain_numeric_and_split(tmp_path, store):
@@ -1207,8 +1277,8 @@ def test_pairs_stored_under_another_source_are_named_in_the_summary(tmp_path, st
     ingest_file(path, store, source="first")
     report = ingest_file(path, store, source="second")
     assert (report.accepted, report.duplicates, report.elsewhere) == (0, 3, "3 under source 'first'")
-    assert report.summary().endswith("; of the duplicates, 3 under source 'first' stay as first ingested "
-                                     "(`alignflow data delete --source NAME` removes a source)")
+    assert "; of the duplicates, 3 under source 'first' stay as first ingested (`alignflow data delete --source " \
+        "NAME` removes a source)" in report.summary()
     assert ingest_file(path, store, source="first").elsewhere == ""
     assert store.delete_source("first") == {"preference_pairs": 3, "rankings": 0, "problems": 0, "quarantine": 0}
     assert ingest_file(path, store, source="second").accepted == 3
