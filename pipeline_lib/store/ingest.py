@@ -732,8 +732,12 @@ def _value_problem(name: str, value: object, kind: str) -> str | None:
         if type(message) is not dict:
             return f"field '{name}' message {j} is {_json_type(message)}, expected an object"
         for key in ("role", "content"):
-            if type(message.get(key)) is not str:
-                return f"field '{name}' message {j}: '{key}' is {_json_type(message.get(key))}, expected a string"
+            if key not in message:  # ShareGPT's messages are {from, value}; an OpenAI tool call may leave content out
+                keys = sorted(message)
+                return (f"field '{name}' message {j} has no '{key}' (its keys: {keys[:8]}{'...' if keys[8:] else ''}); "
+                        "expected {role, content} messages")
+            if type(message[key]) is not str:
+                return f"field '{name}' message {j}: '{key}' is {_json_type(message[key])}, expected a string"
     return None
 
 

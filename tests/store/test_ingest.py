@@ -723,16 +723,18 @@ def test_chat_bad_rows(tmp_path, store):
         {"prompt": user, "chosen": [{"role": "user", "content": "more"}], "rejected": reply},
         {"prompt": user, "chosen": [{"role": "assistant", "content": [{"type": "text"}]}], "rejected": reply},
         {"chosen": user + reply, "rejected": user + reply},  # no prompt: identical conversations
+        {"prompt": user, "chosen": [{"from": "gpt", "value": "hello"}], "rejected": reply},  # ShareGPT's keys
     ]
     report = ingest_file(write_jsonl(tmp_path / "chat.jsonl", lines), store)
     check_invariant(report)
     assert quarantine(store) == {
         2: "chosen identical to rejected",
-        3: "field 'chosen' message 0: 'content' is null, expected a string",
+        3: "field 'chosen' message 0 has no 'content' (its keys: ['role']); expected {role, content} messages",
         4: "empty response after prompt extraction (chosen)",
         5: "'chosen' does not end with an assistant message (role 'user')",
         6: "field 'chosen' message 0: 'content' is a list, expected a string",
         7: "chosen identical to rejected",
+        8: "field 'chosen' message 0 has no 'role' (its keys: ['from', 'value']); expected {role, content} messages",
     }
 
 
