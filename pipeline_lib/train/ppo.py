@@ -4,6 +4,7 @@ RM score + per-token KL penalty, GAE, several epochs of clipped policy and value
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import polars as pl
@@ -165,6 +166,7 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
     resumed = load_checkpoint(out_dir, model=trained, optimizer=optimizer, scheduler=scheduler, run_key=stage_key)
     start_step, extra = resumed if resumed else (0, {})
     kl_coef = float(extra.get("kl_coef", cfg.kl_coef))
+    signal_steps = int(extra.get("signal_steps", 0))  # steps with an advantage != 0, resumes included
     prompt_stream = batches(len(texts), cfg.prompts_per_step, seed=cfg.seed, start_step=start_step)
     metrics: dict[str, float] = {}
 
@@ -202,6 +204,7 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
             advantages, returns = compute_gae(rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.lam)  # (B, T)
             if cfg.whiten_advantages:
                 advantages = masked_whiten(advantages, mask)
+            signal_steps += bool(advantages.any())
             kl_k3_seq = (kl_k3(old_logps, ref_logps) * mask).sum(-1).mean()  # padding holds 0 - 0: k3 = 0 there
 
             # ---- update: ppo_epochs passes over the rollout, one optimizer step (actor + critic) per mini-batch
@@ -266,8 +269,13 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
                 log(metrics, done)
             if done % cfg.save_every == 0 and done < cfg.max_steps:
                 save_checkpoint(out_dir, step=done, model=trained, optimizer=optimizer, scheduler=scheduler,
-                                extra={"kl_coef": kl_coef}, run_key=stage_key)
+                                extra={"kl_coef": kl_coef, "signal_steps": signal_steps}, run_key=stage_key)
 
+    if signal_steps == 0:  # rewards, KL penalty and values all alike: GAE gives 0 everywhere, and so does the gradient
+        unchanged = "the start policy" + (" but for weight decay" if cfg.weight_decay else "")
+        warnings.warn(f"ppo: every advantage of the {cfg.max_steps} steps was 0 (no reward, KL penalty or value told "
+                      f"the samples apart), so the actor's gradient was zero throughout: the final model is {unchanged} "
+                      "(check that the rewards vary: problems it solves sometimes)", RuntimeWarning, stacklevel=2)
     return save_final(policy, tokenizer, out_dir, metrics=metrics, run_key=stage_key)
 
 

@@ -5,6 +5,7 @@ uninterrupted run (adaptive β included), the NaN guard."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import polars as pl
@@ -119,6 +120,27 @@ def test_rewards_mix_the_reward_model_with_the_verifier_or_use_the_verifier_alon
     train_ppo(cfg.model_copy(update={"reward_model_path": None}), problems, tmp_path / "verifier", log=log)
     assert logged[0][1]["rewards/mean"] == logged[0][1]["rewards/accuracy"]
     assert "rewards/reward_model" not in logged[0][1]
+
+
+def test_ppo_without_any_advantage_warns_that_the_actor_is_unchanged(tiny, reward_model, tmp_path, collect):
+    """No sample is correct and the verifier is the only reward; the critic starts at 0 (critic_init policy) and the
+    actor is its reference: every advantage is 0 at every step, the actor comes out as it went in, and the run
+    says so (it exited 0 in silence, GRPO warning in the same case)."""
+    unsolved = pl.DataFrame({"prompt": ["1+2=", "123+45=", "12+3=", "9+8="] * 2, "answer": ["-1"] * 8})
+    cfg = small_config(tiny, reward_model, rewards=[{"name": "verifier"}], critic_init="policy") \
+        .model_copy(update={"reward_model_path": None})
+    logged, log = collect()
+    with pytest.warns(RuntimeWarning, match=r"ppo: every advantage of the 2 steps was 0 \(no reward, KL penalty or "
+                                            r"value told the samples apart\), so the actor's gradient was zero "
+                                            r"throughout: the final model is the start policy \(check"):
+        final = train_ppo(cfg, unsolved, tmp_path / "ppo", log=log)
+    assert [metrics["rewards/mean"] for _, metrics in logged] == [0.0, 0.0]
+    before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    with warnings.catch_warnings(record=True) as caught:  # advantages from the reward model: no warning
+        warnings.simplefilter("always")
+        train_ppo(small_config(tiny, reward_model, max_steps=1), unsolved, tmp_path / "rm")
+    assert not [w for w in caught if "every advantage" in str(w.message)]
 
 
 def test_reward_settings_fail_fast(tiny, reward_model, problems, tmp_path):
