@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import polars as pl
 
-from pipeline_lib.model_dirs import FINAL_MARKER
+from pipeline_lib.model_dirs import FINAL_MARKER, resolve_model_dir
 
 # Files above this size are fingerprinted by (size, mtime) instead of content: hashing the multi-GB
 # weights of a real model on every pipeline run would cost minutes; the tiny model is hashed fully.
@@ -37,11 +37,12 @@ def fingerprint_path(path: str | Path, *, skip_names: tuple[str, ...] = ()) -> s
 
 
 def model_fingerprint(model_path: str | Path) -> str:
-    """A model dir's content fingerprint (a hub id stands for itself): a model retrained into the same dir is a
-    new input, an identical copy the same one. The final marker is left out: it records the run (its wall time),
-    so a stage retrained to the same weights leaves every stage after it cached."""
-    path = Path(model_path).expanduser()
-    return fingerprint_path(path, skip_names=(FINAL_MARKER,)) if path.is_dir() else str(model_path)
+    """A model dir's content fingerprint, a hub id's that of its snapshot (`resolve_model_dir`: offline, the one
+    the local cache's refs name; its id stood for itself, so an updated snapshot was a cache hit on the old one): a
+    model retrained into the same dir is a new input, an identical copy the same one. The final marker is left out:
+    it records the run (its wall time), so a stage retrained to the same weights leaves every stage after it
+    cached. ModelLoadError if there is no such model."""
+    return fingerprint_path(resolve_model_dir(model_path), skip_names=(FINAL_MARKER,))
 
 
 def content_id(*parts: str) -> str:

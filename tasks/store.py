@@ -22,7 +22,6 @@ from pipeline_lib.config import (
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.filters import west_of_n_of_run
 from pipeline_lib.fingerprint import content_id, frame_fingerprint, model_fingerprint
-from pipeline_lib.model_dirs import resolve_model_dir
 from pipeline_lib.sampling.stage import sample_run_id, select_problems
 from pipeline_lib.store.db import CORPUS_TABLES, open_store
 from pipeline_lib.train.dpo import load_dpo_data
@@ -49,9 +48,7 @@ def inputs_fingerprint_task(cfg: BaseModel, stage: str) -> str:
     try:
         with open_store(workspace.store_path) as store:
             data = LOADERS[type(cfg)](store, cfg)
-        for path in model_paths(cfg):
-            resolve_model_dir(path)  # else the stage's task fails on it before its run starts (`stage_dir`)
-        models = [model_fingerprint(path) for path in model_paths(cfg)]
+        models = [model_fingerprint(path) for path in model_paths(cfg)]  # ModelLoadError for a model not there
     except AlignflowError as exc:
         exc.args = (f"{stage}: {exc}",)
         with tracking.stage_run(workspace, stage, cfg, tags=run_tags()):

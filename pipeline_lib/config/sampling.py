@@ -74,7 +74,8 @@ class SampleConfig(Config):
     batches of their own (with the hf backend, other random draws than a fresh run's, from the same policy);
     `device` is not part of the id, and CPU and CUDA draw different random streams. With max_problems, the
     selected problems' ids are part of it too (another first K is another run). An explicit run_id reused with
-    another `n` is an error; its rows are not checked against the rest of the config."""
+    another `n` or another policy (model_path, or policy_name where set) is an error; its rows are not checked
+    against the rest of the config."""
     policy_name: str | None = None
     """samples.policy label; None uses model_path."""
     trust_remote_code: bool = False

@@ -303,6 +303,11 @@ def run_sample_stage(cfg: SampleConfig, store: Store, *, log: LogFn = no_log, pr
     problems = select_problems(store, cfg)
     ids = problems["problem_id"].to_list()
     run_id = sample_run_id(cfg, ids)
+    policy = cfg.policy_name or cfg.model_path
+    if cfg.run_id and store.count("samples", run_id=run_id) > store.count("samples", run_id=run_id, policy=policy):
+        # (a derived run id holds its model's content: the same model under another name shares its samples)
+        raise SamplingError(f"run_id {run_id!r} holds samples of another policy than {policy!r}; sample into "
+                            "another run_id (or leave run_id unset: each model and config then has its own)")
     left = not set(ids) <= store.sampled_prompt_ids(run_id)
     with ExitStack() as stack:
         with store.released():  # other processes may read the store while the models load (a vLLM server starts)
@@ -312,7 +317,7 @@ def run_sample_stage(cfg: SampleConfig, store: Store, *, log: LogFn = no_log, pr
             sampler = stack.enter_context(open_sampler(cfg)) if left else None
         return sample_problems(
             sampler, problems, store, run_id=run_id, n=cfg.n, reward_fn=reward_fn,
-            policy_name=cfg.policy_name or cfg.model_path, batch_size=cfg.batch_size,
+            policy_name=policy, batch_size=cfg.batch_size,
             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
             stop=cfg.stop, render=render, progress=progress, log=log,
         )

@@ -329,12 +329,14 @@ class Store:
             return self._run(f"SELECT {stored}, count(*) AS n FROM {table} t JOIN {name} f ON {on} WHERE {differs} "
                              f"GROUP BY ALL ORDER BY n DESC, {stored}")
 
-    def stored_answers(self, source: str, frame: pl.DataFrame) -> dict[str, str]:
-        """prompt -> answer of the problems `source` already holds with a prompt of `frame` (one answer each: ingest
-        refuses a second one)."""
+    def stored_problems(self, source: str, frame: pl.DataFrame) -> dict[str, tuple[str, str | None]]:
+        """prompt -> (answer, worked solution or None) of the problems `source` already holds with a prompt of
+        `frame` (one of each per prompt: ingest refuses a second one)."""
         with self._registered(frame.select("prompt").unique()) as name:
-            return dict(self._run(f"SELECT p.prompt, min(p.answer) FROM problems p JOIN {name} f "
-                                  "ON p.prompt = f.prompt WHERE p.source = ? GROUP BY p.prompt", [source]))
+            rows = self._run(f"SELECT p.prompt, min(p.answer), min(json_extract_string(p.meta, '$.solution')) "
+                             f"FROM problems p JOIN {name} f ON p.prompt = f.prompt WHERE p.source = ? "
+                             "GROUP BY p.prompt", [source])
+        return {prompt: (answer, solution) for prompt, answer, solution in rows}
 
     def sampled_prompt_ids(self, run_id: str) -> set[str]:
         """Prompt ids that already have samples in `run_id` (resumable sampling)."""
@@ -368,11 +370,13 @@ class Store:
         return [row[0] for row in self._run(f"SELECT source FROM ({sql}) ORDER BY source")]
 
     def fingerprint(self, table: str, **equals: object) -> str:
-        """md5 over the sorted content ids of the selected rows: changes iff the selected data changes."""
+        """md5 over the sorted content ids of the selected rows, with a problem's worked solution (SFT trains on it,
+        a tokenizer's corpus holds it; its id is prompt and answer only): changes iff the selected data changes."""
         where, params = _where(table, equals)
         key = ", ".join(TABLE_KEYS[table])
+        content = f"{key}, md5(coalesce(json_extract_string(meta, '$.solution'), ''))" if table == "problems" else key
         row = self._run(
-            f"SELECT count(*), md5(coalesce(string_agg(concat_ws('|', {key}), ',' ORDER BY {key}), '')) "
+            f"SELECT count(*), md5(coalesce(string_agg(concat_ws('|', {content}), ',' ORDER BY {key}), '')) "
             f"FROM {table} WHERE {where}", params)[0]
         return f"{table}:{row[0]}:{row[1]}"
 

@@ -167,7 +167,7 @@ def ingest_file(
     accepted, bad = shape_records(fmt, rows, split=split)
     table = TABLE_OF[fmt]
     if table == "problems":
-        accepted, conflicts = one_answer_per_prompt(accepted, store.stored_answers(source, accepted))
+        accepted, conflicts = one_answer_per_prompt(accepted, store.stored_problems(source, accepted))
         bad += conflicts
     # the file as named, not the target of a symlink: a Hugging Face snapshot's train.parquet links to a blob whose
     # name has no suffix, so neither the user nor `position` (row or line) would know it

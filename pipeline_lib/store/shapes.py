@@ -384,21 +384,25 @@ def _problem(frame: pl.DataFrame, split: str) -> tuple[pl.DataFrame, list[tuple[
     ), bad
 
 
-def one_answer_per_prompt(problems: pl.DataFrame, stored: dict[str, str]
+def one_answer_per_prompt(problems: pl.DataFrame, stored: dict[str, tuple[str, str | None]]
                           ) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
-    """The problems (with `_idx`, which this drops) whose prompt has no other gold answer: neither in `stored`
-    (prompt -> answer the source already holds) nor in an earlier row of the file. A second answer made a second
-    problem, and evaluation then scored every sample against both: a problem is corrected by deleting its source
-    and ingesting again. Returns (kept problems, (line index, reason) of the others)."""
-    first_answers = dict(stored)
+    """The problems (with `_idx`, which this drops) whose prompt has no other gold answer, nor another worked
+    solution: neither in `stored` (prompt -> (answer, solution) the source already holds) nor in an earlier row of
+    the file. A second answer made a second problem, and evaluation then scored every sample against both; a second
+    solution (the same id: prompt and answer) was a duplicate, dropped unsaid while SFT trained on the first. A
+    problem is corrected by deleting its source and ingesting again. Returns (kept problems, (line index, reason)
+    of the others)."""
+    first_seen = dict(stored)
     keep, bad = [], []
-    for row, (idx, prompt, answer) in enumerate(problems.select("_idx", "prompt", "answer").iter_rows()):
-        first = first_answers.setdefault(prompt, answer)
-        if first == answer:
+    for row, (idx, prompt, answer, meta) in enumerate(problems.select("_idx", "prompt", "answer", "meta").iter_rows()):
+        solution = orjson.loads(meta).get("solution") if meta else None
+        first_answer, first_solution = first_seen.setdefault(prompt, (answer, solution))
+        if (first_answer, first_solution) == (answer, solution):
             keep.append(row)
             continue
         where = "the store holds it under this source" if prompt in stored else "an earlier record has it"
-        bad.append((idx, f"another answer ({first!r}) for this prompt: {where}; one prompt has one gold answer "
-                         "(to correct a source's answers, `alignflow data delete --source` it and ingest again)"))
+        other = f"another answer ({first_answer!r})" if first_answer != answer else "another worked solution"
+        bad.append((idx, f"{other} for this prompt: {where}; one prompt has one gold answer and solution (to correct "
+                         "a source's problems, `alignflow data delete --source` it and ingest again)"))
     kept = problems[keep] if keep else problems.clear()
     return kept.drop("_idx"), bad

@@ -30,7 +30,6 @@ from pipeline_lib.config import config_key, model_paths, validate_config
 from pipeline_lib.errors import AlignflowError, one_line, text_start
 from pipeline_lib.fingerprint import content_id, frame_fingerprint, keyed_dir, model_fingerprint
 from pipeline_lib.logfns import jsonl_log, print_log
-from pipeline_lib.model_dirs import resolve_model_dir
 from pipeline_lib.models.heads import PackedGroups
 from pipeline_lib.models.logprobs import CHOSEN, REJECTED
 from pipeline_lib.train import LAUNCH_PARENT
@@ -532,7 +531,7 @@ def holdout_split(prompts: Sequence[str], fraction: float, *, seed: int) -> tupl
 def _run_parts(cfg: BaseModel, frames: Sequence[pl.DataFrame]) -> list[str]:
     """`config_key` + the files of every model dir it names (starting policy, reward model) + data + the code that
     trains (`code_version`)."""
-    models = [model_fingerprint(resolve_model_dir(path)) for path in model_paths(cfg)]
+    models = [model_fingerprint(path) for path in model_paths(cfg)]
     return [config_key(cfg), *models, *(frame_fingerprint(frame) for frame in frames), code_version()]
 
 

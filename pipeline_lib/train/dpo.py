@@ -26,7 +26,6 @@ from pipeline_lib.filters import west_of_n_of_run
 from pipeline_lib.fingerprint import content_id, model_fingerprint
 from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.losses import dpo_loss
-from pipeline_lib.model_dirs import resolve_model_dir
 from pipeline_lib.models import completion_logprob_sums, load_policy, load_tokenizer
 from pipeline_lib.models.loading import resolve_device
 from pipeline_lib.models.logprobs import model_positions, pair_logprob_sums, stop_token_ids, transformers_model
@@ -176,7 +175,7 @@ def reference_logps(model: nn.Module, encoded: Encoded, *, parts: Sequence[list[
     dtype = "bf16" if device.type == "cuda" else "fp32"
     layout = content_id(*map(str, sorted(packed)))
     split = content_id(*(",".join(map(str, part)) for part in parts))  # with batch_size: how the parts were batched
-    key = content_id(model_fingerprint(resolve_model_dir(policy_path)), encoded.fingerprint(), device.type, dtype,
+    key = content_id(model_fingerprint(policy_path), encoded.fingerprint(), device.type, dtype,
                      layout, split, str(batch_size), code_version())
     path = Path(cache_dir) / "ref_logps" / f"{key[:32]}.safetensors"
     if ctx.is_main and not _cached_whole(path, rows=len(encoded)):

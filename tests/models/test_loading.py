@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+from pipeline_lib.fingerprint import model_fingerprint
 from pipeline_lib.models import RewardModel, ValueModel, build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.models.loading import ModelLoadError, resolve_device, resolve_dtype, save_model
 from pipeline_lib.rewards.registry import build_reward
@@ -75,6 +76,32 @@ def test_unknown_hub_id_fails_fast_offline(monkeypatch, tmp_path):
     assert elapsed < 10
     assert "HF_HUB_OFFLINE" in message and "\n" not in message
     assert str(tmp_path / "no-such-org" / "no-such-model-xyz") in message  # the local path it expected
+
+
+def test_a_hub_id_is_fingerprinted_as_the_snapshot_its_cache_names(tiny_dir, tmp_path, monkeypatch):
+    """A hub id stood for itself in every cache key: after the local cache's snapshot was updated (refs/main moved
+    to a new one), a stage on it was a cache hit on the old weights and sampling kept the old run. Now it is the
+    snapshot's content: another snapshot is another input, the same files in a new snapshot the same one."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--local--tiny"
+    for revision in ("1" * 40, "2" * 40, "3" * 40):
+        shutil.copytree(tiny_dir, repo / "snapshots" / revision)
+    weights = repo / "snapshots" / ("2" * 40) / "model.safetensors"
+    save_file({name: tensor + 1 for name, tensor in load_file(weights).items()}, weights)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def fingerprint_at(revision: str) -> str:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(revision * 40)
+        return model_fingerprint("local/tiny")
+
+    first = fingerprint_at("1")
+    assert first == model_fingerprint(tiny_dir) and fingerprint_at("2") != first and fingerprint_at("3") == first
+    with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE"):
+        model_fingerprint("local/missing")
 
 
 def test_tokenizer_unknown_hub_id_fails_fast_offline(monkeypatch):

@@ -226,6 +226,23 @@ def test_an_explicit_run_id_reused_with_another_n_is_a_one_line_error(store, pro
     assert _sample(GoldEveryOtherSampler(answers), problems, store, run_id="fixed", n=4).rows_written_now == 0
 
 
+def test_an_explicit_run_id_reused_with_another_policy_is_a_one_line_error(store, tiny_model_dir):
+    """An explicit run_id sampled again from another model resumed the first one's run: "cached, nothing sampled",
+    its rows still the first policy's. A derived run id keeps sharing: the same model under another name."""
+    cfg = SampleConfig(model_path=str(tiny_model_dir), problems_source="demo", max_problems=2, n=2,
+                       max_new_tokens=4, device="cpu", run_id="fixed")
+    assert run_sample_stage(cfg, store, progress=False).rows_written_now == 4
+    dpo = cfg.model_copy(update={"policy_name": "dpo"})
+    with pytest.raises(SamplingError, match=rf"^run_id 'fixed' holds samples of another policy than 'dpo'; sample "
+                                            rf"into another run_id \(or leave run_id unset"):
+        run_sample_stage(dpo, store, progress=False)
+    assert run_sample_stage(cfg, store, progress=False).rows_written_now == 0
+    derived = cfg.model_copy(update={"run_id": None})
+    first = run_sample_stage(derived, store, progress=False)
+    renamed = run_sample_stage(derived.model_copy(update={"policy_name": "again"}), store, progress=False)
+    assert (renamed.run_id, renamed.rows_written_now) == (first.run_id, 0)
+
+
 def test_a_new_problem_among_the_first_max_problems_is_a_new_run_of_exactly_them(store, tiny_model_dir):
     """The first K problems in problem_id order change when one sorting before them is ingested: the earlier run
     must not resume on the new selection and keep the problem that left it (eval would score K + 1)."""

@@ -669,8 +669,8 @@ def test_a_prompt_has_one_gold_answer_per_source(tmp_path, store):
     check_invariant(report)
     assert (report.accepted, report.duplicates, report.quarantined) == (3, 1, 1)
     assert quarantine(store) == {4: "another answer ('4') for this prompt: an earlier record has it; one prompt has "
-                                    "one gold answer (to correct a source's answers, `alignflow data delete --source` "
-                                    "it and ingest again)"}
+                                    "one gold answer and solution (to correct a source's problems, `alignflow data "
+                                    "delete --source` it and ingest again)"}
     second = [("17+25=", "42"), ("1+1=", "2"), ("3+3=", "6")]
     report = ingest_file(write_jsonl(path, [{"question": q, "answer": a} for q, a in second]), store, split="test")
     check_invariant(report)
@@ -683,6 +683,33 @@ def test_a_prompt_has_one_gold_answer_per_source(tmp_path, store):
     store.delete_source("other")
     assert ingest_file(path, store, source="p", split="test").accepted == 3
     assert store.read("problems", source="p").filter(pl.col("prompt") == "17+25=")["answer"].to_list() == ["42"]
+
+
+def test_a_prompt_has_one_worked_solution_per_source(tmp_path, store):
+    """A corrected GSM8K solution (same prompt and answer: the same problem id) was a duplicate, dropped unsaid,
+    and SFT trained on the old one; now it is quarantined as another answer is, and the store's corpus fingerprint
+    (the tiny model's tokenizer reads the solutions) changes once the source is ingested again."""
+    path = tmp_path / "gs.jsonl"
+    write_jsonl(path, [{"question": "Q1", "answer": "2 * 2 = 4\n#### 4"}, {"question": "Q2", "answer": "3"}])
+    ingest_file(path, store)
+    before = store.fingerprint("problems", source="gs")
+    corrected = write_jsonl(tmp_path / "gs2.jsonl", [{"question": "Q1", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"},
+                                                     {"question": "Q2", "answer": "3"}])
+    report = ingest_file(corrected, store, source="gs")
+    assert (report.accepted, report.duplicates, report.quarantined) == (0, 1, 1)
+    assert quarantine(store) == {1: "another worked solution for this prompt: the store holds it under this source; "
+                                    "one prompt has one gold answer and solution (to correct a source's problems, "
+                                    "`alignflow data delete --source` it and ingest again)"}
+    assert store.fingerprint("problems", source="gs") == before
+    store.delete_source("gs")
+    assert ingest_file(corrected, store, source="gs").accepted == 2
+    assert json.loads(store.read("problems", prompt="Q1")["meta"].item())["solution"] == "2 + 2 = <<2+2=4>>4\n#### 4"
+    assert store.fingerprint("problems", source="gs") != before  # the same ids: only the solution differs
+    again = write_jsonl(tmp_path / "gs3.jsonl", [{"question": "Q2", "answer": "3"}, {"question": "Q2", "answer": "3"},
+                                                 {"question": "Q2", "answer": "x = 3\n#### 3"}])
+    report = ingest_file(again, store, source="gs")
+    assert (report.duplicates, report.quarantined) == (2, 1) and "an earlier record has it" not in \
+        store.read("quarantine", line_no=3)["reason"].item()
 
 
 def test_math_records_take_the_last_boxed_answer_of_their_solution(tmp_path, store):
