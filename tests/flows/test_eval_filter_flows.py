@@ -230,6 +230,23 @@ def test_west_of_n_pairs_deleted_since_a_cached_filter_run_are_written_again(ins
     assert len(tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'west_of_n'")) == runs + 1
 
 
+def test_west_of_n_pairs_stored_under_another_source_are_refused_with_the_way_out(insert_samples, flow_workspace):
+    """A preset's west_of_n_source renamed: its run's pairs are held under the old name (a pair is stored once), so
+    the filter inserted none, the cache then held, and DPO on the new source found no rows. Now the filter says so;
+    once the old source is deleted, the pairs go under the new one."""
+    with open_store(flow_workspace.store_path) as store:
+        insert_samples(store, SAMPLES.with_columns(run_id=pl.lit("w1")))
+    assert filter_flow("west_of_n", "w1", source="won_a")["filter/pairs_inserted"] == 1
+    with pytest.raises(SamplesError, match=r"^West-of-N: 1 under source 'won_a' of the 1 pairs of run 'w1' are stored "
+                                           r"already, and a pair is stored once, under its first source: `alignflow "
+                                           r"data delete --source won_a` first to store them under 'won_b', or keep "
+                                           r"that source's name$"):
+        filter_flow("west_of_n", "w1", source="won_b")
+    with open_store(flow_workspace.store_path) as store:
+        store.delete_source("won_a")
+    assert filter_flow("west_of_n", "w1", source="won_b")["filter/pairs_inserted"] == 1
+
+
 def test_a_filter_on_a_run_without_rows_is_one_line_and_not_retried(flow_workspace):
     with pytest.raises(SamplesError, match=r"^samples: no rows for run_id 'nosuch' \(of problems the store holds\); "
                                            r"run the sampling stage first$"):
