@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import signal
 import sys
 import threading
@@ -38,7 +39,7 @@ def print_version(value: bool) -> None:
 
 @app.callback()
 def main(
-    workspace: Optional[Path] = typer.Option(
+    workspace: Optional[str] = typer.Option(  # a str: typer would read `-w ""` as Path("."), the current dir
         None, "--workspace", "-w", help="Workspace dir (default $ALIGNFLOW_HOME or ./.alignflow)."
     ),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=print_version,
@@ -350,6 +351,10 @@ def start_prefect_server() -> threading.Thread | None:
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
+    if settings.api.url:
+        require_server(f"{settings.api.url.rstrip('/')}/health", f"no Prefect server at {settings.api.url} "
+                       "(PREFECT_API_URL); start it (`alignflow ui`), or unset PREFECT_API_URL to run on a temporary "
+                       "one")
     if settings.api.url or not settings.server.ephemeral.enabled:
         return None
     from prefect.logging.configuration import ensure_logging_setup
@@ -368,12 +373,27 @@ def start_prefect_server() -> threading.Thread | None:
     return thread
 
 
+def require_server(health_url: str, error: str) -> None:
+    """AlignflowError(`error`) unless a GET of `health_url` answers within 5 s: an exported URL of a server that
+    is down gave Prefect's tracebacks, and MLflow's client retried for 4.5 minutes before its own."""
+    import httpx
+
+    try:
+        httpx.get(health_url, timeout=5).raise_for_status()
+    except httpx.HTTPError:
+        raise AlignflowError(error) from None
+
+
 def load_flow(stage: str):
     """The flow object of a stage, imported on demand (after the workspace set PREFECT_HOME), with Prefect's
     temporary server booting meanwhile; Prefect's console handler then shows a failing AlignflowError once
     (`ShowUserErrorOnce`)."""
     import importlib
 
+    tracking_uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if tracking_uri.startswith(("http://", "https://")):
+        require_server(f"{tracking_uri.rstrip('/')}/health", f"no MLflow server at {tracking_uri} "
+                       "(MLFLOW_TRACKING_URI); start it, or unset MLFLOW_TRACKING_URI to track in the workspace")
     starting = start_prefect_server()
     module, name = STAGES[stage][1].split(":")
     flow = getattr(importlib.import_module(module), name)
@@ -462,6 +482,7 @@ def sample(
     from pipeline_lib.config import SampleConfig, validate_config
     from pipeline_lib.store.db import require_store
 
+    model = model.expanduser()  # a quoted `~/m` (configs' model paths expand it too)
     cfg = validate_config(SampleConfig, {
         "model_path": str(model.resolve()), "problems_source": problems, "split": split, "n": n, "backend": backend,
         "max_new_tokens": max_new_tokens, "temperature": temperature, "max_problems": max_problems,
@@ -547,6 +568,7 @@ def evaluate(
     from pipeline_lib.config import EvalConfig, validate_config
     from pipeline_lib.store.db import require_store
 
+    model = model.expanduser()  # a quoted `~/m` (configs' model paths expand it too)
     cfg = validate_config(EvalConfig, {
         "model_path": str(model.resolve()), "model_name": name, "problems_source": problems, "split": split, "n": n,
         "ks": None if ks is None else [k.strip() for k in ks.split(",") if k.strip()],  # the config parses them
@@ -606,10 +628,6 @@ def serve(
 ) -> None:
     """Register deployments (the pipeline with the preset's cron, and each stage) with the Prefect server
     at $PREFECT_API_URL (default 127.0.0.1:4200, started by `alignflow ui`) and run them when triggered."""
-    import os
-
-    import httpx
-
     os.environ.setdefault("PREFECT_API_URL", PREFECT_URL)
     api = os.environ["PREFECT_API_URL"]
     cfg = load_preset(config)
@@ -618,10 +636,8 @@ def serve(
 
     # a config mistake first, server or not
     deployments = build_deployments(cfg, origin=str(config), workspace=workspace.root)
-    try:
-        httpx.get(f"{api}/health", timeout=5).raise_for_status()
-    except httpx.HTTPError:
-        fail(f"no Prefect server at {api}; start one with `alignflow ui` (or set PREFECT_API_URL)")
+    require_server(f"{api}/health", f"no Prefect server at {api}; start one with `alignflow ui` (or set "
+                   "PREFECT_API_URL)")
     check_not_served_elsewhere(api, cfg.name, workspace.root)
     from prefect import serve as prefect_serve
 
@@ -654,7 +670,7 @@ def print_results(workspace, seconds: float) -> None:
         echo_frame(store.stats())
     typer.echo(f"\npipeline took {seconds:.0f} s; Pass@K / Maj@K of its models on the held-out problems: the table "
                "above (eval_results.md in the pipeline's MLflow run)")
-    typer.echo(f"\nMLflow:  mlflow ui --backend-store-uri {workspace.tracking_uri} --port 5000   "
+    typer.echo(f"\nMLflow:  mlflow ui --backend-store-uri {shlex.quote(workspace.tracking_uri)} --port 5000   "
                f"(or `alignflow ui`)\nPrefect: alignflow ui  -> http://127.0.0.1:4200   store: {workspace.store_path}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -92,9 +93,25 @@ class Workspace:
 
 
 def resolve_workspace(path: str | Path | None = None) -> Workspace:
-    """`path` (--workspace) > $ALIGNFLOW_HOME > ./.alignflow, made absolute."""
+    """`path` (--workspace) > $ALIGNFLOW_HOME > ./.alignflow, made absolute. WorkspaceError for an empty path (a
+    script's unset variable: it made the current directory the workspace), a current directory deleted since the
+    shell entered it, and a path its databases' URLs cannot name."""
+    if path is not None and not str(path).strip():
+        raise WorkspaceError("--workspace is empty; name a directory (or leave it out: $ALIGNFLOW_HOME, else "
+                             "./.alignflow)")
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise WorkspaceError("the current directory no longer exists (deleted since the shell entered it); cd to "
+                             "another one") from None
     chosen = path or os.environ.get("ALIGNFLOW_HOME") or ".alignflow"
-    return Workspace(Path(chosen).expanduser().resolve())
+    root = Path(chosen).expanduser().resolve()
+    if "?" in str(root) or re.search(r"%[0-9A-Fa-f]{2}", str(root)):
+        # Prefect's and MLflow's sqlite URLs end the path at `?` and decode `%41` as `A`: their databases went
+        # elsewhere (outside the workspace, shared), or Prefect's server retried for minutes
+        raise WorkspaceError(f"workspace {root}: a path with '?' or '%' and two hex digits cannot be a database URL's "
+                             "(Prefect's, MLflow's); pick another path")
+    return Workspace(root)
 
 
 def host_id() -> str:
@@ -126,6 +143,8 @@ def apply_environment(workspace: Workspace) -> Workspace:
     Values the user already exported win (setdefault)."""
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
+    if not os.environ.get("PREFECT_API_URL", "x").strip():  # exported empty to unset it: Prefect read it as a URL
+        del os.environ["PREFECT_API_URL"]
     os.environ["ALIGNFLOW_HOME"] = str(workspace.root)
     os.environ.setdefault("PREFECT_HOME", str(workspace.prefect_home))
     return workspace
@@ -153,8 +172,12 @@ def workspace_lock(workspace: Workspace, holder: str,
     if path in _HELD:
         yield
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:  # a read-only workspace, another user's run.lock
+        raise WorkspaceError(f"workspace {workspace.root}: cannot open its lock file {path} for writing "
+                             f"({exc.strerror or exc}); pass a workspace you can write to") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

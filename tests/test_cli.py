@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import polars as pl
@@ -82,6 +83,48 @@ def test_a_workspace_that_cannot_be_made_is_one_line(tmp_path, where):
     expected = "a file, not a directory; pass another --workspace" if where == "a file" else f"cannot create {workspace} ("
     assert len(lines) == 1 and lines[0].startswith(f"error: workspace {workspace}: {expected}"), \
         result.stderr
+
+
+@pytest.mark.parametrize("case", ["empty -w", "? in -w", "%41 in -w", "lock unopenable", "prefect down",
+                                  "mlflow down", "config a device", "cwd deleted"])
+def test_what_a_user_brings_in_paths_and_environment_is_one_line(tmp_path, case):
+    """Each took a traceback or minutes: `-w ""` made the current dir the workspace; `?` put Prefect's and MLflow's
+    databases outside it (one shared file), `%41` read as `A` let Prefect's server retry for 4 minutes, as did a
+    deleted current dir; an unopenable run.lock, an exported server URL that is down (MLflow's client retried for
+    4.5 minutes), `--config <(...)` called "not found". The helper's cases, each now one line at once."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "ALIGNFLOW_HOME")}
+    data, cwd = str(DATA / "demo" / "pairs.jsonl"), tmp_path
+    workspace, args, expected = str(tmp_path / "ws"), ["ingest", data], None
+    if case == "empty -w":
+        workspace, expected = "", "error: --workspace is empty; name a directory"
+    elif case in ("? in -w", "%41 in -w"):
+        workspace = str(tmp_path / ("exp?a" if case == "? in -w" else "p%41"))
+        expected = f"error: workspace {workspace}: a path with '?' or '%' and two hex digits cannot be"
+    elif case == "lock unopenable":
+        (tmp_path / "ws" / "run.lock").mkdir(parents=True)
+        expected = f"error: workspace {workspace}: cannot open its lock file {workspace}/run.lock for writing"
+    elif case == "prefect down":
+        env["PREFECT_API_URL"] = "http://127.0.0.1:9/api"
+        expected = "error: no Prefect server at http://127.0.0.1:9/api (PREFECT_API_URL); start it"
+    elif case == "mlflow down":
+        env["MLFLOW_TRACKING_URI"] = "http://127.0.0.1:9"
+        expected = "error: no MLflow server at http://127.0.0.1:9 (MLFLOW_TRACKING_URI); start it"
+    elif case == "config a device":
+        args, expected = ["run", "sft", "--config", "/dev/null"], "error: /dev/null: not a regular file (a pipe or"
+    else:
+        cwd = tmp_path / "gone"
+        cwd.mkdir()
+        args, expected = ["-c", f"import os, sys; os.rmdir({str(cwd)!r}); sys.argv[1:] = ['ingest', {data!r}]; "
+                                "import flows.cli; flows.cli.run_cli()"], "error: the current directory no longer"
+    command = [sys.executable, *args] if case == "cwd deleted" else [sys.executable, "-m", "flows.cli", "-w",
+                                                                    workspace, *args]
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120, cwd=cwd)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert (result.returncode, len(lines)) == (2, 1) and lines[0].startswith(expected), result.stderr
+    assert time.perf_counter() - started < 60
+    assert not (tmp_path / "store.duckdb").exists() and not (tmp_path / "exp").exists()
 
 
 @pytest.mark.parametrize("files, expected", [

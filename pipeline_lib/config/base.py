@@ -274,8 +274,10 @@ def load_yaml(path: str | Path) -> dict:
     path = shipped_path(path)
     if path.is_dir():
         raise ConfigError(f"{path}: a directory; expected a YAML config file")
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"{path}: config file not found")
+    if not path.is_file():  # `--config <(...)`, /dev/null: read once here, the flows would read nothing
+        raise ConfigError(f"{path}: not a regular file (a pipe or a device); save the config to a file")
     try:
         data = _safe_load_unique(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
