@@ -279,10 +279,13 @@ class Store:
         return self._run(f"SELECT count(*) FROM {table} WHERE {where}", params)[0][0]
 
     def read(self, table: str, **equals: object) -> pl.DataFrame:
-        """All rows of `table`, optionally filtered by column equality (`split="test"`)."""
+        """All rows of `table`, optionally filtered by column equality (`split="test"`), in key order: the same
+        rows read the same whatever the order they were inserted in (a source deleted and ingested again, files
+        ingested in another order), so a stage's data order and fingerprint follow its rows alone."""
         where, params = _where(table, equals)
         columns = "* EXCLUDE (ingested_at)" if "ingested_at" in TABLES[table] else "*"
-        return self.con.sql(f"SELECT {columns} FROM {table} WHERE {where}", params=params).pl()
+        order = ", ".join(TABLE_KEYS[table])
+        return self.con.sql(f"SELECT {columns} FROM {table} WHERE {where} ORDER BY {order}", params=params).pl()
 
     def run_samples(self, run_id: str) -> pl.DataFrame:
         """The samples of sampling run `run_id` whose problem the store still holds. A problem deleted since, or

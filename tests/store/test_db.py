@@ -162,6 +162,21 @@ def test_the_corpus_holds_the_worked_solutions_sft_trains_on(tmp_path):
         assert sorted(store.corpus_texts(["h"])) == ["7", "q3"]
 
 
+def test_rows_read_in_key_order_whatever_the_order_they_came_in(tmp_path):
+    """A source deleted and ingested again came back after the others: SFT, RM and DPO on every source read the
+    same rows in another order and trained other weights (a helper: another stage dir, other sha256)."""
+    first, second = pairs_frame(["b", "d", "a"], source="A"), pairs_frame(["c", "e"], source="B")
+    with open_store(tmp_path / "s.duckdb") as store:
+        store.insert_new("preference_pairs", first)
+        store.insert_new("preference_pairs", second)
+        before = store.read("preference_pairs")
+        store.delete_source("A")
+        store.insert_new("preference_pairs", first)
+        after = store.read("preference_pairs")
+    assert before["pair_id"].to_list() == ["a", "b", "c", "d", "e"]
+    assert after.equals(before)
+
+
 def test_an_empty_selection_is_one_line_naming_it_and_what_the_table_holds(tmp_path):
     problems = pl.DataFrame({"problem_id": ["1", "2", "3"], "source": ["g", "g", "h"],
                              "split": ["train", "test", "test"], "prompt": ["a", "b", "c"], "answer": ["1", "2", "3"]})
@@ -242,7 +257,7 @@ def test_delete_eval_results_of_one_model_and_run(tmp_path):
     with open_store(tmp_path / "s.duckdb") as store:
         store.insert_new("eval_results", results)
         store.delete_eval_results("a", "m")
-        assert store.read("eval_results").select("run_id", "model").rows() == [("b", "m"), ("a", "n")]
+        assert store.read("eval_results").select("run_id", "model").rows() == [("a", "n"), ("b", "m")]  # key order
 
 
 def test_read_only_and_one_line_open_errors(tmp_path):
