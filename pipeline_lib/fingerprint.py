@@ -3,7 +3,9 @@ the CLI and the flows import it."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 from pathlib import Path
 
 import orjson
@@ -11,29 +13,71 @@ import polars as pl
 
 from pipeline_lib.model_dirs import FINAL_MARKER, resolve_model_dir
 
-# Files above this size are fingerprinted by (size, mtime) instead of content: hashing the multi-GB
-# weights of a real model on every pipeline run would cost minutes; the tiny model is hashed fully.
-FULL_HASH_LIMIT = 256 * 1024 * 1024
+# The sha256 of a file at least this large is remembered by (path, inode, size, mtime) in the workspace
+# (`$ALIGNFLOW_HOME/cache/file_sha256.json`, and in the process): a real model's multi-GB weights are read once per
+# version of the file, not at every stage of every pipeline run; the tiny model's are read each time.
+REMEMBER_FROM_BYTES = 64 * 1024 * 1024
+_remembered: dict[str, str] = {}
 
 
 def fingerprint_path(path: str | Path, *, skip_names: tuple[str, ...] = ()) -> str:
     """sha256 over a file, or over every file of a dir (relative name + content) but those named in
-    `skip_names`, hex.
-
-    Cheap for small files; large files contribute (size, mtime_ns)."""
+    `skip_names`, hex. A copy of a dir has its fingerprint; so has a file rewritten with the same bytes."""
     path = Path(path)
     digest = hashlib.sha256()
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and p.name not in skip_names)
     for file in files:
-        stat = file.stat()
         digest.update(str(file.relative_to(path) if file != path else file.name).encode())
-        if stat.st_size > FULL_HASH_LIMIT:
-            digest.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
-            continue
-        with file.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
+        digest.update(_file_sha256(file).encode())
     return digest.hexdigest()
+
+
+def _file_sha256(file: Path) -> str:
+    """The file's sha256; a large one's from the workspace's memory of it while its path, inode, size and mtime
+    stay (a file rewritten in place gets a new mtime, so it is read again)."""
+    stat = file.stat()
+    key = f"{file.resolve()}|{stat.st_ino}|{stat.st_size}|{stat.st_mtime_ns}"
+    large = stat.st_size >= REMEMBER_FROM_BYTES
+    if large and key not in _remembered:
+        _remembered.update(_read_memory())
+    if large and key in _remembered:
+        return _remembered[key]
+    digest = hashlib.sha256()
+    with file.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    if large:
+        _remembered[key] = digest.hexdigest()
+        _write_memory(key)
+    return digest.hexdigest()
+
+
+def _memory_path() -> Path | None:
+    home = os.environ.get("ALIGNFLOW_HOME")  # the workspace (`apply_environment`); none outside a command
+    return Path(home) / "cache" / "file_sha256.json" if home else None
+
+
+def _read_memory() -> dict[str, str]:
+    path = _memory_path()
+    try:
+        return orjson.loads(path.read_bytes()) if path is not None else {}
+    except (OSError, orjson.JSONDecodeError):  # none yet, or cut: the files are read again
+        return {}
+
+
+def _write_memory(key: str) -> None:
+    """Add `key` to the workspace's memory, without the entries of the same path's earlier versions (written to a
+    temporary file, then renamed: a reader never sees half of it)."""
+    path = _memory_path()
+    if path is None:
+        return
+    file = key.split("|", 1)[0]
+    memory = {k: v for k, v in _read_memory().items() if k.split("|", 1)[0] != file} | {key: _remembered[key]}
+    with contextlib.suppress(OSError):  # a read-only workspace: it is read again next time
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        temporary.write_bytes(orjson.dumps(memory))
+        os.replace(temporary, path)
 
 
 def model_fingerprint(model_path: str | Path) -> str:
