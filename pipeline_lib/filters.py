@@ -206,16 +206,19 @@ def west_of_n_of_run(store: Store, run_id: str, source: str = "west_of_n") -> tu
 
 def run_west_of_n_stage(store: Store, *, run_id: str, source: str = "west_of_n") -> dict[str, int]:
     """West-of-N pairs of a sampling run into preference_pairs under `source` (idempotent: content-hash ids). A pair
-    the store holds under another source stays there (a pair is stored once): refused, or DPO on `source` would
-    find fewer pairs than the run made, or none (a preset's west_of_n_source renamed)."""
+    the store holds under another source stays there (a pair is stored once; DPO on the run's own pairs,
+    `samples_run_id`, reads it all the same): counted in `filter/pairs_elsewhere`. Where every pair is held so (a
+    preset's west_of_n_source renamed), none would go under `source`: refused, or DPO on it would find no rows."""
     pairs, stats = west_of_n_of_run(store, run_id, source)
     elsewhere = store.stored_elsewhere("preference_pairs", pairs, ["source"])
-    if elsewhere:
-        held = ", ".join(f"{count} under source {other!r}" for other, count in elsewhere)
-        raise SamplesError(f"West-of-N: {held} of the {pairs.height} pairs of run {run_id!r} are stored already, and "
-                           f"a pair is stored once, under its first source: `alignflow data delete --source "
+    held = sum(count for _, count in elsewhere)
+    if pairs.height and held == pairs.height:
+        where = ", ".join(f"{count} under source {other!r}" for other, count in elsewhere)
+        raise SamplesError(f"West-of-N: the {pairs.height} pairs of run {run_id!r} are stored already ({where}), and a "
+                           f"pair is stored once, under its first source: `alignflow data delete --source "
                            f"{elsewhere[0][0]}` first to store them under {source!r}, or keep that source's name")
-    return stats | {"filter/pairs_inserted": store.insert_new("preference_pairs", pairs)}
+    return stats | {"filter/pairs_inserted": store.insert_new("preference_pairs", pairs),
+                    "filter/pairs_elsewhere": held}
 
 
 def recorded_chat_template(samples: pl.DataFrame, run_id: str) -> bool | None:
