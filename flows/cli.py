@@ -18,7 +18,7 @@ from typing import Optional
 
 import typer
 
-from pipeline_lib.errors import AlignflowError
+from pipeline_lib.errors import AlignflowError, one_line
 from pipeline_lib.workspace import apply_environment, resolve_workspace, workspace_lock
 
 app = typer.Typer(help="alignflow: reproducible LLM alignment pipelines (Prefect + MLflow + DuckDB).",
@@ -351,10 +351,6 @@ def start_prefect_server() -> threading.Thread | None:
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
-    if settings.api.url:
-        require_server(f"{settings.api.url.rstrip('/')}/health", f"no Prefect server at {settings.api.url} "
-                       "(PREFECT_API_URL); start it (`alignflow ui`), or unset PREFECT_API_URL to run on a temporary "
-                       "one")
     if settings.api.url or not settings.server.ephemeral.enabled:
         return None
     from prefect.logging.configuration import ensure_logging_setup
@@ -373,28 +369,50 @@ def start_prefect_server() -> threading.Thread | None:
     return thread
 
 
-def require_server(health_url: str, error: str) -> None:
-    """AlignflowError(`error`) unless a GET of `health_url` answers within 5 s: an exported URL of a server that
-    is down gave Prefect's tracebacks, and MLflow's client retried for 4.5 minutes before its own."""
-    import httpx
+def prefect_health_error() -> str | None:
+    """Why the Prefect server at PREFECT_API_URL fails its health check, asked through Prefect's own client (its
+    TLS, auth and timeout settings), in one line; None when it answers."""
+    from prefect.client.orchestration import get_client
 
-    try:
-        httpx.get(health_url, timeout=5).raise_for_status()
-    except httpx.HTTPError:
-        raise AlignflowError(error) from None
+    with get_client(sync_client=True) as client:
+        error = client.api_healthcheck()
+    return None if error is None else one_line(error, width=200)
 
 
-def load_flow(stage: str):
+def require_servers() -> None:
+    """The servers a user's exported URLs name answer their health checks, each asked through its tool's client:
+    one that is down gave Prefect's tracebacks, and MLflow's client retried for 4.5 minutes before its own."""
+    tracking_uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if tracking_uri.startswith(("http://", "https://")):
+        from mlflow.tracking._tracking_service.utils import get_default_host_creds
+        from mlflow.utils.rest_utils import http_request
+
+        try:
+            response = http_request(get_default_host_creds(tracking_uri), "/health", "GET", max_retries=0, timeout=5)
+            error = None if response.ok else f"HTTP {response.status_code}"
+        except Exception as exc:  # noqa: BLE001 - every failure of the check is the same one-line error
+            error = one_line(exc, width=200)
+        if error is not None:
+            raise AlignflowError(f"the MLflow server at {tracking_uri} (MLFLOW_TRACKING_URI) fails its health check "
+                                 f"({error}); start it, or unset MLFLOW_TRACKING_URI to track in the workspace")
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    if url and (error := prefect_health_error()) is not None:
+        raise AlignflowError(f"the Prefect server at {url} (PREFECT_API_URL) fails its health check ({error}); "
+                             "start it (`alignflow ui`), or unset PREFECT_API_URL to run on a temporary one")
+
+
+def load_flow(stage: str, *, servers: bool = True):
     """The flow object of a stage, imported on demand (after the workspace set PREFECT_HOME), with Prefect's
-    temporary server booting meanwhile; Prefect's console handler then shows a failing AlignflowError once
+    temporary server booting meanwhile (`servers`: the user's servers checked, Prefect's temporary one started;
+    not for building deployment objects); Prefect's console handler then shows a failing AlignflowError once
     (`ShowUserErrorOnce`)."""
     import importlib
 
-    tracking_uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-    if tracking_uri.startswith(("http://", "https://")):
-        require_server(f"{tracking_uri.rstrip('/')}/health", f"no MLflow server at {tracking_uri} "
-                       "(MLFLOW_TRACKING_URI); start it, or unset MLFLOW_TRACKING_URI to track in the workspace")
-    starting = start_prefect_server()
+    if servers:
+        require_servers()
+    starting = start_prefect_server() if servers else None
     module, name = STAGES[stage][1].split(":")
     flow = getattr(importlib.import_module(module), name)
     if starting is not None:
@@ -636,8 +654,8 @@ def serve(
 
     # a config mistake first, server or not
     deployments = build_deployments(cfg, origin=str(config), workspace=workspace.root)
-    require_server(f"{api}/health", f"no Prefect server at {api}; start one with `alignflow ui` (or set "
-                   "PREFECT_API_URL)")
+    if (error := prefect_health_error()) is not None:
+        fail(f"no Prefect server at {api} ({error}); start one with `alignflow ui` (or set PREFECT_API_URL)")
     check_not_served_elsewhere(api, cfg.name, workspace.root)
     from prefect import serve as prefect_serve
 

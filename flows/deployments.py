@@ -52,7 +52,8 @@ def build_deployments(cfg: PipelineConfig, origin: str = "config", workspace: Pa
         stage_cfg = getattr(cfg, field) if field else None
         dumped = stage_cfg.model_dump(mode="json") if stage_cfg is not None else None
         params = {"cfg": dumped} if dumped and not any(str(v).startswith(FROM) for v in dumped.values()) else {}
-        deployments.append(load_flow(stage).to_deployment(name=f"{cfg.name}-{stage}", parameters=params, tags=tags))
+        flow = load_flow(stage, servers=False)  # serve checks its server itself
+        deployments.append(flow.to_deployment(name=f"{cfg.name}-{stage}", parameters=params, tags=tags))
     for kind in FILTER_KINDS:
         deployments.append(filter_flow.to_deployment(name=f"{cfg.name}-{kind}", parameters={"kind": kind},
                                                      tags=tags))

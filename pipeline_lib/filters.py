@@ -206,17 +206,17 @@ def west_of_n_of_run(store: Store, run_id: str, source: str = "west_of_n") -> tu
 
 def run_west_of_n_stage(store: Store, *, run_id: str, source: str = "west_of_n") -> dict[str, int]:
     """West-of-N pairs of a sampling run into preference_pairs under `source` (idempotent: content-hash ids). A pair
-    the store holds under another source stays there (a pair is stored once; DPO on the run's own pairs,
-    `samples_run_id`, reads it all the same): counted in `filter/pairs_elsewhere`. Where every pair is held so (a
-    preset's west_of_n_source renamed), none would go under `source`: refused, or DPO on it would find no rows."""
+    the store holds under another source stays there (a pair is stored once): counted in `filter/pairs_elsewhere`
+    and warned of, as a stage reading `source` will not see it (DPO on the run's own pairs, `samples_run_id`, reads
+    every one; a preset's renamed west_of_n_source finds the pairs of its earlier runs under the old name)."""
     pairs, stats = west_of_n_of_run(store, run_id, source)
     elsewhere = store.stored_elsewhere("preference_pairs", pairs, ["source"])
     held = sum(count for _, count in elsewhere)
-    if pairs.height and held == pairs.height:
+    if held:
         where = ", ".join(f"{count} under source {other!r}" for other, count in elsewhere)
-        raise SamplesError(f"West-of-N: the {pairs.height} pairs of run {run_id!r} are stored already ({where}), and a "
-                           f"pair is stored once, under its first source: `alignflow data delete --source "
-                           f"{elsewhere[0][0]}` first to store them under {source!r}, or keep that source's name")
+        warnings.warn(f"West-of-N: {held} of the {pairs.height} pairs of run {run_id!r} are stored already ({where}) "
+                      f"and stay there (a pair is stored once): a stage reading source {source!r} will not see them "
+                      "(`samples_run_id` reads every pair of the run)", UserWarning, stacklevel=2)
     return stats | {"filter/pairs_inserted": store.insert_new("preference_pairs", pairs),
                     "filter/pairs_elsewhere": held}
 

@@ -86,7 +86,7 @@ def test_a_workspace_that_cannot_be_made_is_one_line(tmp_path, where):
 
 
 @pytest.mark.parametrize("case", ["empty -w", "? in -w", "%41 in -w", "lock unopenable", "prefect down",
-                                  "mlflow down", "config a device", "cwd deleted"])
+                                  "mlflow down", "serve, prefect down", "config a device", "cwd deleted"])
 def test_what_a_user_brings_in_paths_and_environment_is_one_line(tmp_path, case):
     """Each took a traceback or minutes: `-w ""` made the current dir the workspace; `?` put Prefect's and MLflow's
     databases outside it (one shared file), `%41` read as `A` let Prefect's server retry for 4 minutes, as did a
@@ -105,10 +105,14 @@ def test_what_a_user_brings_in_paths_and_environment_is_one_line(tmp_path, case)
         expected = f"error: workspace {workspace}: cannot open its lock file {workspace}/run.lock for writing"
     elif case == "prefect down":
         env["PREFECT_API_URL"] = "http://127.0.0.1:9/api"
-        expected = "error: no Prefect server at http://127.0.0.1:9/api (PREFECT_API_URL); start it"
+        expected = "error: the Prefect server at http://127.0.0.1:9/api (PREFECT_API_URL) fails its health check ("
     elif case == "mlflow down":
         env["MLFLOW_TRACKING_URI"] = "http://127.0.0.1:9"
-        expected = "error: no MLflow server at http://127.0.0.1:9 (MLFLOW_TRACKING_URI); start it"
+        expected = "error: the MLflow server at http://127.0.0.1:9 (MLFLOW_TRACKING_URI) fails its health check ("
+    elif case == "serve, prefect down":  # serve's own advice: it needs a server (the review: it said "unset" it)
+        env["PREFECT_API_URL"] = "http://127.0.0.1:9/api"
+        args = ["serve", "--config", str(Path(__file__).resolve().parents[1] / "flows" / "configs" / "demo.yaml")]
+        expected = "error: no Prefect server at http://127.0.0.1:9/api (ConnectError: [Errno 111] Connection refused)"
     elif case == "config a device":
         args, expected = ["run", "sft", "--config", "/dev/null"], "error: /dev/null: not a regular file (a pipe or"
     else:

@@ -85,8 +85,9 @@ _LIST_ITEM = re.compile(r"[ \t]*\d+[.)][ \t]+\S")
 # subtraction (`10 - 5` is 10 and 5), so it joins only at the start of an answer or right after an `=`.
 _SPACED_SIGN = re.compile(r"^\s*([-+])\s+(?=[\d.$\\])")
 _EQUALS_SPACED_SIGN = re.compile(rf"(={_INLINE_SPACE}*)-{_INLINE_SPACE}+(?=[\d.$\\])")
-# `\boxed{...}`, or MATH's `\boxed 5` without braces (its box ends at the next `$`, or here at the line's end)
-_BOXED = re.compile(r"\\(?:boxed|fbox)(?:\s*(?P<brace>\{)|[ \t]+(?=[^\s{]))")
+# `\boxed{...}`, or MATH's `\boxed 5` without braces (its box ends at the next `$`, or here at the line's end): a
+# number, a sign or a command after it (`\boxed \frac12`), never a word (`I put it in \boxed as asked`)
+_BOXED = re.compile(r"\\(?:boxed|fbox)(?:\s*(?P<brace>\{)|[ \t]+(?=[-+.(\d\\]))")
 _ANSWER_IS = re.compile(r"\banswer\s{0,10}(?:is\b|:|=)|答案\s{0,10}(?:是|为|為|：|:|=)", re.IGNORECASE)
 # `A:` as the answer label of the Q/A format: at the start of the text or of a line, or right after a sentence's end
 # (`Q: How many? A: 42`), spaces and markdown bold allowed before it (`**A:** 42`); never after a word, where it names

@@ -23,7 +23,7 @@ from pathlib import Path
 import orjson
 import polars as pl
 
-from pipeline_lib.errors import AlignflowError
+from pipeline_lib.errors import AlignflowError, text_start
 from pipeline_lib.fingerprint import content_id, fingerprint_path
 from pipeline_lib.store.db import Store, position
 from pipeline_lib.store.parquet import ParquetError, read_parquet_lines
@@ -202,11 +202,18 @@ def ingest_file(
         fingerprint=fingerprint_path(path),
         elsewhere=" and ".join(_placement(columns, row) for row in elsewhere),
         own_splits="" if own is None else ", ".join(f"{count} {name}" for name, count in own.iter_rows()),
-        unread_fields=", ".join(f"{name} ({count})" for name, count in unread),
+        unread_fields=_unread_fields(unread),
     )
     if report.rows_read != report.accepted + report.duplicates + report.quarantined:
         raise RuntimeError(f"ingest invariant broken (a bug in alignflow): {report.summary()}")
     return report
+
+
+def _unread_fields(unread: list[tuple[str, int]], shown: int = 10) -> str:
+    """`'system' (20), 'id' (20)`: the commonest `shown` names, quoted (a line break in a key stays on the counts
+    line) and cut to 60 characters, then how many more (5,000 keys made a 79 KB line)."""
+    names = [f"{text_start(name, 60)} ({count})" for name, count in unread[:shown]]
+    return ", ".join(names) + (f" and {len(unread) - shown} more" if len(unread) > shown else "")
 
 
 def _placement(columns: list[str], row: tuple) -> str:

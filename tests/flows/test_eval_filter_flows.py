@@ -164,7 +164,7 @@ def test_filter_flows_on_a_sampling_run(insert_samples, flow_workspace, the_run,
     state = filter_flow("west_of_n", "r1", return_state=True)
     won = state.result()
     assert won == {"filter/prompts": 3, "filter/pairs": 1, "filter/pairs_inserted": 1, "filter/skipped_ties": 2,
-                   "filter/skipped_unscored": 0, "filter/chat_template": 0}
+                   "filter/skipped_unscored": 0, "filter/chat_template": 0, "filter/pairs_elsewhere": 0}
     with open_store(flow_workspace.store_path) as store:
         read = frame_fingerprint(store.run_samples("r1"))
     assert the_run(flow_workspace, "west_of_n")[0].data.tags["data.fingerprint"] == read  # the rows it filtered
@@ -230,27 +230,24 @@ def test_west_of_n_pairs_deleted_since_a_cached_filter_run_are_written_again(ins
     assert len(tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'west_of_n'")) == runs + 1
 
 
-def test_west_of_n_pairs_stored_under_another_source_are_refused_with_the_way_out(insert_samples, flow_workspace):
+def test_west_of_n_pairs_stored_under_another_source_are_counted_and_warned_of(insert_samples, flow_workspace):
     """A preset's west_of_n_source renamed: its run's pairs are held under the old name (a pair is stored once), so
-    the filter inserted none, the cache then held, and DPO on the new source found no rows. Now the filter says so;
-    once the old source is deleted, the pairs go under the new one."""
+    the filter inserted none, in silence, and DPO on the new source found no rows. Now it counts and warns of them
+    (no refusal: a preset whose DPO reads `samples_run_id` needs no source, and the holder may be an ingested
+    dataset); the pairs not held elsewhere are stored under the new source."""
     with open_store(flow_workspace.store_path) as store:
         insert_samples(store, SAMPLES.with_columns(run_id=pl.lit("w1")))
     assert filter_flow("west_of_n", "w1", source="won_a")["filter/pairs_inserted"] == 1
-    with pytest.raises(SamplesError, match=r"^West-of-N: the 1 pairs of run 'w1' are stored already \(1 under source "
-                                           r"'won_a'\), and a pair is stored once, under its first source: `alignflow "
-                                           r"data delete --source won_a` first to store them under 'won_b', or keep "
-                                           r"that source's name$"):
-        filter_flow("west_of_n", "w1", source="won_b")
-    with open_store(flow_workspace.store_path) as store:
-        store.delete_source("won_a")
-    assert filter_flow("west_of_n", "w1", source="won_b")["filter/pairs_inserted"] == 1
-    # some of a run's pairs held under another source (as the demo's ingested near-miss pairs hold a few of its
-    # runs'): the others are stored, and the held ones counted
+    with pytest.warns(UserWarning, match=r"^West-of-N: 1 of the 1 pairs of run 'w1' are stored already \(1 under "
+                                         r"source 'won_a'\) and stay there \(a pair is stored once\): a stage reading "
+                                         r"source 'won_b' will not see them"):
+        stats = filter_flow("west_of_n", "w1", source="won_b")
+    assert (stats["filter/pairs_inserted"], stats["filter/pairs_elsewhere"]) == (0, 1)
     another = SAMPLES.with_columns(run_id=pl.lit("w2"), reward=pl.Series([1.0, 0, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0]))
     with open_store(flow_workspace.store_path) as store:
         insert_samples(store, another)
-    stats = filter_flow("west_of_n", "w2", source="won_c")
+    with pytest.warns(UserWarning, match=r"^West-of-N: 1 of the 2 pairs of run 'w2'"):
+        stats = filter_flow("west_of_n", "w2", source="won_c")
     assert (stats["filter/pairs"], stats["filter/pairs_inserted"], stats["filter/pairs_elsewhere"]) == (2, 1, 1)
 
 

@@ -195,6 +195,10 @@ def test_a_boxed_gold_answer_is_read_as_its_box():
     assert answer_value(r"$\boxed \frac12$") == Fraction(1, 2)
     assert boxed_content("\\boxed 12\nnext line") == "12" and boxed_content(r"\boxed $") is None
     assert is_correct(r"The answer is $\boxed 9$.", "9") and not is_correct(r"$\boxed 9$", "8")
+    # the command named in prose after a box is no box (the review: the answer became "as asked.)")
+    assert extract_answer(r"The answer is \boxed{7}. (I put it in \boxed as asked.)") == "7"
+    assert extract_answer("So $x=\\boxed{7}$.\nNote: \\boxed is a LaTeX command.\n\\fbox here") == "7"
+    assert boxed_content(r"$\boxed -3$") == "-3" and boxed_content(r"$\boxed (1, 2)$") == "(1, 2)"
 
 
 def test_a_plain_mixed_number_gold_answer_is_its_value():

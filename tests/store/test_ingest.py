@@ -84,7 +84,7 @@ def test_ids_of_records_with_separator_text_do_not_collide(tmp_path, store):
 def test_summary_line(tmp_path, store):
     report = ingest_file(write_jsonl(tmp_path / "p.jsonl", PAIRS), store)
     assert report.summary() == ("p.jsonl (pairs -> preference_pairs): read 3 = accepted 3 + duplicates 0 + "
-                                "quarantined 0; fields kept in meta, which no stage reads: id (1)")
+                                "quarantined 0; fields kept in meta, which no stage reads: 'id' (1)")
     assert (report.source, report.table, report.format) == ("p", "preference_pairs", "pairs")
     assert report.fingerprint == fingerprint_path(tmp_path / "p.jsonl")
     metrics = report.metrics()
@@ -325,10 +325,13 @@ def test_the_counts_line_names_the_fields_no_stage_reads(tmp_path, store):
              for i in range(3)]
     pairs[0].pop("id")
     report = ingest_file(write_jsonl(tmp_path / "orca_dpo.jsonl", pairs), store)
-    assert report.unread_fields == "system (3), id (2)"
-    assert report.summary().endswith("; fields kept in meta, which no stage reads: system (3), id (2)")
+    assert report.unread_fields == "'system' (3), 'id' (2)"
+    assert report.summary().endswith("; fields kept in meta, which no stage reads: 'system' (3), 'id' (2)")
     problems = [{"question": "Q", "answer": "4", "solution": "2 + 2 = 4"}]
     assert ingest_file(write_jsonl(tmp_path / "math.jsonl", problems), store).unread_fields == ""
+    many = [{"prompt": f"q{i}", "chosen": "a", "rejected": "b", f"key\n{i:02}": 1} for i in range(12)]
+    report = ingest_file(write_jsonl(tmp_path / "many.jsonl", many), store)  # one line, ten names at most
+    assert report.unread_fields == ", ".join(f"'key\\n{i:02}' (1)" for i in range(10)) + " and 2 more"
 
 
 def test_problems_gsm8k_plain_numeric_and_split(tmp_path, store):
