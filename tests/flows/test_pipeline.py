@@ -72,9 +72,12 @@ def test_pipeline_chain_cache_hits_and_partial_recompute(flow_workspace, capsys)
         (run,) = stage_runs(flow_workspace, stage)
         assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id and run.info.status == "FINISHED"
         assert len(run.data.tags["data.fingerprint"]) == 64  # the inputs' fingerprint keys the cache
+    (west_of_n,) = stage_runs(flow_workspace, "west_of_n")
+    won = west_of_n.data.metrics  # how many pairs a 20-step model's samples make is the model's affair
+    assert won["filter/pairs_inserted"] + won["filter/pairs_elsewhere"] == won["filter/pairs"]
     with open_store(flow_workspace.store_path) as store:
         results = store.read("eval_results")  # a fresh workspace: one evaluation per model
-        assert store.count("preference_pairs") > 3000  # the demo pairs plus West-of-N pairs
+        assert store.count("preference_pairs") == 3000 + won["filter/pairs_inserted"]  # the demo pairs + West-of-N
     assert set(results["model"]) == {"sft", "rs_sft", "dpo", "grpo", "dapo", "ppo"}
     assert parent.data.tags["alignflow.reused"] == ""
     (base,) = stage_runs(flow_workspace, "base")  # the tiny model's build is a run too
