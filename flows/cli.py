@@ -382,21 +382,11 @@ def prefect_health_error() -> str | None:
 def require_servers() -> None:
     """The servers a user's exported URLs name answer their health checks, each asked through its tool's client:
     one that is down gave Prefect's tracebacks, and MLflow's client retried for 4.5 minutes before its own."""
-    tracking_uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-    if tracking_uri.startswith(("http://", "https://")):
-        from mlflow.tracking._tracking_service.utils import get_default_host_creds
-        from mlflow.utils.rest_utils import http_request
-
-        try:
-            response = http_request(get_default_host_creds(tracking_uri), "/health", "GET", max_retries=0, timeout=5)
-            error = None if response.ok else f"HTTP {response.status_code}"
-        except Exception as exc:  # noqa: BLE001 - every failure of the check is the same one-line error
-            error = one_line(exc, width=200)
-        if error is not None:
-            raise AlignflowError(f"the MLflow server at {tracking_uri} (MLFLOW_TRACKING_URI) fails its health check "
-                                 f"({error}); start it, or unset MLFLOW_TRACKING_URI to track in the workspace")
     from prefect.settings import get_current_settings
 
+    from pipeline_lib import tracking
+
+    tracking.require_tracking_server()
     url = get_current_settings().api.url
     if url and (error := prefect_health_error()) is not None:
         raise AlignflowError(f"the Prefect server at {url} (PREFECT_API_URL) fails its health check ({error}); "

@@ -30,7 +30,7 @@ from pipeline_lib import alignflow_version, code_version
 from pipeline_lib.config import KEEPING_FIELDS
 from pipeline_lib.errors import AlignflowError, one_line
 from pipeline_lib.logfns import LogFn, print_log
-from pipeline_lib.workspace import Workspace, host_id, process_alive
+from pipeline_lib.workspace import USER_TRACKING_URI, Workspace, host_id, process_alive
 
 EXPERIMENT = "alignflow"
 PARENT_ENV = "ALIGNFLOW_PARENT_RUN_ID"  # set by the pipeline flow so stage runs nest under it
@@ -217,6 +217,25 @@ def _git_tags(checkout: Path) -> dict[str, str]:
     return tags
 
 
+def require_tracking_server() -> None:
+    """An http(s) MLFLOW_TRACKING_URI answers its health check (asked through MLflow's own client: its TLS and auth
+    settings), else one AlignflowError line: MLflow's client retried an unreachable one for 4.5 minutes."""
+    uri = USER_TRACKING_URI or ""
+    if not uri.startswith(("http://", "https://")):
+        return
+    from mlflow.tracking._tracking_service.utils import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    try:
+        response = http_request(get_default_host_creds(uri), "/health", "GET", max_retries=0, timeout=5)
+        error = None if response.ok else f"HTTP {response.status_code}"
+    except Exception as exc:  # noqa: BLE001 - every failure of the check is the same one-line error
+        error = one_line(exc, width=200)
+    if error is not None:
+        raise AlignflowError(f"the MLflow server at {uri} (MLFLOW_TRACKING_URI) fails its health check ({error}); "
+                             "start it, or unset MLFLOW_TRACKING_URI to track in the workspace")
+
+
 def _end_stale_runs(experiment_id: str) -> None:
     """Mark KILLED the RUNNING runs whose process on this host is gone (a SIGKILLed stage)."""
     client = MlflowClient()
@@ -249,12 +268,12 @@ def _run_to_resume(experiment_id: str, stage: str, params: Mapping[str, str],
 
 
 def _carry_history(resumed: str, run_id: str, before_step: int) -> None:
-    """Copy the points of the resumed (killed or failed) run logged before `before_step`, the first step this run logs (the
-    first it logs after its checkpoint: with `log_every` > 1, past the checkpoint's step), into this run: its curves
-    start at step 0, as an uninterrupted run's do. The steps the killed run logged after its checkpoint are left out:
-    this run computes them again. The tag `alignflow.carried_before_step` says from which step the points are this
-    run's own. A resumed run killed before it logged anything (a Ctrl-C while its model loaded) holds no points: they
-    are in the run it resumed in turn."""
+    """Copy the points of the resumed (killed or failed) run logged before `before_step`, the first step this run
+    logs (the first it logs after its checkpoint: with `log_every` > 1, past the checkpoint's step), into this run:
+    its curves start at step 0, as an uninterrupted run's do. The steps the resumed run logged after its checkpoint
+    are left out: this run computes them again. The tag `alignflow.carried_before_step` says from which step the
+    points are this run's own. A resumed run killed before it logged anything (a Ctrl-C while its model loaded)
+    holds no points: they are in the run it resumed in turn."""
     client = MlflowClient()
     run = client.get_run(resumed)
     while not run.data.metrics and "alignflow.resumes" in run.data.tags:  # (each resumes an earlier run)

@@ -19,6 +19,23 @@ from pipeline_lib.config.base import (
 from pipeline_lib.sampling.base import MIN_TEMPERATURE
 
 
+# ---- checks the stages' configs share
+
+
+def _changed(config: Config, *names: str) -> list[str]:
+    """Those of `names` whose value is not the field's default: set by the user (a field the stage would then
+    ignore is refused: it is part of the stage's keys, so it would train again, on the same result)."""
+    return [name for name in names if getattr(config, name) != type(config).model_fields[name].default]
+
+
+def _check_weight_decay(weight_decay: float, *, lr: float, lr_name: str = "lr") -> None:
+    """AdamW multiplies every weight by 1 - lr·weight_decay at each update: at 1 or more it zeroes or flips them."""
+    if lr * weight_decay >= 1:
+        raise ValueError(f"weight_decay {weight_decay} x {lr_name} {lr} >= 1: AdamW multiplies the weights by "
+                         f"1 - {lr_name}·weight_decay each update, which zeroes them; "
+                         f"expected weight_decay < {1 / lr:g}")
+
+
 # ---- training stages (SFT, RM, DPO); the loops live in pipeline_lib/train/
 
 
@@ -214,19 +231,6 @@ class DPOConfig(TrainLoopConfig):
 
 
 # ---- online RL stages (pipeline_lib/train/grpo.py, ppo.py)
-
-
-def _changed(config: Config, *names: str) -> list[str]:
-    """Those of `names` whose value is not the field's default: set by the user (a field the stage would then
-    ignore is refused: it is part of the stage's keys, so it would train again, on the same result)."""
-    return [name for name in names if getattr(config, name) != type(config).model_fields[name].default]
-
-
-def _check_weight_decay(weight_decay: float, *, lr: float, lr_name: str = "lr") -> None:
-    """AdamW multiplies every weight by 1 - lr·weight_decay at each update: at 1 or more it zeroes or flips them."""
-    if lr * weight_decay >= 1:
-        raise ValueError(f"weight_decay {weight_decay} x {lr_name} {lr} >= 1: AdamW multiplies the weights by "
-                         f"1 - {lr_name}·weight_decay each update, which zeroes them; expected weight_decay < {1 / lr:g}")
 
 
 def _check_mini_batches(mini_batch_size: int | None, rows_per_step: int, rows_from: str) -> None:
@@ -516,7 +520,8 @@ class PPOConfig(OnlineRLConfig):
         if self.adaptive_kl and self.kl_horizon * 5 <= self.prompts_per_step:
             raise ValueError(f"kl_horizon {self.kl_horizon} <= prompts_per_step {self.prompts_per_step} / 5: the "
                              "controller's factor 1 + clip(KL / kl_target - 1, ±0.2) · prompts_per_step / kl_horizon "
-                             f"reaches 0 or below (a negative β_kl); expected kl_horizon > {self.prompts_per_step / 5:g}")
+                             "reaches 0 or below (a negative β_kl); "
+                             f"expected kl_horizon > {self.prompts_per_step / 5:g}")
         if self.vf_coef == 0 and (ignored := _changed(self, "critic_lr", "value_clip_eps")):
             raise ValueError(f"{', '.join(ignored)} set but vf_coef is 0 (the critic gets no gradient): set vf_coef "
                              "> 0, or leave them out")

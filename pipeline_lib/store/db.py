@@ -86,6 +86,8 @@ TABLES: dict[str, dict[str, str]] = {
 SOURCE_TABLES = ("preference_pairs", "rankings", "problems", "quarantine")
 CORPUS_TABLES = ("preference_pairs", "problems", "rankings")  # the texts a tokenizer trains on (`corpus_texts`)
 
+# a problem's worked solution (GSM8K's, MATH's), kept in its meta: SFT trains on it
+SOLUTION_SQL = "json_extract_string(meta, '$.solution')"
 TABLE_KEYS = {
     "preference_pairs": ["pair_id"],
     "rankings": ["ranking_id"],
@@ -336,9 +338,8 @@ class Store:
         """prompt -> (answer, worked solution or None) of the problems `source` already holds with a prompt of
         `frame` (one of each per prompt: ingest refuses a second one)."""
         with self._registered(frame.select("prompt").unique()) as name:
-            rows = self._run(f"SELECT p.prompt, min(p.answer), min(json_extract_string(p.meta, '$.solution')) "
-                             f"FROM problems p JOIN {name} f ON p.prompt = f.prompt WHERE p.source = ? "
-                             "GROUP BY p.prompt", [source])
+            rows = self._run(f"SELECT p.prompt, min(p.answer), min({SOLUTION_SQL}) FROM problems p JOIN {name} f "
+                             "ON p.prompt = f.prompt WHERE p.source = ? GROUP BY p.prompt", [source])
         return {prompt: (answer, solution) for prompt, answer, solution in rows}
 
     def sampled_prompt_ids(self, run_id: str) -> set[str]:
@@ -358,8 +359,7 @@ class Store:
             "SELECT source, prompt AS text FROM preference_pairs UNION ALL SELECT source, chosen FROM preference_pairs",
             "SELECT source, rejected FROM preference_pairs",
             "SELECT source, prompt FROM problems UNION ALL SELECT source, answer FROM problems",
-            "SELECT source, solution FROM (SELECT source, json_extract_string(meta, '$.solution') AS solution "
-            "FROM problems) WHERE solution IS NOT NULL",
+            f"SELECT source, {SOLUTION_SQL} FROM problems WHERE {SOLUTION_SQL} IS NOT NULL",
             "SELECT source, prompt FROM rankings UNION ALL SELECT source, unnest(responses) FROM rankings",
         ]
         sql = f"SELECT text FROM ({' UNION ALL '.join(parts)})"
@@ -377,7 +377,7 @@ class Store:
         a tokenizer's corpus holds it; its id is prompt and answer only): changes iff the selected data changes."""
         where, params = _where(table, equals)
         key = ", ".join(TABLE_KEYS[table])
-        content = f"{key}, md5(coalesce(json_extract_string(meta, '$.solution'), ''))" if table == "problems" else key
+        content = f"{key}, md5(coalesce({SOLUTION_SQL}, ''))" if table == "problems" else key
         row = self._run(
             f"SELECT count(*), md5(coalesce(string_agg(concat_ws('|', {content}), ',' ORDER BY {key}), '')) "
             f"FROM {table} WHERE {where}", params)[0]

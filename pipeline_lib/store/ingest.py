@@ -95,8 +95,8 @@ class IngestReport:
     """The file's problems (quarantined ones and in-file duplicates left out) whose records name a split other than
     the one given, which they keep: e.g. "100 test"."""
     unread_fields: str = ""
-    """The records' fields no stage reads (kept in each row's meta), with how many records hold each: e.g.
-    "system (20), id (20)". A `system` beside text pairs is no system turn: chat messages carry one."""
+    """The records' fields no stage reads (kept in each row's meta), with how many records hold each, ten at most:
+    e.g. "'system' (20), 'id' (20)". A `system` beside text pairs is no system turn: chat messages carry one."""
 
     def summary(self) -> str:
         line = (f"{Path(self.file).name} ({self.format} -> {self.table}): read {self.rows_read} = "
@@ -162,8 +162,8 @@ def ingest_file(
     if not split:
         raise IngestError(f"{path}: split is blank; expected a split name such as train or test")
     rows = _screen(lines, fmt, max_record_bytes, pre_bad)
-    # SFT reads a problem's `solution`, kept in meta
-    unread = [(name, count) for name, count in rows.extra_fields.most_common() if (fmt, name) != ("problem", "solution")]
+    read_from_meta = ("solution",) if fmt == "problem" else ()  # SFT trains on a problem's worked solution
+    unread = [(name, count) for name, count in rows.extra_fields.most_common() if name not in read_from_meta]
     accepted, bad = shape_records(fmt, rows, split=split)
     table = TABLE_OF[fmt]
     if table == "problems":

@@ -167,11 +167,11 @@ def reference_logps(model: nn.Module, encoded: Encoded, *, parts: Sequence[list[
 
     The key hashes the reference model's dir (`model_fingerprint`: its weights and its config, which changes the
     log-probs as much), the tokenized data, the numeric setting (device type, dtype, which pairs run packed, the
-    parts and the batch size: the float sums differ in their last bits) and the code, so a rerun, a resumed run or another stage on the same data
-    reuses the file. Rank 0 computes and writes (atomically and durably; a failed write is a one-line
-    CheckpointWriteError, a file that does not read back whole is computed again with a warning); every rank then
-    reads the same file. A peft model is evaluated with its adapters disabled: that is the reference, without a
-    second copy of the weights."""
+    parts and the batch size: the float sums differ in their last bits) and the code, so a rerun, a resumed run or
+    another stage on the same data reuses the file. Rank 0 computes and writes (atomically and durably; a failed
+    write is a one-line CheckpointWriteError, a file that does not read back whole is computed again with a
+    warning); every rank then reads the same file. A peft model is evaluated with its adapters disabled: that is the
+    reference, without a second copy of the weights."""
     dtype = "bf16" if device.type == "cuda" else "fp32"
     layout = content_id(*map(str, sorted(packed)))
     split = content_id(*(",".join(map(str, part)) for part in parts))  # with batch_size: how the parts were batched

@@ -274,8 +274,9 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
     if signal_steps == 0:  # rewards, KL penalty and values all alike: GAE gives 0 everywhere, and so does the gradient
         unchanged = "the start policy" + (" but for weight decay" if cfg.weight_decay else "")
         warnings.warn(f"ppo: every advantage of the {cfg.max_steps} steps was 0 (no reward, KL penalty or value told "
-                      f"the samples apart), so the actor's gradient was zero throughout: the final model is {unchanged} "
-                      "(check that the rewards vary: problems it solves sometimes)", RuntimeWarning, stacklevel=2)
+                      "the samples apart), so the actor's gradient was zero throughout: the final model is "
+                      f"{unchanged} (check that the rewards vary: problems it solves sometimes)", RuntimeWarning,
+                      stacklevel=2)
     return save_final(policy, tokenizer, out_dir, metrics=metrics, run_key=stage_key)
 
 
