@@ -86,13 +86,15 @@ def _chunk_logps(
     logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer  # (B, C)
     if not with_entropy:
         return logps, torch.zeros_like(logps)
-    # H = lse(z) - Σ p z on z shifted to a top logit of 0: two terms >= 0, so H is never negative and nothing
-    # cancels. (Unshifted, lse(z) and Σ p z are two large numbers when the logits are, as at a low temperature:
-    # their difference came out at -6e-3 for T = 0.01.)
-    shifted = logits - logits.amax(dim=-1, keepdim=True)  # (B, C, V), <= 0
-    shifted_normalizer = torch.logsumexp(shifted, dim=-1)  # (B, C), >= 0
-    probs = torch.exp(shifted - shifted_normalizer.unsqueeze(-1))  # (B, C, V)
-    entropy = shifted_normalizer - (probs * shifted).sum(dim=-1)  # (B, C)
+    # A logged statistic, never a loss term: no graph, so backward neither keeps nor recomputes its (B, C, V) tensors.
+    # H = log Z - Σ e^s s / Z on s = z - max z, Z = Σ e^s >= 1: two terms >= 0, so H is never negative and nothing
+    # cancels. (As lse(z) - Σ p z, two large numbers when the logits are, as at a low temperature, their difference
+    # came out at -6e-3 for T = 0.01.)
+    with torch.no_grad():
+        shifted = logits - logits.amax(dim=-1, keepdim=True)  # (B, C, V), <= 0
+        weights = shifted.exp()  # (B, C, V)
+        total = weights.sum(dim=-1)  # (B, C), >= 1
+        entropy = total.log() - (weights * shifted).sum(dim=-1) / total  # (B, C)
     return logps, entropy
 
 
@@ -177,7 +179,7 @@ def sequence_logprobs(
     `temperature` divides the logits, as the sampler did: the log-probs of the distribution a rollout drew from.
 
     Values are zero wherever completion_mask is 0. With return_entropy, also the entropy of the
-    distribution that predicted each position, masked the same way. The model runs only up to the column
+    distribution that predicted each position, masked the same way: a statistic to log, without gradient. The model runs only up to the column
     before the last completion token (later columns predict nothing asked for); logits are built `chunk_size`
     positions at a time, only over the span of columns that hold completion tokens; under autograd each
     chunk is checkpointed, so backward recomputes its logits instead of keeping them all alive."""

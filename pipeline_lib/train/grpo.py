@@ -286,7 +286,7 @@ def train_grpo(cfg: GRPOConfig, problems: pl.DataFrame, out_dir: Path, log: LogF
                         optimizer.zero_grad(set_to_none=True)
                         updates += 1
                         stats |= {"train/loss": loss.detach(), "train/grad_norm": grad_norm,
-                                  "policy/entropy": (entropy.detach() * mask).sum() / mask.sum()}
+                                  "policy/entropy": (entropy * mask).sum() / mask.sum()}
                         for key, value in stats.items():
                             update_stats.setdefault(key, []).append(float(value))
 

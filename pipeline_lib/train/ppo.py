@@ -234,7 +234,7 @@ def train_ppo(cfg: PPOConfig, prompts: pl.DataFrame, out_dir: Path, log: LogFn =
                     stats = policy_stats | value_stats | {
                         "train/loss": loss.detach(), "policy/loss": policy_loss.detach(), "train/grad_norm": grad_norm,
                         "train/lr": lr,
-                        "policy/entropy": (entropy.detach() * mask[rows]).sum() / mask[rows].sum(),
+                        "policy/entropy": (entropy * mask[rows]).sum() / mask[rows].sum(),
                     }
                     for key, value in stats.items():
                         update_stats.setdefault(key, []).append(float(value))
