@@ -198,12 +198,17 @@ def ingest(
     max_record_bytes: int = typer.Option(1_000_000, "--max-record-bytes",
                                          help="Records whose JSON text is larger than this (a CSV or parquet "
                                               "row: the JSON record it becomes) are quarantined."),
+    replace: bool = typer.Option(False, "--replace",
+                                 help="Delete the source's stored rows (its quarantine too) in the transaction that "
+                                      "stores the file's: an edited file replaces its earlier version, where "
+                                      "without it a changed row is added beside the old one."),
 ) -> None:
     """Validate a data file into the store; bad rows go to the quarantine with a reason."""
     from pipeline_lib.config import IngestConfig, validate_config
 
     cfg = validate_config(IngestConfig, {"path": str(path), "format": format, "source": source, "split": split,
-                                         "max_record_bytes": max_record_bytes}, origin="alignflow ingest")
+                                         "max_record_bytes": max_record_bytes, "replace": replace},
+                         origin="alignflow ingest")
     from pipeline_lib.store.ingest import IngestError, check_readable
 
     try:  # a missing, damaged or empty file, a dir, a FIFO: before the flow starts, whose server takes seconds

@@ -119,7 +119,7 @@ def _chat_form(pair: dict) -> tuple[str, str]:
     if isinstance(result, str):
         raise SamplesError(f"samples: prompt_id {pair['prompt_id']!r} (prompt {text_start(pair['prompt'])}): its "
                            f"West-of-N pair is no conversation ingest would store ({result}); ingest its problems "
-                           "again (`alignflow data delete --source`, then ingest: such a prompt is quarantined now) "
+                           "again (`alignflow ingest FILE --replace`: such a prompt is quarantined now) "
                            "and filter again")
     prompt_text, _, _, messages = result
     return prompt_text, messages

@@ -18,7 +18,7 @@ def ingest_task(cfg: IngestConfig) -> dict:
     with tracking.stage_run(workspace, "ingest", cfg, tags=run_tags(), echo=False) as log:
         with open_store(workspace.store_path) as store:
             report = ingest_file(cfg.resolved_path, store, format=cfg.format, source=cfg.source,
-                                 split=cfg.split, max_record_bytes=cfg.max_record_bytes)
+                                 split=cfg.split, max_record_bytes=cfg.max_record_bytes, replace=cfg.replace)
         log(report.metrics(), 0)
         # the file read: `path` as written may be the checkout's shipped data/, found by `resolved_path`
         tracking.set_tags({"data.fingerprint": report.fingerprint, "data.table": report.table,

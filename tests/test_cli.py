@@ -359,6 +359,9 @@ def test_ingest_then_stats(tmp_path):
     ingest = alignflow("ingest", "data/demo/rankings.jsonl", "--source", "demo", workspace=tmp_path, cwd=tmp_path)
     assert ingest.returncode == 0, ingest.stderr
     assert "rankings.jsonl (ranking -> rankings): read 600 = accepted 600 + duplicates 0 + quarantined 0" in ingest.stdout
+    again = alignflow("ingest", "data/demo/rankings.jsonl", "--source", "demo", "--replace", workspace=tmp_path)
+    assert ("read 600 = accepted 600 + duplicates 0 + quarantined 0; the rows source 'demo' held were deleted first "
+            "(rankings 600)") in again.stdout, again.stderr
     stats = alignflow("data", "stats", workspace=tmp_path)
     assert stats.returncode == 0
     assert "rankings" in stats.stdout and "600" in stats.stdout

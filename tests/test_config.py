@@ -661,6 +661,20 @@ def test_an_ingest_file_of_an_unsupported_type_is_reported_when_the_preset_loads
                               f"one of .jsonl.gz, .json.gz, .csv.gz, .jsonl, .json, .parquet, .csv")
 
 
+def test_a_file_ingested_with_replace_shares_its_source_with_no_other_file_of_the_preset(tmp_path):
+    """Its replace would delete what the other file stored under the source in the same run."""
+    path = tmp_path / "p.yaml"
+    path.write_text("base: {}\ningest:\n  - {path: data/demo/pairs.jsonl}\n"
+                    "  - {path: data/demo/problems.jsonl, source: pairs, replace: true}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(PipelineConfig, path)
+    assert str(err.value) == (f"{path}: field 'ingest.1.replace': true deletes what ingest.0 and ingest.1 store under "
+                              "the one source 'pairs'; give each file its own `source`")
+    path.write_text("base: {}\ningest:\n  - {path: data/demo/pairs.jsonl, replace: true}\n"
+                    "  - {path: data/demo/problems.jsonl, replace: true}\n")
+    assert [ingest.replace for ingest in load_config(PipelineConfig, path).ingest] == [True, True]
+
+
 def test_ingest_files_resolve_against_the_checkout_and_are_not_checked_when_built_in_code(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # data/demo/... is not here, but in the checkout
     path = tmp_path / "ingest.yaml"

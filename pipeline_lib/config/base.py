@@ -120,6 +120,10 @@ class IngestConfig(Config):
     default `train`."""
     max_record_bytes: int = Field(1_000_000, ge=1)
     """Records larger than this many bytes are quarantined (default 1 MB)."""
+    replace: bool = False
+    """Delete the source's stored rows (its quarantine rows too) in the transaction that stores the file's: an edited
+    file then replaces what its earlier version stored. Without it, rows are added by content, so a changed row is
+    stored beside the old one."""
 
     @property
     def resolved_path(self) -> Path:
@@ -296,14 +300,16 @@ def load_yaml(path: str | Path) -> dict:
 
 def check_ingest_files(cfg: BaseModel, origin: str = "config") -> None:
     """The files an ingest config (or a pipeline's `ingest` list) names exist and ingest can read them as a whole
-    (type, records, format), else one ConfigError line naming the field (`load_config`); a missing file would
+    (type, records, format), and a file ingested with `replace` shares its source with no other file (it would
+    delete their rows), else one ConfigError line naming the field (`load_config`); a missing file would
     otherwise surface only when the pipeline reaches its ingest step."""
     if isinstance(cfg, IngestConfig):
         files = {"path": cfg}
     else:
         files = {f"ingest.{i}.path": ingest for i, ingest in enumerate(getattr(cfg, "ingest", ()))}
-    from pipeline_lib.store.ingest import IngestError, check_readable  # imports polars and DuckDB: only here
+    from pipeline_lib.store.ingest import IngestError, check_readable, default_source  # polars, DuckDB: only here
 
+    sources: dict[str, dict[str, IngestConfig]] = {}  # the files of each source, by the field naming them
     for field, ingest in files.items():
         resolved = ingest.resolved_path
         if not resolved.exists():
@@ -314,6 +320,13 @@ def check_ingest_files(cfg: BaseModel, origin: str = "config") -> None:
             check_readable(resolved, ingest.format, ingest.max_record_bytes, ingest.split)
         except IngestError as exc:  # ingest would refuse it, after the pipeline ingested the files before it
             raise ConfigError(f"{origin}: field '{field}': {exc}") from None
+        sources.setdefault(ingest.source or default_source(resolved), {})[field.removesuffix("path")] = ingest
+    for source, named in sources.items():
+        replacing = [field for field, ingest in named.items() if ingest.replace]
+        if replacing and len(named) > 1:
+            raise ConfigError(f"{origin}: field '{replacing[0]}replace': true deletes what "
+                              f"{' and '.join(field.rstrip('.') for field in named)} store under the one source "
+                              f"{source!r}; give each file its own `source`")
 
 
 # ---- checks several stage configs share

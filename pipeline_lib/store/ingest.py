@@ -97,10 +97,14 @@ class IngestReport:
     unread_fields: str = ""
     """The records' fields no stage reads (kept in each row's meta), with how many records hold each, ten at most:
     e.g. "'system' (20), 'id' (20)". A `system` beside text pairs is no system turn: chat messages carry one."""
+    replaced: str = ""
+    """With `replace`, the source's rows deleted before the file's were stored, per table: e.g. "problems 100"."""
 
     def summary(self) -> str:
         line = (f"{Path(self.file).name} ({self.format} -> {self.table}): read {self.rows_read} = "
                 f"accepted {self.accepted} + duplicates {self.duplicates} + quarantined {self.quarantined}")
+        if self.replaced:
+            line += f"; the rows source {self.source!r} held were deleted first ({self.replaced})"
         if self.elsewhere:
             line += (f"; of the duplicates, {self.elsewhere} stay as first ingested (`alignflow data delete "
                      f"--source NAME` removes a source)")
@@ -141,12 +145,14 @@ def ingest_file(
     source: str | None = None,
     split: str | None = None,
     max_record_bytes: int = 1_000_000,
+    replace: bool = False,
 ) -> IngestReport:
     """Ingest one file into its table (by shape); bad rows go to `quarantine` with a reason.
 
     `source` defaults to the file name without its extension; `split` applies to problems whose
     records have no `split` field (default "train"; stripped as a record's own is, so `test ` is the test split).
-    Raises IngestError for a file it cannot read."""
+    With `replace`, the source's stored rows (every ingested table, the quarantine too) are deleted in the
+    transaction that stores the file's. Raises IngestError for a file it cannot read."""
     start = time.perf_counter()
     path = Path(path)
     if format not in ("auto", *FORMATS):
@@ -154,7 +160,7 @@ def ingest_file(
     if max_record_bytes <= 0:
         raise IngestError(f"{path}: max_record_bytes must be > 0, got {max_record_bytes}")
     suffix = suffix_of(path)
-    source = source or path.name[: -len(suffix)]
+    source = source or default_source(path)
     lines, line_nos, pre_bad, fmt = _read_records(path, suffix, format, max_record_bytes)
     _refuse_split(path, fmt, split)
     given = split
@@ -167,7 +173,8 @@ def ingest_file(
     accepted, bad = shape_records(fmt, rows, split=split)
     table = TABLE_OF[fmt]
     if table == "problems":
-        accepted, conflicts = one_answer_per_prompt(accepted, store.stored_problems(source, accepted))
+        stored = {} if replace else store.stored_problems(source, accepted)  # replaced: no answer to conflict with
+        accepted, conflicts = one_answer_per_prompt(accepted, stored)
         bad += conflicts
     # the file as named, not the target of a symlink: a Hugging Face snapshot's train.parquet links to a blob whose
     # name has no suffix, so neither the user nor `position` (row or line) would know it
@@ -183,6 +190,7 @@ def ingest_file(
     own = unique.filter(pl.col("split") != split)["split"].value_counts(sort=True) \
         if given is not None and table == "problems" else None
     with store.transaction():
+        deleted = store.delete_source(source) if replace else {}
         inserted = store.insert_new(table, unique)
         store.insert_new("quarantine", quarantine)
         # rows already stored under another source (or split) keep it: a new --source/--split does not move them.
@@ -203,6 +211,7 @@ def ingest_file(
         elsewhere=" and ".join(_placement(columns, row) for row in elsewhere),
         own_splits="" if own is None else ", ".join(f"{count} {name}" for name, count in own.iter_rows()),
         unread_fields=_unread_fields(unread),
+        replaced=", ".join(f"{table} {n}" for table, n in deleted.items() if n),
     )
     if report.rows_read != report.accepted + report.duplicates + report.quarantined:
         raise RuntimeError(f"ingest invariant broken (a bug in alignflow): {report.summary()}")
@@ -256,6 +265,11 @@ def _read_records(
 
 
 # ---- reading: every file type becomes a list of JSON lines (one per record) plus its numbering
+
+
+def default_source(path: Path) -> str:
+    """The source of a file ingested without one: its name without its type ending (`hh.jsonl.gz` -> `hh`)."""
+    return path.name[: -len(suffix_of(path))]
 
 
 def suffix_of(path: Path) -> str:

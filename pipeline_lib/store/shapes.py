@@ -403,6 +403,6 @@ def one_answer_per_prompt(problems: pl.DataFrame, stored: dict[str, tuple[str, s
         where = "the store holds it under this source" if prompt in stored else "an earlier record has it"
         other = f"another answer ({first_answer!r})" if first_answer != answer else "another worked solution"
         bad.append((idx, f"{other} for this prompt: {where}; one prompt has one gold answer and solution (to correct "
-                         "a source's problems, `alignflow data delete --source` it and ingest again)"))
+                         "a source's problems, ingest its file again with `--replace`)"))
     kept = problems[keep] if keep else problems.clear()
     return kept.drop("_idx"), bad

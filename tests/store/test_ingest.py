@@ -673,8 +673,8 @@ def test_a_prompt_has_one_gold_answer_per_source(tmp_path, store):
     check_invariant(report)
     assert (report.accepted, report.duplicates, report.quarantined) == (3, 1, 1)
     assert quarantine(store) == {4: "another answer ('4') for this prompt: an earlier record has it; one prompt has "
-                                    "one gold answer and solution (to correct a source's problems, `alignflow data "
-                                    "delete --source` it and ingest again)"}
+                                    "one gold answer and solution (to correct a source's problems, ingest its file "
+                                    "again with `--replace`)"}
     second = [("17+25=", "42"), ("1+1=", "2"), ("3+3=", "6")]
     report = ingest_file(write_jsonl(path, [{"question": q, "answer": a} for q, a in second]), store, split="test")
     check_invariant(report)
@@ -683,10 +683,43 @@ def test_a_prompt_has_one_gold_answer_per_source(tmp_path, store):
         store.read("quarantine").filter(pl.col("line_no") == 1)["reason"].item()
     other = ingest_file(path, store, source="other")  # another source: its own gold answers
     assert (other.accepted, other.duplicates, other.quarantined) == (1, 2, 0)  # 1+1=2, 3+3=6 stay under p
-    store.delete_source("p")
     store.delete_source("other")
-    assert ingest_file(path, store, source="p", split="test").accepted == 3
+    replaced = ingest_file(path, store, source="p", split="test", replace=True)  # what the advice says
+    assert (replaced.accepted, replaced.duplicates, replaced.quarantined) == (3, 0, 0)
+    assert replaced.replaced == "problems 4, quarantine 2"
     assert store.read("problems", source="p").filter(pl.col("prompt") == "17+25=")["answer"].to_list() == ["42"]
+    assert store.count("quarantine", source="p") == 0
+
+
+def test_an_edited_file_ingested_with_replace_replaces_its_earlier_version(tmp_path, store):
+    """Rows are keyed by content: an edited pair ingested again is stored beside its old version (a label swapped:
+    both labels). `replace` deletes the source's rows, quarantine too, in the transaction that stores the file's;
+    another source keeps its rows, and a file ingest cannot read deletes nothing."""
+    path = tmp_path / "prefs.jsonl"
+    write_jsonl(path, [{"prompt": "p1", "chosen": "good", "rejected": "bad"},
+                       {"prompt": "p2", "chosen": "yes", "rejected": "no"}, {"prompt": "p3"}])
+    ingest_file(path, store)
+    ingest_file(write_jsonl(tmp_path / "other.jsonl", [{"prompt": "p9", "chosen": "a", "rejected": "b"}]), store)
+    write_jsonl(path, [{"prompt": "p1", "chosen": "bad", "rejected": "good"},  # the label fixed
+                       {"prompt": "p2", "chosen": "yes", "rejected": "no"}])
+    added = ingest_file(path, store)
+    assert (added.accepted, added.duplicates, added.replaced) == (1, 1, "")
+    assert store.count("preference_pairs", source="prefs", prompt="p1") == 2  # both labels, as documented
+
+    report = ingest_file(path, store, replace=True)
+    check_invariant(report)
+    assert (report.accepted, report.duplicates, report.quarantined) == (2, 0, 0)
+    assert report.replaced == "preference_pairs 3, quarantine 1"
+    assert "the rows source 'prefs' held were deleted first (preference_pairs 3, quarantine 1)" in report.summary()
+    pairs = store.read("preference_pairs", source="prefs").sort("prompt")
+    assert pairs.select("prompt", "chosen", "rejected").rows() == [("p1", "bad", "good"), ("p2", "yes", "no")]
+    assert store.count("quarantine", source="prefs") == 0 and store.count("preference_pairs", source="other") == 1
+
+    broken = tmp_path / "prefs.jsonl.gz"
+    broken.write_bytes(b"not gzip")
+    with pytest.raises(IngestError):
+        ingest_file(broken, store, replace=True)
+    assert store.count("preference_pairs", source="prefs") == 2
 
 
 def test_a_prompt_has_one_worked_solution_per_source(tmp_path, store):
@@ -703,10 +736,9 @@ def test_a_prompt_has_one_worked_solution_per_source(tmp_path, store):
     assert (report.accepted, report.duplicates, report.quarantined) == (0, 1, 1)
     assert quarantine(store) == {1: "another worked solution for this prompt: the store holds it under this source; "
                                     "one prompt has one gold answer and solution (to correct a source's problems, "
-                                    "`alignflow data delete --source` it and ingest again)"}
+                                    "ingest its file again with `--replace`)"}
     assert store.fingerprint("problems", source="gs") == before
-    store.delete_source("gs")
-    assert ingest_file(corrected, store, source="gs").accepted == 2
+    assert ingest_file(corrected, store, source="gs", replace=True).accepted == 2
     assert json.loads(store.read("problems", prompt="Q1")["meta"].item())["solution"] == "2 + 2 = <<2+2=4>>4\n#### 4"
     assert store.fingerprint("problems", source="gs") != before  # the same ids: only the solution differs
     again = write_jsonl(tmp_path / "gs3.jsonl", [{"question": "Q2", "answer": "3"}, {"question": "Q2", "answer": "3"},
