@@ -168,8 +168,6 @@ def ingest_file(
     if not split:
         raise IngestError(f"{path}: split is blank; expected a split name such as train or test")
     rows = _screen(lines, fmt, max_record_bytes, pre_bad)
-    read_from_meta = ("solution",) if fmt == "problem" else ()  # SFT trains on a problem's worked solution
-    unread = [(name, count) for name, count in rows.extra_fields.most_common() if name not in read_from_meta]
     accepted, bad = shape_records(fmt, rows, split=split)
     table = TABLE_OF[fmt]
     if table == "problems":
@@ -179,6 +177,10 @@ def ingest_file(
     # the file as named, not the target of a symlink: a Hugging Face snapshot's train.parquet links to a blob whose
     # name has no suffix, so neither the user nor `position` (row or line) would know it
     quarantine = _quarantine_frame(lines, line_nos, sorted(rows.bad + bad), source, os.path.abspath(path))
+    rejected = {i for i, _ in bad}  # the fields a quarantined record held are kept nowhere
+    read_from_meta = ("solution",) if fmt == "problem" else ()  # SFT trains on a problem's worked solution
+    unread = Counter(name for i, names in rows.extra_fields.items() if i not in rejected
+                     for name in names if name not in read_from_meta).most_common()
     n_records = rows.n_records
     del lines, rows  # free the raw lines and the parsed frame before hashing and inserting (peak memory)
     candidates = _with_ids(table, accepted, source)
@@ -589,7 +591,7 @@ def _screen(lines: list[bytes], fmt: str, limit: int, pre_bad: dict[int, str]) -
     good: list[int] = []
     bad: list[tuple[int, str]] = []
     metas: dict[int, str] = {}
-    extra_fields: Counter[str] = Counter()
+    extra_fields: dict[int, list[str]] = {}
     records: list[dict] = []
     n_records = 0
     for i, line in enumerate(lines):
@@ -633,7 +635,7 @@ def _screen(lines: list[bytes], fmt: str, limit: int, pre_bad: dict[int, str]) -
                 _check_unique_keys(line)
             if extra and (extras := _extra_keys(record, known, alternatives)):
                 metas[i] = _meta(line, record, extras)
-                extra_fields.update(extras)
+                extra_fields[i] = extras
         except _Rejected as exc:
             bad.append((i, str(exc)))
             continue

@@ -4,7 +4,6 @@ into table rows (pairs, hh, chat -> preference_pairs; ranking -> rankings; probl
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import dataclass
 
 import orjson
@@ -63,8 +62,8 @@ class Rows:
     records: list[dict]
     metas: dict[int, str]
     bad: list[tuple[int, str]]
-    extra_fields: Counter[str]
-    """How many of those records hold each field the format does not read (kept in their meta)."""
+    extra_fields: dict[int, list[str]]
+    """The fields the format does not read (kept in meta) of each record that holds some, by line index."""
 
 
 def shape_records(fmt: str, rows: Rows, *, split: str) -> tuple[pl.DataFrame, list[tuple[int, str]]]:

@@ -332,6 +332,10 @@ def test_the_counts_line_names_the_fields_no_stage_reads(tmp_path, store):
     many = [{"prompt": f"q{i}", "chosen": "a", "rejected": "b", f"key\n{i:02}": 1} for i in range(12)]
     report = ingest_file(write_jsonl(tmp_path / "many.jsonl", many), store)  # one line, ten names at most
     assert report.unread_fields == ", ".join(f"'key\\n{i:02}' (1)" for i in range(10)) + " and 2 more"
+    rejected = [{"prompt": "q", "chosen": "", "rejected": "b", "note": 1}, {"prompt": "r", "chosen": "a",
+                                                                            "rejected": "b", "id": 1}]
+    report = ingest_file(write_jsonl(tmp_path / "rejected.jsonl", rejected), store)  # a helper: 'note' was named
+    assert (report.quarantined, report.unread_fields) == (1, "'id' (1)")  # a quarantined record's fields: nowhere
 
 
 def test_problems_gsm8k_plain_numeric_and_split(tmp_path, store):
