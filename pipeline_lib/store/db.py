@@ -94,7 +94,7 @@ TABLE_KEYS = {
     "problems": ["problem_id"],
     "samples": ["run_id", "prompt_id", "sample_idx"],
     "eval_results": ["run_id", "model", "dataset", "k"],
-    # re-ingesting a file must not repeat its quarantine rows either
+    # a row per line and reason of the latest ingest of a file (`replace_quarantine` replaces them per file)
     "quarantine": ["source", "file", "line_no", "raw", "reason"],
 }
 
@@ -233,6 +233,13 @@ class Store:
     def delete_source(self, source: str) -> dict[str, int]:
         """Delete the rows of `source` from the ingested tables and the quarantine; rows deleted per table."""
         return {table: self._run(f"DELETE FROM {table} WHERE source = ?", [source])[0][0] for table in SOURCE_TABLES}
+
+    def replace_quarantine(self, source: str, file: str, frame: pl.DataFrame) -> None:
+        """The quarantine rows of `file` under `source` become `frame`'s: an ingest's verdicts replace those of the
+        file's earlier ingests (a record since fixed, or accepted under a larger max_record_bytes, leaves the
+        quarantine; rows an older schema numbered otherwise are not kept beside the new ones)."""
+        self._run("DELETE FROM quarantine WHERE source = ? AND file = ?", [source, file])
+        self.insert_new("quarantine", frame)
 
     def has_source(self, source: str) -> bool:
         """Whether an ingest stored rows (or quarantined some) under `source`."""

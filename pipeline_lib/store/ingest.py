@@ -194,7 +194,7 @@ def ingest_file(
     with store.transaction():
         deleted = store.delete_source(source) if replace else {}
         inserted = store.insert_new(table, unique)
-        store.insert_new("quarantine", quarantine)
+        store.replace_quarantine(source, os.path.abspath(path), quarantine)
         # rows already stored under another source (or split) keep it: a new --source/--split does not move them.
         # Every candidate, not only the unique ones: a record repeated in the file is one duplicate held there per copy
         columns = ["source", "split"] if table == "problems" else ["source"]

@@ -690,7 +690,7 @@ def test_a_prompt_has_one_gold_answer_per_source(tmp_path, store):
     store.delete_source("other")
     replaced = ingest_file(path, store, source="p", split="test", replace=True)  # what the advice says
     assert (replaced.accepted, replaced.duplicates, replaced.quarantined) == (3, 0, 0)
-    assert replaced.replaced == "problems 4, quarantine 2"
+    assert replaced.replaced == "problems 4, quarantine 1"  # the latest ingest of p.jsonl quarantined one
     assert store.read("problems", source="p").filter(pl.col("prompt") == "17+25=")["answer"].to_list() == ["42"]
     assert store.count("quarantine", source="p") == 0
 
@@ -709,15 +709,16 @@ def test_an_edited_file_ingested_with_replace_replaces_its_earlier_version(tmp_p
     added = ingest_file(path, store)
     assert (added.accepted, added.duplicates, added.replaced) == (1, 1, "")
     assert store.count("preference_pairs", source="prefs", prompt="p1") == 2  # both labels, as documented
+    assert store.count("quarantine", source="prefs") == 0  # the file's quarantine is its latest ingest's
 
     report = ingest_file(path, store, replace=True)
     check_invariant(report)
     assert (report.accepted, report.duplicates, report.quarantined) == (2, 0, 0)
-    assert report.replaced == "preference_pairs 3, quarantine 1"
-    assert "the rows source 'prefs' held were deleted first (preference_pairs 3, quarantine 1)" in report.summary()
+    assert report.replaced == "preference_pairs 3"
+    assert "the rows source 'prefs' held were deleted first (preference_pairs 3)" in report.summary()
     pairs = store.read("preference_pairs", source="prefs").sort("prompt")
     assert pairs.select("prompt", "chosen", "rejected").rows() == [("p1", "bad", "good"), ("p2", "yes", "no")]
-    assert store.count("quarantine", source="prefs") == 0 and store.count("preference_pairs", source="other") == 1
+    assert store.count("preference_pairs", source="other") == 1
 
     broken = tmp_path / "prefs.jsonl.gz"
     broken.write_bytes(b"not gzip")
@@ -1026,6 +1027,9 @@ def test_the_record_limit_measures_the_json_text(tmp_path, store, ending):
     check_invariant(report)
     assert (report.accepted, report.quarantined) == (1, 1)
     assert quarantine(store) == {2: "record is 101 bytes as JSON > max_record_bytes 100"}
+    again = ingest_file(path, store, max_record_bytes=101)  # what the reason advises: the record leaves the quarantine
+    assert (again.accepted, again.duplicates, again.quarantined) == (1, 1, 0)
+    assert store.count("quarantine", source="limit") == 0  # a helper: its old row stayed, still counted
     csv_path = tmp_path / "rows.csv"
     csv_path.write_bytes(b'prompt,chosen,rejected\np,"' + b"c\n" * 34 + b'",r\n')  # a 74-byte row
     assert ingest_file(csv_path, store, max_record_bytes=100).quarantined == 1
