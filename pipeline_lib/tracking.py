@@ -115,11 +115,11 @@ def stage_run(
     experiment_id = configure(workspace)
     params = flatten_params(config) if config is not None else {}
     _end_stale_runs(experiment_id)
-    resumes = _run_to_resume(experiment_id, stage, params, dict(tags or {}).get("data.fingerprint"))
+    resumes = _run_to_resume(workspace, experiment_id, stage, params, dict(tags or {}).get("data.fingerprint"))
     parent = os.environ.get(PARENT_ENV)
     run = mlflow.start_run(run_name=stage, nested=parent is not None, parent_run_id=parent)
     try:
-        mlflow.set_tags({"alignflow.stage": stage, **_process_tags(),
+        mlflow.set_tags({"alignflow.stage": stage, **_process_tags(workspace),
                          **({"alignflow.resumes": resumes} if resumes else {}), **dict(tags or {})})
         if config is not None:
             mlflow.log_params(params)
@@ -155,7 +155,7 @@ def pipeline_run(
     run = mlflow.start_run(run_name=name)
     os.environ[PARENT_ENV] = run.info.run_id
     try:
-        mlflow.set_tags({"alignflow.stage": "pipeline", **_process_tags(), **dict(tags or {})})
+        mlflow.set_tags({"alignflow.stage": "pipeline", **_process_tags(workspace), **dict(tags or {})})
         mlflow.log_params(flatten_params(config))
         mlflow.log_dict(config.model_dump(mode="json"), "config.json")
         yield run.info.run_id
@@ -180,9 +180,11 @@ def end_interrupted_pipeline_run() -> None:
     client.set_terminated(run_id, status="KILLED")
 
 
-def _process_tags() -> dict[str, str]:
-    """Who writes the run: host and pid (to tell a killed run from a live one), and the code that wrote it."""
-    return {"alignflow.host": host_id(), "alignflow.pid": str(os.getpid()), **_code_version_tags()}
+def _process_tags(workspace: Workspace) -> dict[str, str]:
+    """Who writes the run: host and pid (to tell a killed run from a live one), its workspace (an exported
+    MLFLOW_TRACKING_URI holds several) and the code that wrote it."""
+    return {"alignflow.host": host_id(), "alignflow.pid": str(os.getpid()), "alignflow.workspace": str(workspace.root),
+            **_code_version_tags()}
 
 
 @functools.cache
@@ -248,16 +250,18 @@ def _end_stale_runs(experiment_id: str) -> None:
         client.set_tag(run.info.run_id, "alignflow.error", f"process {pid} ended without closing the run")
 
 
-def _run_to_resume(experiment_id: str, stage: str, params: Mapping[str, str],
+def _run_to_resume(workspace: Workspace, experiment_id: str, stage: str, params: Mapping[str, str],
                    data_fingerprint: str | None) -> str | None:
-    """The latest KILLED or FAILED run of this stage with these params, data and code that no run resumed yet: the
-    run a rerun continues from its last checkpoint (a failure, such as a full disk, leaves one as a kill does; other
-    data or code trains in another dir, from the start). `KEEPING_FIELDS` are left out of the comparison: a new
-    `save_every` resumes the same run."""
+    """The latest KILLED or FAILED run of this stage with these params, data and code in this workspace that no run
+    resumed yet: the run a rerun continues from its last checkpoint (a failure, such as a full disk, leaves one as a
+    kill does; other data or code trains in another dir, from the start; another workspace sharing the tracking
+    store has its own checkpoints). `KEEPING_FIELDS` are left out of the comparison: a new `save_every` resumes
+    the same run."""
     client = MlflowClient()
     ended = client.search_runs([experiment_id], order_by=["attributes.start_time DESC"],
                                filter_string="attributes.status != 'FINISHED' and attributes.status != 'RUNNING'")
-    inputs = {"alignflow.code": code_version(), "data.fingerprint": data_fingerprint}
+    inputs = {"alignflow.code": code_version(), "data.fingerprint": data_fingerprint,
+              "alignflow.workspace": str(workspace.root)}
     for run in ended:
         same_inputs = all(run.data.tags.get(key) == value for key, value in inputs.items())
         if run.info.run_name == stage and same_inputs and _run_params(run.data.params) == _run_params(params):

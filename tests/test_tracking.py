@@ -185,6 +185,28 @@ def test_a_killed_stage_run_is_marked_killed_and_its_rerun_says_it_resumes_it(wo
     assert not any("alignflow.resumes" in run.data.tags for run in (again, other, first))
 
 
+def test_a_killed_run_is_resumed_only_from_its_own_workspace_when_workspaces_share_a_tracking_store(tmp_path,
+                                                                                                     monkeypatch):
+    """Two workspaces logging into one exported MLFLOW_TRACKING_URI: a helper saw workspace B's fresh run of the same
+    stage and config tagged as resuming A's killed run, and A's real resume then linked to nothing."""
+    uri = f"sqlite:///{tmp_path / 'shared.db'}"
+    monkeypatch.setattr("pipeline_lib.workspace.USER_TRACKING_URI", uri)
+    first, second = Workspace(tmp_path / "a").create(), Workspace(tmp_path / "b").create()
+    script = (f"import os; from pathlib import Path; from pipeline_lib import tracking\n"
+              f"from pipeline_lib.workspace import Workspace\n"
+              f"with tracking.stage_run(Workspace(Path({str(first.root)!r})), 'sft', {{'lr': 0.1}}, echo=False):\n"
+              f"    os._exit(9)\n")
+    assert subprocess.run([sys.executable, "-c", script], env={**os.environ, "MLFLOW_TRACKING_URI": uri}).returncode == 9
+    with tracking.stage_run(second, "sft", {"lr": 0.1}, echo=False):  # B's own first run
+        pass
+    with tracking.stage_run(first, "sft", {"lr": 0.1}, echo=False):  # A's rerun
+        pass
+    rerun, fresh, killed = tracking.find_runs(first)
+    assert {killed.data.tags["alignflow.workspace"], rerun.data.tags["alignflow.workspace"]} == {str(first.root)}
+    assert fresh.data.tags["alignflow.workspace"] == str(second.root) and "alignflow.resumes" not in fresh.data.tags
+    assert rerun.data.tags["alignflow.resumes"] == killed.info.run_id
+
+
 def test_a_rerun_carries_the_points_its_resumed_run_logged_before_its_own_first_step(workspace, monkeypatch):
     """The killed run logged steps 1-5 (its checkpoint was at 3); the rerun resumes at 4: it holds the killed run's
     points of steps 1-3, their values and timestamps, then its own, once each, and says where its own begin. In
