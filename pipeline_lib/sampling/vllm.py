@@ -16,10 +16,11 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
+import psutil
 
 from pipeline_lib.model_dirs import check_weights
 from pipeline_lib.sampling.base import Completion, SamplingError, check_sampling_args
@@ -372,13 +373,29 @@ class VLLMServer:
                 raise VLLMServerError(f"vLLM server exited with code {code} during start-up: "
                                       f"{log_tail(self.log_path)} (log: {self.log_path})")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                # the answer is this server's only once its process listens on the port: another server holding
+                # it (the port was free when picked) answers first, and this one then exits "address in use"
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200 and self._listening():
                     return
             except httpx.TransportError:
                 pass  # not listening yet
             time.sleep(0.5)
         raise VLLMServerError(f"vLLM server not healthy after {self.startup_timeout:.0f} s: "
                               f"{log_tail(self.log_path)} (log: {self.log_path})")
+
+    def _listening(self) -> bool:
+        """Whether the server's process, or one it started, listens on the port."""
+        try:
+            server = psutil.Process(self.proc.pid)
+            processes = [server, *server.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return False
+        for process in processes:
+            with suppress(psutil.Error):
+                if any(conn.status == psutil.CONN_LISTEN and conn.laddr.port == self.port
+                       for conn in process.net_connections(kind="tcp")):
+                    return True
+        return False
 
     def stop(self) -> None:
         """SIGTERM the process group, SIGKILL what is left after `stop_timeout`; idempotent."""

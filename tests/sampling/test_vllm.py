@@ -209,6 +209,58 @@ def test_start_failure_is_one_line_with_the_log_tail(tiny_model_dir, tmp_path):
     assert "\n" not in str(exc.value) and server.proc is None
 
 
+FAKE_SERVER = """import http.server, socket, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+time.sleep(1)  # vLLM binds its port only after loading the model
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()  # OSError: Address already in use
+"""
+
+
+def _fake_vllm_python(tmp_path):
+    """An executable taking vLLM's command line whose server answers /health with 200 once it has bound its port."""
+    (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {tmp_path / "fake_server.py"} "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
+def test_a_server_answering_on_the_port_is_not_taken_for_the_one_started(tiny_model_dir, tmp_path):
+    """The port is free when picked and bound by vLLM seconds later: another server taking it in between answered
+    /health first and was taken for ours (a helper), whose process then died 'address in use' while sampling went to
+    the other one. Healthy now means our process listens on the port too."""
+    import http.server
+    import threading
+
+    python = _fake_vllm_python(tmp_path)
+    alone = VLLMServer(tiny_model_dir, python=python, log_path=tmp_path / "alone.log", startup_timeout=30).start()
+    try:
+        assert httpx.get(f"{alone.url}/health").status_code == 200
+    finally:
+        alone.stop()
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        server = VLLMServer(tiny_model_dir, python=python, port=other.server_address[1],
+                            log_path=tmp_path / "vllm.log", startup_timeout=30)
+        with pytest.raises(VLLMServerError, match=r"exited with code 1 during start-up: .*Address already in use"):
+            server.start()
+    finally:
+        other.shutdown()
+
+
 def test_missing_env_and_bad_model_dir_are_one_line_errors(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(PYTHON_ENV, str(tmp_path / "nope" / "python"))
     with pytest.raises(VLLMServerError, match=r"no vLLM environment: .*/nope/python is not a file; .*make vllm-env"):
