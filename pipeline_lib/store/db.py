@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+import shlex
 import time
 from pathlib import Path
 
@@ -148,6 +149,17 @@ def _where(table: str, equals: dict[str, object]) -> tuple[str, list]:
             raise StoreError(f"table {table} has no column {column!r}")
     condition = " AND ".join(f"{column} IS NOT DISTINCT FROM ?" for column in equals) or "TRUE"
     return condition, list(equals.values())
+
+
+def _refuse_second_answers(problems: pl.DataFrame) -> None:
+    """One line when a source holds two gold answers for a prompt (an alignflow before 2026-12-07 stored them):
+    evaluation would score every sample against both, and the filters would pair a sample with the wrong one."""
+    repeated = problems.group_by("source", "prompt").len().filter(pl.col("len") > 1).sort("source", "prompt")
+    if repeated.height:
+        source, prompt, count = repeated.row(0)
+        raise StoreError(f"source {source!r} holds {count} gold answers for the prompt {prompt[:60]!r} ("
+                         f"{repeated.height} prompts hold more than one, stored by an older alignflow): ingest its "
+                         f"file again with `alignflow ingest FILE --source {shlex.quote(source)} --replace`")
 
 
 class Store:
@@ -311,6 +323,8 @@ class Store:
         frame = self.read(table, **where)  # checks the table and column names
         if not frame.height:
             self._refuse_empty_selection(table, where)
+        if table == "problems":
+            _refuse_second_answers(frame)
         return frame
 
     def check_selected(self, table: str, **equals: object) -> None:
@@ -341,13 +355,16 @@ class Store:
             return self._run(f"SELECT {stored}, count(*) AS n FROM {table} t JOIN {name} f ON {on} WHERE {differs} "
                              f"GROUP BY ALL ORDER BY n DESC, {stored}")
 
-    def stored_problems(self, source: str, frame: pl.DataFrame) -> dict[str, tuple[str, str | None]]:
-        """prompt -> (answer, worked solution or None) of the problems `source` already holds with a prompt of
-        `frame` (one of each per prompt: ingest refuses a second one)."""
+    def stored_problems(self, source: str, frame: pl.DataFrame) -> dict[str, set[tuple[str, str | None]]]:
+        """prompt -> the (answer, worked solution or None) of each problem `source` already holds with a prompt of
+        `frame` (one per prompt, as ingest refuses a second; a store an older alignflow wrote may hold more)."""
+        held: dict[str, set[tuple[str, str | None]]] = {}
         with self._registered(frame.select("prompt").unique()) as name:
-            rows = self._run(f"SELECT p.prompt, min(p.answer), min({SOLUTION_SQL}) FROM problems p JOIN {name} f "
-                             "ON p.prompt = f.prompt WHERE p.source = ? GROUP BY p.prompt", [source])
-        return {prompt: (answer, solution) for prompt, answer, solution in rows}
+            rows = self._run(f"SELECT p.prompt, p.answer, {SOLUTION_SQL} FROM problems p JOIN {name} f "
+                             "ON p.prompt = f.prompt WHERE p.source = ?", [source])
+        for prompt, answer, solution in rows:
+            held.setdefault(prompt, set()).add((answer, solution))
+        return held
 
     def sampled_prompt_ids(self, run_id: str) -> set[str]:
         """Prompt ids that already have samples in `run_id` (resumable sampling)."""

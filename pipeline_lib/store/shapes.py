@@ -383,23 +383,30 @@ def _problem(frame: pl.DataFrame, split: str) -> tuple[pl.DataFrame, list[tuple[
     ), bad
 
 
-def one_answer_per_prompt(problems: pl.DataFrame, stored: dict[str, tuple[str, str | None]]
+def one_answer_per_prompt(problems: pl.DataFrame, stored: dict[str, set[tuple[str, str | None]]]
                           ) -> tuple[pl.DataFrame, list[tuple[int, str]]]:
     """The problems (with `_idx`, which this drops) whose prompt has no other gold answer, nor another worked
-    solution: neither in `stored` (prompt -> (answer, solution) the source already holds) nor in an earlier row of
-    the file. A second answer made a second problem, and evaluation then scored every sample against both; a second
-    solution (the same id: prompt and answer) was a duplicate, dropped unsaid while SFT trained on the first. A
-    problem is corrected by deleting its source and ingesting again. Returns (kept problems, (line index, reason)
-    of the others)."""
-    first_seen = dict(stored)
+    solution: neither in `stored` (prompt -> the (answer, solution) pairs the source already holds: one, or more in
+    a store an older alignflow wrote) nor in an earlier row of the file. A second answer made a second problem, and
+    evaluation then scored every sample against both; a second solution (the same id: prompt and answer) was a
+    duplicate, dropped unsaid while SFT trained on the first. A record equal to a stored problem is kept (a
+    duplicate). A problem is corrected by ingesting its file again with `replace`. Returns (kept problems, (line
+    index, reason) of the others)."""
+    first_seen: dict[str, tuple[str, str | None]] = {}
     keep, bad = [], []
     for row, (idx, prompt, answer, meta) in enumerate(problems.select("_idx", "prompt", "answer", "meta").iter_rows()):
         solution = orjson.loads(meta).get("solution") if meta else None
-        first_answer, first_solution = first_seen.setdefault(prompt, (answer, solution))
+        held = stored.get(prompt)
+        if held is None:
+            first_answer, first_solution = first_seen.setdefault(prompt, (answer, solution))
+            where = "an earlier record has it"
+        else:
+            first_answer, first_solution = (answer, solution) if (answer, solution) in held else \
+                min(held, key=lambda problem: (problem[0], problem[1] or ""))
+            where = "the store holds it under this source"
         if (first_answer, first_solution) == (answer, solution):
             keep.append(row)
             continue
-        where = "the store holds it under this source" if prompt in stored else "an earlier record has it"
         other = f"another answer ({first_answer!r})" if first_answer != answer else "another worked solution"
         bad.append((idx, f"{other} for this prompt: {where}; one prompt has one gold answer and solution (to correct "
                          "a source's problems, ingest its file again with `--replace`)"))

@@ -18,7 +18,7 @@ import polars as pl
 import pytest
 
 from pipeline_lib.fingerprint import fingerprint_path
-from pipeline_lib.store.db import open_store
+from pipeline_lib.store.db import StoreError, open_store
 from pipeline_lib.fingerprint import content_id
 from pipeline_lib.store.ingest import IngestError, IngestReport, check_readable, ingest_file
 from pipeline_lib.store.shapes import hh_prompt_end
@@ -725,6 +725,26 @@ def test_an_edited_file_ingested_with_replace_replaces_its_earlier_version(tmp_p
     with pytest.raises(IngestError):
         ingest_file(broken, store, replace=True)
     assert store.count("preference_pairs", source="prefs") == 2
+
+
+def test_a_store_holding_two_answers_for_a_prompt_is_refused_by_the_stages_and_keeps_its_duplicates(tmp_path, store):
+    """Stores written before ingest refused a second answer hold both (a helper's upgrade audit): ingesting the same
+    file again quarantined a record equal to a stored problem; the stages read both answers silently."""
+    records = [{"question": "1+1=", "answer": "2"}, {"question": "1+1=", "answer": "3"}, {"question": "2+2=", "answer": "4"}]
+    for i, record in enumerate(records):  # one source per record, then made one: the rows such a store holds
+        ingest_file(write_jsonl(tmp_path / f"r{i}.jsonl", [record]), store, source=f"r{i}")
+    store.con.execute("UPDATE problems SET source = 'old'")
+    path = write_jsonl(tmp_path / "old.jsonl", records)
+    report = ingest_file(path, store, source="old")
+    assert (report.accepted, report.duplicates, report.quarantined) == (0, 3, 0)
+    with pytest.raises(StoreError) as err:
+        store.read_selected("problems", source="old")
+    assert str(err.value) == ("source 'old' holds 2 gold answers for the prompt '1+1=' (1 prompts hold more than one, "
+                              "stored by an older alignflow): ingest its file again with `alignflow ingest FILE "
+                              "--source old --replace`")
+    fixed = write_jsonl(tmp_path / "old.jsonl", [{"question": "1+1=", "answer": "2"}, {"question": "2+2=", "answer": "4"}])
+    assert ingest_file(fixed, store, source="old", replace=True).accepted == 2
+    assert store.read_selected("problems", source="old").height == 2
 
 
 def test_a_prompt_has_one_worked_solution_per_source(tmp_path, store):
