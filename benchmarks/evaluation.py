@@ -1,9 +1,12 @@
 """Benchmark: Pass@K + exact Maj@K for 10,000 problems x 64 samples, K in {1, 2, 4, ..., 64}.
 
-`.venv/bin/python benchmarks/evaluation.py [--problems 10000] [--samples 64] [--repeats 3] [--distinct]` prints a
+`.venv/bin/python benchmarks/evaluation.py [--problems 10000] [--samples 64] [--repeats 3] [--distinct [--fractions]]`
+prints a
 markdown table of seconds per step (best of the repeats); K runs over the powers of 2 up to the samples. Answers: per
 problem, Dirichlet weights over 4 numeric answer classes (one of them the gold answer, or not) plus None (no answer
-extracted); with --distinct every sample is its own answer (one of them the gold), the most ties Maj@K can meet."""
+extracted); with --distinct every sample is its own answer (one of them the gold), the most ties Maj@K can meet; with
+--fractions too, those answers are sevenths x/7 of random x < 10^6 (no finite decimal expansion: the tolerance pass
+compares them), as a weak model answering a MATH-style problem writes."""
 
 from __future__ import annotations
 
@@ -29,8 +32,13 @@ def make_answers(n_problems: int, n_samples: int, seed: int) -> tuple[list[list[
     return answers, gold
 
 
-def distinct_answers(n_problems: int, n_samples: int) -> tuple[list[list[str | None]], list[str]]:
-    return [[f"{p}-{i}" for i in range(n_samples)] for p in range(n_problems)], [f"{p}-0" for p in range(n_problems)]
+def distinct_answers(n_problems: int, n_samples: int, fractions: bool, seed: int
+                     ) -> tuple[list[list[str | None]], list[str]]:
+    if not fractions:
+        return [[f"{p}-{i}" for i in range(n_samples)] for p in range(n_problems)], [f"{p}-0" for p in range(n_problems)]
+    rng = np.random.default_rng(seed)
+    answers = [[f"{x}/7" for x in rng.choice(10**6, size=n_samples, replace=False)] for _ in range(n_problems)]
+    return answers, [row[0] for row in answers]
 
 
 def best_time(fn, repeats: int) -> tuple[float, object]:
@@ -49,8 +57,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--distinct", action="store_true", help="every sample a distinct answer")
+    parser.add_argument("--fractions", action="store_true", help="with --distinct: distinct sevenths (x/7)")
     args = parser.parse_args()
-    answers, gold = (distinct_answers(args.problems, args.samples) if args.distinct
+    if args.fractions and not args.distinct:
+        parser.error("--fractions needs --distinct")
+    answers, gold = (distinct_answers(args.problems, args.samples, args.fractions, args.seed) if args.distinct
                      else make_answers(args.problems, args.samples, args.seed))
     ks = sorted({2**i for i in range(args.samples.bit_length())} | {args.samples})
 
@@ -58,7 +69,8 @@ def main() -> None:
     t_pass, passes = best_time(lambda: [pass_at_k(votes.n, votes.n_correct, k) for k in ks], args.repeats)
     t_maj, majs = best_time(lambda: maj_at_k_from_votes(votes, ks), args.repeats)
 
-    kind = "every answer distinct" if args.distinct else "Dirichlet answer classes"
+    kind = ("every answer a distinct seventh" if args.fractions else "every answer distinct") if args.distinct \
+        else "Dirichlet answer classes"
     print(f"{args.problems:,} problems x {args.samples} samples ({kind}), K in {ks}, best of {args.repeats}\n")
     print("| step | seconds |")
     print("|---|---|")
