@@ -200,14 +200,14 @@ def encode(
     for from_template in (False, True):
         rows = [i for i, flag in enumerate(templated) if flag == from_template]
         if rows:
-            ids = tokenizer([prompts[i] for i in rows], add_special_tokens=not from_template)["input_ids"]
+            ids = token_ids(tokenizer, [prompts[i] for i in rows], add_special_tokens=not from_template)
             for i, row_ids in zip(rows, ids):
                 prompt_ids[i] = row_ids
     empty = next((i for i, ids in enumerate(prompt_ids) if not ids), None)
     if empty is not None:
         raise TrainDataError(f"row {empty}: the prompt has no tokens (empty, and the tokenizer adds no bos), so "
                              "nothing predicts its completion's first token; give every row a prompt")
-    completion_ids = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
+    completion_ids = token_ids(tokenizer, completions, add_special_tokens=False)
     if group_size < 1 or len(prompts) % group_size:
         raise TrainDataError(f"group_size {group_size}: expected a positive divisor of {len(prompts)} rows")
     eos = [tokenizer.eos_token_id]
@@ -243,6 +243,19 @@ def encode(
     return Encoded(out_prompts, out_completions)
 
 
+# texts per tokenizer call: its output for a whole dataset at once (an Encoding object per text, offsets and token
+# strings included) held 3.4 GiB for 450k texts where the ids alone take 0.7 (a helper's scale audit)
+TOKENIZE_CHUNK = 10_000
+
+
+def token_ids(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], **kwargs: object) -> list[list[int]]:
+    """`tokenizer(texts, **kwargs)["input_ids"]`, TOKENIZE_CHUNK texts a call."""
+    ids: list[list[int]] = []
+    for start in range(0, len(texts), TOKENIZE_CHUNK):
+        ids += tokenizer(list(texts[start:start + TOKENIZE_CHUNK]), **kwargs)["input_ids"]
+    return ids
+
+
 UNKNOWN_SHARE = 0.01
 
 
@@ -265,7 +278,7 @@ def text_ids(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[l
     """Token ids of whole texts (prompt + response) as a reward model reads them, in training and scoring: with
     the tokenizer's own special tokens, once: where the tokenizer adds a bos, a chat-rendered prompt that
     already starts with it (Llama, Mistral and Gemma templates write it) does not get a second one."""
-    ids = tokenizer(list(texts))["input_ids"]
+    ids = token_ids(tokenizer, texts)
     bos = tokenizer.bos_token_id
     if bos is None or tokenizer("")["input_ids"][:1] != [bos]:  # GPT-2 adds none: its text keeps every token
         return ids

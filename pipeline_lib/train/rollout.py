@@ -23,7 +23,7 @@ from pipeline_lib.models.logprobs import model_positions, shared_prompt_logprobs
 from pipeline_lib.sampling import Completion, Sampler
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import autocast, torchrun_world_size
-from pipeline_lib.train.data import Batch, Encoded, collate, with_user_turns
+from pipeline_lib.train.data import Batch, Encoded, collate, token_ids, with_user_turns
 
 SyncFn = Callable[[], float]
 
@@ -108,7 +108,7 @@ def check_prompt_lengths(stage: str, tokenizer: PreTrainedTokenizerBase, prompts
     prompt when its batch comes up, and a seeded resume draws that batch again."""
     if limit is None:
         return
-    ids = tokenizer(list(prompts), add_special_tokens=add_special_tokens)["input_ids"]
+    ids = token_ids(tokenizer, prompts, add_special_tokens=add_special_tokens)
     over = [i for i, row in enumerate(ids) if len(row) + max_new_tokens > limit]
     if over:
         first, longest = over[0], max(len(ids[i]) for i in over)
