@@ -460,7 +460,7 @@ def run(
 
         require_store(resolve_workspace().store_path)
     with run_lock():
-        if stage not in ("ingest", "prepare", "pipeline"):
+        if stage not in ("ingest", "pipeline"):
             require_stored_rows(cfg)
         stage_flow = load_flow(stage)
         if stage == "pipeline":
@@ -530,12 +530,17 @@ def samples_held() -> int:
 
 def require_stored_rows(cfg) -> None:
     """The store rows a stage config selects (`--problems`/`--split` of `sample` and `eval`, a stage config's
-    `source`, `problems_source` and `split`), checked under the run lock before Prefect starts: a mistyped source
+    `source`, `problems_source` and `split`, prepare's `corpus_sources`), checked under the run lock before Prefect starts: a mistyped source
     failed only after Prefect's server had booted, leaving a failed run. A stage reading a sampling run is left to
     the stage."""
-    from pipeline_lib.config import stored_selection
+    from pipeline_lib.config import TinyModelConfig, stored_selection
     from pipeline_lib.store.db import open_store
 
+    if isinstance(cfg, TinyModelConfig):  # prepare: the sources of its tokenizer's corpus
+        if cfg.corpus_sources:
+            with open_store(resolve_workspace().store_path, read_only=True) as store:
+                store.check_corpus_sources(cfg.corpus_sources)
+        return
     selection = stored_selection(cfg)
     if selection is None:
         return

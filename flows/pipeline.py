@@ -59,8 +59,9 @@ def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str,
             sys.stdout.write(report.summary() + "\n")
             if report.quarantined:
                 sys.stdout.write(report.quarantine_hint(current_workspace().root) + "\n")
-        check_selections_task(cfg.stored_selections())  # a mistyped source fails here, not after stages trained
         base = cfg.base
+        # a mistyped source fails here, not after stages trained
+        check_selections_task(cfg.stored_selections(), base.corpus_sources if base is not None else None)
         if base is not None and base.corpus_sources is None:
             # every source but the pipeline's own West-of-N pairs, which each run adds to: with them the tokenizer's
             # corpus, so the base model's dir and every stage after it, would change from one run to the next

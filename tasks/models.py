@@ -21,10 +21,11 @@ def build_tiny_model_task(cfg: TinyModelConfig, data_fingerprint: str) -> str:
     out_dir = keyed_dir(workspace.models_dir, "tiny_model", cfg.model_dump_json(), data_fingerprint, code_version())
     with tracking.stage_run(workspace, "base", cfg, tags=run_tags(data_fingerprint)) as log:
         with open_store(workspace.store_path) as store:
+            if cfg.corpus_sources:
+                store.check_corpus_sources(cfg.corpus_sources)
             corpus = store.corpus_texts(list(cfg.corpus_sources) if cfg.corpus_sources else None)
         if not corpus:
-            where = f"sources {list(cfg.corpus_sources)}" if cfg.corpus_sources else "the store"
-            raise AlignflowError(f"prepare: no texts in {where} to build the tokenizer from; ingest some first "
+            raise AlignflowError("prepare: no texts in the store to build the tokenizer from; ingest some first "
                                  "(alignflow ingest data/demo/problems.jsonl --source demo)")
         path = build_tiny_model(out_dir, corpus, **cfg.model_dump(exclude={"corpus_sources"}))
         parameters = sum(tensor.numel() for file in path.glob("*.safetensors") for tensor in load_file(file).values())

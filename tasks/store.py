@@ -58,11 +58,19 @@ def inputs_fingerprint_task(cfg: BaseModel, stage: str) -> str:
 
 
 @task(name="check-selections")
-def check_selections_task(selections: list[tuple[str, str, dict[str, str | None]]]) -> None:
-    """Refuse, in one line naming the stage, a (stage, table, filters) selection no store row matches."""
-    if not selections:
+def check_selections_task(selections: list[tuple[str, str, dict[str, str | None]]],
+                          corpus_sources: tuple[str, ...] | None = None) -> None:
+    """Refuse, in one line naming the stage, a (stage, table, filters) selection no store row matches, or a
+    tokenizer's corpus source (the base stage's `corpus_sources`) holding no texts."""
+    if not selections and not corpus_sources:
         return
     with open_store(current_workspace().store_path, read_only=True) as store:
+        if corpus_sources:
+            try:
+                store.check_corpus_sources(corpus_sources)
+            except AlignflowError as exc:
+                exc.args = (f"base: {exc}",)
+                raise
         for stage, table, where in selections:
             try:
                 store.check_selected(table, **where)

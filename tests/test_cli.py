@@ -512,6 +512,12 @@ def test_a_stage_run_refuses_a_workspace_without_a_store_and_rows_it_does_not_ho
     assert result.returncode == 2
     assert result.stderr.strip() == ("error: no problems rows in the store with source='dmeo', split='train'; it holds "
                                      "source='demo', split='test': 200 rows; source='demo', split='train': 9800 rows")
+    # prepare's corpus_sources: a mistyped one failed in the stage, whose advice (ingest demo) led nowhere; beside
+    # another source it was left out in silence (a helper)
+    config.write_text("corpus_sources: [demo, gsm8kk]\n")
+    result = alignflow("run", "prepare", "-c", str(config), workspace=workspace)
+    assert (result.returncode, result.stderr.strip()) == (
+        2, "error: corpus_sources: no texts in the store under 'gsm8kk'; it holds 'demo'")
     assert not (workspace / "prefect" / "prefect.db").exists() and not (workspace / "mlflow.db").exists()
 
 
@@ -545,12 +551,13 @@ def test_an_error_inside_a_stage_shows_once_in_prefects_lines_then_as_the_error_
     problems.write_text('{"question": "1+2=", "answer": "3"}\n')
     (tmp_path / "ws").mkdir()
     with open_store(tmp_path / "ws" / "store.duckdb") as store:
-        ingest_file(problems, store, split="test")
-    if task == "prepare":  # the store holds source 'p' alone
+        if task == "sample":
+            ingest_file(problems, store, split="test")
+    if task == "prepare":  # an empty store
         config = tmp_path / "prepare.yaml"
-        config.write_text("corpus_sources: [demo]\n")
+        config.write_text("hidden_size: 32\n")
         args = ["run", "prepare", "--config", str(config)]
-        message = ("prepare: no texts in sources ['demo'] to build the tokenizer from; ingest some first "
+        message = ("prepare: no texts in the store to build the tokenizer from; ingest some first "
                    "(alignflow ingest data/demo/problems.jsonl --source demo)")
     else:
         model = build_tiny_model(tmp_path / "m", ["1+2=3"], hidden_size=32, num_layers=1, max_position_embeddings=64)

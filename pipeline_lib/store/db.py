@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 import shlex
 import time
@@ -395,6 +395,16 @@ class Store:
         """The sources of the tables `corpus_texts` reads, sorted."""
         sql = " UNION ".join(f"SELECT source FROM {table}" for table in CORPUS_TABLES)
         return [row[0] for row in self._run(f"SELECT source FROM ({sql}) ORDER BY source")]
+
+    def check_corpus_sources(self, sources: Sequence[str]) -> None:
+        """One line naming the `sources` that hold no texts (`corpus_texts`), and the sources the store holds: a
+        mistyped one was read as an empty corpus (alone: an error whose advice led nowhere; beside another: left
+        out in silence)."""
+        held = self.corpus_sources()
+        missing = [source for source in sources if source not in held]
+        if missing:
+            raise StoreError(f"corpus_sources: no texts in the store under {', '.join(map(repr, missing))}; it holds "
+                             f"{', '.join(map(repr, held)) or 'no source (ingest some first)'}")
 
     def fingerprint(self, table: str, **equals: object) -> str:
         """md5 over the sorted content ids of the selected rows, with a problem's worked solution (SFT trains on it,

@@ -23,6 +23,7 @@ from pipeline_lib.config import (
     RMConfig,
     SampleConfig,
     SFTConfig,
+    TinyModelConfig,
     load_config,
     load_yaml,
     stored_selection,
@@ -159,6 +160,11 @@ def test_a_source_no_stored_row_matches_fails_before_the_first_stage(flow_worksp
     assert ("harmless-base-test.jsonl.gz (hh -> preference_pairs): read 2312 = accepted 2308 + duplicates 0 + "
             f"quarantined 4\nwhy 4 rows were quarantined: alignflow -w {flow_workspace.root} data quarantine "
             "--source harmless-base-test\n") in out
+    typo = cfg.model_copy(update={"base": TinyModelConfig(corpus_sources=("demo", "dem0")), "grpo": None})
+    with pytest.raises(StoreError, match=r"^base: corpus_sources: no texts in the store under 'dem0'; it holds "
+                                         r"'demo', 'harmless-base-test'$"):
+        pipeline_flow(typo)  # the base's corpus alone would have built from 'demo', in silence
+    assert not any(flow_workspace.models_dir.rglob("*"))
 
 
 @pytest.mark.slow
