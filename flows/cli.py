@@ -304,7 +304,8 @@ def load_stage(stage: str, config: Path):
     if stage != "pipeline" and isinstance(data, dict) and section in data and section not in model.model_fields:
         force = f" (`--force {section}` recomputes this one)" if section in config_module.FORCEABLE else ""
         fail(f"{config}: a pipeline preset (it has a {section!r} section), not one stage's config; "
-             f"`alignflow run pipeline -c {config}` runs it, reusing the stages already cached{force}")
+             f"`{resolve_workspace().command('run', 'pipeline', '-c', str(config))}` runs it, reusing the stages "
+             f"already cached{force}")
     cfg = config_module.validate_config(model, data, origin=str(config))
     config_module.check_preset(cfg, data, origin=str(config))
     if stage != "pipeline":
@@ -395,7 +396,18 @@ def require_servers() -> None:
     url = get_current_settings().api.url
     if url and (error := prefect_health_error()) is not None:
         raise AlignflowError(f"the Prefect server at {url} (PREFECT_API_URL) fails its health check ({error}); "
-                             "start it (`alignflow ui`), or unset PREFECT_API_URL to run on a temporary one")
+                             f"{prefect_start_advice(url)}, or unset PREFECT_API_URL to run on a temporary one")
+
+
+def prefect_start_advice(url: str) -> str:
+    """How to start the Prefect server a URL names: `alignflow ui` serves one on 127.0.0.1, at its --prefect-port."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.hostname not in ("127.0.0.1", "localhost"):
+        return "start it"
+    port = "" if parts.port == 4200 else f" --prefect-port {parts.port or 80}"
+    return f"start it (`{resolve_workspace().command('ui')}{port}`)"
 
 
 def load_flow(stage: str, *, servers: bool = True):
@@ -614,7 +626,7 @@ def vllm_env(
     python = build_vllm_env(venv, cuda=cuda)
     typer.echo(f"vllm python: {python}")
     if find_vllm_python() != python:  # built elsewhere: the samplers would not find it
-        typer.echo(f"the samplers use it with: export {PYTHON_ENV}={python}")
+        typer.echo(f"the samplers use it with: export {PYTHON_ENV}={shlex.quote(str(python))}")
 
 
 @app.command()
@@ -646,6 +658,7 @@ def serve(
 ) -> None:
     """Register deployments (the pipeline with the preset's cron, and each stage) with the Prefect server
     at $PREFECT_API_URL (default 127.0.0.1:4200, started by `alignflow ui`) and run them when triggered."""
+    exported = bool(os.environ.get("PREFECT_API_URL"))
     os.environ.setdefault("PREFECT_API_URL", PREFECT_URL)
     api = os.environ["PREFECT_API_URL"]
     cfg = load_preset(config)
@@ -655,7 +668,8 @@ def serve(
     # a config mistake first, server or not
     deployments = build_deployments(cfg, origin=str(config), workspace=workspace.root)
     if (error := prefect_health_error()) is not None:
-        fail(f"no Prefect server at {api} ({error}); start one with `alignflow ui` (or set PREFECT_API_URL)")
+        fail(f"no Prefect server at {api} ({error}); {prefect_start_advice(api)}"
+             f"{'' if exported else ', or set PREFECT_API_URL to one that runs'}")
     check_not_served_elsewhere(api, cfg.name, workspace.root)
     from prefect import serve as prefect_serve
 
@@ -689,7 +703,8 @@ def print_results(workspace, seconds: float) -> None:
     typer.echo(f"\npipeline took {seconds:.0f} s; Pass@K / Maj@K of its models on the held-out problems: the table "
                "above (eval_results.md in the pipeline's MLflow run)")
     typer.echo(f"\nMLflow:  mlflow ui --backend-store-uri {shlex.quote(workspace.tracking_uri)} --port 5000   "
-               f"(or `alignflow ui`)\nPrefect: alignflow ui  -> http://127.0.0.1:4200   store: {workspace.store_path}")
+               f"(or `{workspace.command('ui')}`)\nPrefect: {workspace.command('ui')}  -> http://127.0.0.1:4200   "
+               f"store: {workspace.store_path}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import shlex
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -80,6 +81,10 @@ class Workspace:
     def tracking_uri(self) -> str:
         """MLFLOW_TRACKING_URI when the user runs a server, else the workspace's sqlite file."""
         return USER_TRACKING_URI or f"sqlite:///{self.mlflow_db}"
+
+    def command(self, *args: str) -> str:
+        """The `alignflow` command line running `args` in this workspace, shell-quoted (advice a user can paste)."""
+        return shlex.join(["alignflow", "-w", str(self.root), *args])
 
     def create(self) -> "Workspace":
         if self.root.exists() and not self.root.is_dir():

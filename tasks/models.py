@@ -26,7 +26,7 @@ def build_tiny_model_task(cfg: TinyModelConfig, data_fingerprint: str) -> str:
             corpus = store.corpus_texts(list(cfg.corpus_sources) if cfg.corpus_sources else None)
         if not corpus:
             raise AlignflowError("prepare: no texts in the store to build the tokenizer from; ingest some first "
-                                 "(alignflow ingest data/demo/problems.jsonl --source demo)")
+                                 f"({workspace.command('ingest', 'data/demo/problems.jsonl', '--source', 'demo')})")
         path = build_tiny_model(out_dir, corpus, **cfg.model_dump(exclude={"corpus_sources"}))
         parameters = sum(tensor.numel() for file in path.glob("*.safetensors") for tensor in load_file(file).values())
         log({"model/parameters": float(parameters), "data/corpus_texts": float(len(corpus))}, 0)

@@ -94,7 +94,7 @@ def test_what_a_user_brings_in_paths_and_environment_is_one_line(tmp_path, case)
     4.5 minutes), `--config <(...)` called "not found". The helper's cases, each now one line at once."""
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", "ALIGNFLOW_HOME")}
     data, cwd = str(DATA / "demo" / "pairs.jsonl"), tmp_path
-    workspace, args, expected = str(tmp_path / "ws"), ["ingest", data], None
+    workspace, args, expected, advice = str(tmp_path / "ws"), ["ingest", data], None, ""
     if case == "empty -w":
         workspace, expected = "", "error: --workspace is empty; name a directory"
     elif case in ("? in -w", "%41 in -w"):
@@ -106,6 +106,9 @@ def test_what_a_user_brings_in_paths_and_environment_is_one_line(tmp_path, case)
     elif case == "prefect down":
         env["PREFECT_API_URL"] = "http://127.0.0.1:9/api"
         expected = "error: the Prefect server at http://127.0.0.1:9/api (PREFECT_API_URL) fails its health check ("
+        # a helper: "start it (`alignflow ui`)" started one on 4200, which the error named again
+        advice = f"start it (`alignflow -w {workspace} ui --prefect-port 9`), or unset PREFECT_API_URL to run on a " \
+                 "temporary one"
     elif case == "mlflow down":
         env["MLFLOW_TRACKING_URI"] = "http://127.0.0.1:9"
         expected = "error: the MLflow server at http://127.0.0.1:9 (MLFLOW_TRACKING_URI) fails its health check ("
@@ -113,6 +116,7 @@ def test_what_a_user_brings_in_paths_and_environment_is_one_line(tmp_path, case)
         env["PREFECT_API_URL"] = "http://127.0.0.1:9/api"
         args = ["serve", "--config", str(Path(__file__).resolve().parents[1] / "flows" / "configs" / "demo.yaml")]
         expected = "error: no Prefect server at http://127.0.0.1:9/api (ConnectError: [Errno 111] Connection refused)"
+        advice = f"; start it (`alignflow -w {workspace} ui --prefect-port 9`)"  # PREFECT_API_URL is set already
     elif case == "config a device":
         args, expected = ["run", "sft", "--config", "/dev/null"], "error: /dev/null: not a regular file (a pipe or"
     else:
@@ -127,6 +131,7 @@ def test_what_a_user_brings_in_paths_and_environment_is_one_line(tmp_path, case)
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120, cwd=cwd)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert (result.returncode, len(lines)) == (2, 1) and lines[0].startswith(expected), result.stderr
+    assert lines[0].endswith(advice), result.stderr
     assert time.perf_counter() - started < 60
     assert not (tmp_path / "store.duckdb").exists() and not (tmp_path / "exp").exists()
 
@@ -340,7 +345,8 @@ def test_a_pipeline_preset_given_to_one_stage_is_one_line_naming_the_pipeline_co
     assert result.returncode == 2
     assert result.stderr.strip() == (
         f"error: flows/configs/demo.yaml: a pipeline preset (it has a '{section}' section), not one stage's config; "
-        "`alignflow run pipeline -c flows/configs/demo.yaml` runs it, reusing the stages already cached "
+        f"`alignflow -w {tmp_path / 'ws'} run pipeline -c flows/configs/demo.yaml` runs it, reusing the stages "
+        "already cached "
         f"(`--force {section}` recomputes this one)")
 
 
@@ -558,7 +564,7 @@ def test_an_error_inside_a_stage_shows_once_in_prefects_lines_then_as_the_error_
         config.write_text("hidden_size: 32\n")
         args = ["run", "prepare", "--config", str(config)]
         message = ("prepare: no texts in the store to build the tokenizer from; ingest some first "
-                   "(alignflow ingest data/demo/problems.jsonl --source demo)")
+                   f"(alignflow -w {tmp_path / 'ws'} ingest data/demo/problems.jsonl --source demo)")
     else:
         model = build_tiny_model(tmp_path / "m", ["1+2=3"], hidden_size=32, num_layers=1, max_position_embeddings=64)
         args = ["sample", "--model", str(model), "--max-new-tokens", "100"]
