@@ -186,8 +186,12 @@ def run_samples(store: Store, run_id: str) -> pl.DataFrame:
     SamplesError."""
     samples = store.run_samples(run_id)
     if samples.height == 0:
-        raise SamplesError(f"samples: no rows for run_id {run_id!r} (of problems the store holds); run the sampling "
-                           "stage first")
+        runs = [f"{run!r} ({count} rows{f' of {policy}' if policy else ''})"
+                for run, policy, count in store.sampling_runs()]
+        held = f"; the store holds runs {', '.join(runs[:5])}{' and more' if len(runs) > 5 else ''}" if runs else \
+            "; the store holds no sampling run"
+        raise SamplesError(f"samples: no rows for run_id {run_id!r} (of problems the store holds){held}; run the "
+                           "sampling stage first, or name one of them")
     return samples
 
 

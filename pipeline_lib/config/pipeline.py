@@ -40,9 +40,10 @@ def refuse_stage_references(cfg: object, origin: str) -> None:
     for field in REF_FIELDS:
         value = getattr(cfg, field, None)
         if isinstance(value, str) and value.startswith(FROM):
+            instead = "a sampling run id (`alignflow sample` prints it)" if field == "samples_run_id" else \
+                "a path (a stage's output is under the workspace's models/, and `alignflow run` prints it)"
             raise ConfigError(f"{origin}: {field}: {value!r} names a pipeline stage, which only a pipeline preset "
-                              "can; give a path (a stage's output is under the workspace's models/, and `alignflow "
-                              "run` prints it) or a sampling run id")
+                              f"can; give {instead}")
 
 
 KEEPING_FIELDS = frozenset({"save_every", "processes", "vllm_gpu_memory_utilization"})

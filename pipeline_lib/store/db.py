@@ -366,6 +366,11 @@ class Store:
             held.setdefault(prompt, set()).add((answer, solution))
         return held
 
+    def sampling_runs(self) -> list[tuple[str, str, int]]:
+        """(run_id, policy, rows) of each sampling run of the samples table, newest first."""
+        return self._run("SELECT run_id, any_value(policy), count(*) FROM samples GROUP BY run_id "
+                         "ORDER BY max(created_at) DESC, run_id")
+
     def sampled_prompt_ids(self, run_id: str) -> set[str]:
         """Prompt ids that already have samples in `run_id` (resumable sampling)."""
         rows = self._run("SELECT DISTINCT prompt_id FROM samples WHERE run_id = ?", [run_id])

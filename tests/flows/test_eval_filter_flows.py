@@ -251,12 +251,18 @@ def test_west_of_n_pairs_stored_under_another_source_are_counted_and_warned_of(i
     assert (stats["filter/pairs"], stats["filter/pairs_inserted"], stats["filter/pairs_elsewhere"]) == (2, 1, 1)
 
 
-def test_a_filter_on_a_run_without_rows_is_one_line_and_not_retried(flow_workspace):
+def test_a_filter_on_a_run_without_rows_is_one_line_and_not_retried(flow_workspace, insert_samples):
     with pytest.raises(SamplesError, match=r"^samples: no rows for run_id 'nosuch' \(of problems the store holds\); "
-                                           r"run the sampling stage first$"):
+                                           r"the store holds no sampling run; run the sampling stage first, or name "
+                                           r"one of them$"):
         filter_flow("west_of_n", "nosuch")
     assert isinstance(SamplesError("x"), AlignflowError)
     assert len(tracking.find_runs(flow_workspace, "tags.`alignflow.stage` = 'west_of_n'")) == 1  # no retry
+    with open_store(flow_workspace.store_path) as store:
+        insert_samples(store, SAMPLES)
+    # a mistyped run id: the runs it could be (a helper found no command that lists them)
+    with pytest.raises(SamplesError, match=r"; the store holds runs 'r1' \(12 rows\); run the sampling stage"):
+        filter_flow("west_of_n", "r1x")
 
 
 def test_west_of_n_of_a_chat_template_run_stores_conversations(insert_samples, flow_workspace, the_run):

@@ -289,9 +289,10 @@ def test_a_stage_deployment_given_a_from_reference_says_so_in_one_line(flow_work
     value = getattr(cfg, field)
     with pytest.raises(ConfigError) as err:
         flow(cfg)
+    instead = "a sampling run id (`alignflow sample` prints it)" if field == "samples_run_id" else \
+        "a path (a stage's output is under the workspace's models/, and `alignflow run` prints it)"
     assert str(err.value) == (f"{flow.name} parameters: {field}: {value!r} names a pipeline stage, which only a "
-                              "pipeline preset can; give a path (a stage's output is under the workspace's models/, "
-                              "and `alignflow run` prints it) or a sampling run id")
+                              f"pipeline preset can; give {instead}")
     assert tracking.find_runs(flow_workspace, "") == []  # refused before the stage's MLflow run
 
 
