@@ -439,7 +439,10 @@ class Store:
             f"SELECT source, file, {reason} AS reason, count(*) AS n_rows, min(line_no) AS first_line FROM quarantine "
             f"WHERE {where} GROUP BY source, file, {reason} ORDER BY n_rows DESC, source, file, first_line",
             params=params).pl()
-        first = [position(file, line_no) for file, line_no in frame.select("file", "first_line").iter_rows()]
+        # a store before v3 (a reader does not migrate it) held a parquet row's 0-based index (MIGRATIONS[3])
+        zero_based = (self.check_version() or SCHEMA_VERSION) < 3
+        first = [position(file, None if line_no is None else line_no + (zero_based and file.lower().endswith(".parquet")))
+                 for file, line_no in frame.select("file", "first_line").iter_rows()]
         return frame.drop("first_line").with_columns(pl.Series("first", first, dtype=pl.String))
 
     def stats(self) -> pl.DataFrame:

@@ -58,6 +58,9 @@ def test_a_v1_store_is_migrated_in_place_and_keeps_its_rows(tmp_path):
                     "('t', '/x/t.jsonl', 4, 'r'), ('p', '/x/p.parquet', 2, 'r')")
     with open_store(path, read_only=True) as store:  # a reader neither migrates nor fails
         assert store.check_version() == 1 and "chat_template" not in store.read("samples").columns
+        # nor shows a parquet file's 0-based row index as its row (a helper: `row 2` for the third row)
+        assert dict(store.quarantine_reasons().select("source", "first").rows()) == {
+            "d": "row 1", "p": "row 3", "t": "line 4"}
     with open_store(path) as store:
         assert store.check_version() == SCHEMA_VERSION == 4
         assert [row[0] for row in store._run("DESCRIBE samples")] == list(TABLES["samples"])
