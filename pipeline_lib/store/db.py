@@ -441,7 +441,8 @@ class Store:
             params=params).pl()
         # a store before v3 (a reader does not migrate it) held a parquet row's 0-based index (MIGRATIONS[3])
         zero_based = (self.check_version() or SCHEMA_VERSION) < 3
-        first = [position(file, None if line_no is None else line_no + (zero_based and file.lower().endswith(".parquet")))
+        first = [position(file, None if line_no is None else
+                          line_no + (zero_based and file.lower().endswith(".parquet")))
                  for file, line_no in frame.select("file", "first_line").iter_rows()]
         return frame.drop("first_line").with_columns(pl.Series("first", first, dtype=pl.String))
 
