@@ -246,6 +246,14 @@ class Store:
         """Delete the rows of `source` from the ingested tables and the quarantine; rows deleted per table."""
         return {table: self._run(f"DELETE FROM {table} WHERE source = ?", [source])[0][0] for table in SOURCE_TABLES}
 
+    def count_others(self, table: str, source: str, frame: pl.DataFrame) -> int:
+        """How many rows of `table` under `source` have a key `frame` does not hold (for problems, among the splits
+        `frame` holds: a source's train and test files are two files of one source)."""
+        splits = " AND t.split IN (SELECT split FROM {name})" if table == "problems" else ""
+        with self._registered(frame.select(TABLE_KEYS[table] + (["split"] if table == "problems" else []))) as name:
+            return self._run(f"SELECT count(*) FROM {table} t WHERE t.source = ?{splits.format(name=name)} "
+                             f"AND NOT EXISTS (SELECT 1 FROM {name} f WHERE {_key_match(table)})", [source])[0][0]
+
     def replace_quarantine(self, source: str, file: str, frame: pl.DataFrame) -> None:
         """The quarantine rows of `file` under `source` become `frame`'s: an ingest's verdicts replace those of the
         file's earlier ingests (a record since fixed, or accepted under a larger max_record_bytes, leaves the

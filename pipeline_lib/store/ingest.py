@@ -99,12 +99,17 @@ class IngestReport:
     e.g. "'system' (20), 'id' (20)". A `system` beside text pairs is no system turn: chat messages carry one."""
     replaced: str = ""
     """With `replace`, the source's rows deleted before the file's were stored, per table: e.g. "problems 100"."""
+    others: int = 0
+    """Rows the source holds in the file's table (of the file's splits, for problems) that the file does not."""
 
     def summary(self) -> str:
         line = (f"{Path(self.file).name} ({self.format} -> {self.table}): read {self.rows_read} = "
                 f"accepted {self.accepted} + duplicates {self.duplicates} + quarantined {self.quarantined}")
         if self.replaced:
             line += f"; the rows source {self.source!r} held were deleted first ({self.replaced})"
+        if self.others:
+            line += (f"; source {self.source!r} also holds {self.others} rows this file does not (another file's, or "
+                     "an earlier version's: `--replace` keeps this file's alone)")
         if self.elsewhere:
             line += (f"; of the duplicates, {self.elsewhere} stay as first ingested (`alignflow data delete "
                      f"--source NAME` removes a source)")
@@ -199,6 +204,9 @@ def ingest_file(
         # Every candidate, not only the unique ones: a record repeated in the file is one duplicate held there per copy
         columns = ["source", "split"] if table == "problems" else ["source"]
         elsewhere = store.stored_elsewhere(table, candidates, columns) if inserted < candidates.height else []
+        # rows of the source (of the file's splits) the file does not hold: another file's, an earlier version's of
+        # this one, or rows an older alignflow accepted and this one quarantines
+        others = store.count_others(table, source, candidates)
     report = IngestReport(
         file=str(path),
         format=fmt,
@@ -214,6 +222,7 @@ def ingest_file(
         own_splits="" if own is None else ", ".join(f"{count} {name}" for name, count in own.iter_rows()),
         unread_fields=_unread_fields(unread),
         replaced=", ".join(f"{table} {n}" for table, n in deleted.items() if n),
+        others=others,
     )
     if report.rows_read != report.accepted + report.duplicates + report.quarantined:
         raise RuntimeError(f"ingest invariant broken (a bug in alignflow): {report.summary()}")

@@ -708,12 +708,14 @@ def test_an_edited_file_ingested_with_replace_replaces_its_earlier_version(tmp_p
                        {"prompt": "p2", "chosen": "yes", "rejected": "no"}])
     added = ingest_file(path, store)
     assert (added.accepted, added.duplicates, added.replaced) == (1, 1, "")
+    assert added.summary().endswith("; source 'prefs' also holds 1 rows this file does not (another file's, or an "
+                                    "earlier version's: `--replace` keeps this file's alone)")
     assert store.count("preference_pairs", source="prefs", prompt="p1") == 2  # both labels, as documented
     assert store.count("quarantine", source="prefs") == 0  # the file's quarantine is its latest ingest's
 
     report = ingest_file(path, store, replace=True)
     check_invariant(report)
-    assert (report.accepted, report.duplicates, report.quarantined) == (2, 0, 0)
+    assert (report.accepted, report.duplicates, report.quarantined, report.others) == (2, 0, 0, 0)
     assert report.replaced == "preference_pairs 3"
     assert "the rows source 'prefs' held were deleted first (preference_pairs 3)" in report.summary()
     pairs = store.read("preference_pairs", source="prefs").sort("prompt")
@@ -727,10 +729,20 @@ def test_an_edited_file_ingested_with_replace_replaces_its_earlier_version(tmp_p
     assert store.count("preference_pairs", source="prefs") == 2
 
 
+def test_a_sources_train_and_test_files_do_not_count_as_each_others_other_rows(tmp_path, store):
+    train = write_jsonl(tmp_path / "train.jsonl", [{"question": "1+1=", "answer": "2"},
+                                                   {"question": "2+2=", "answer": "4"}])
+    test = write_jsonl(tmp_path / "test.jsonl", [{"question": "3+3=", "answer": "6"}])
+    assert ingest_file(train, store, source="gsm").others == 0
+    assert ingest_file(test, store, source="gsm", split="test").others == 0  # the train split is another file's
+    assert ingest_file(write_jsonl(train, [{"question": "1+1=", "answer": "2"}]), store, source="gsm").others == 1
+
+
 def test_a_store_holding_two_answers_for_a_prompt_is_refused_by_the_stages_and_keeps_its_duplicates(tmp_path, store):
     """Stores written before ingest refused a second answer hold both (a helper's upgrade audit): ingesting the same
     file again quarantined a record equal to a stored problem; the stages read both answers silently."""
-    records = [{"question": "1+1=", "answer": "2"}, {"question": "1+1=", "answer": "3"}, {"question": "2+2=", "answer": "4"}]
+    records = [{"question": "1+1=", "answer": "2"}, {"question": "1+1=", "answer": "3"},
+               {"question": "2+2=", "answer": "4"}]
     for i, record in enumerate(records):  # one source per record, then made one: the rows such a store holds
         ingest_file(write_jsonl(tmp_path / f"r{i}.jsonl", [record]), store, source=f"r{i}")
     store.con.execute("UPDATE problems SET source = 'old'")
@@ -742,7 +754,8 @@ def test_a_store_holding_two_answers_for_a_prompt_is_refused_by_the_stages_and_k
     assert str(err.value) == ("source 'old' holds 2 gold answers for the prompt '1+1=' (1 prompts hold more than one, "
                               "stored by an older alignflow): ingest its file again with `alignflow ingest FILE "
                               "--source old --replace`")
-    fixed = write_jsonl(tmp_path / "old.jsonl", [{"question": "1+1=", "answer": "2"}, {"question": "2+2=", "answer": "4"}])
+    fixed = write_jsonl(tmp_path / "old.jsonl", [{"question": "1+1=", "answer": "2"},
+                                                 {"question": "2+2=", "answer": "4"}])
     assert ingest_file(fixed, store, source="old", replace=True).accepted == 2
     assert store.read_selected("problems", source="old").height == 2
 
