@@ -297,21 +297,45 @@ def load_stage(stage: str, config: Path):
     from pipeline_lib import config as config_module
 
     if stage not in STAGES:
-        fail(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")
+        alias = {"base": " (a preset's base section: `run prepare` builds it)",
+                 "rs_sft": " (a preset's rs_sft section: `run sft` with `data: best_of_n`)"}.get(stage, "")
+        fail(f"unknown stage {stage!r}{alias}; expected one of {', '.join(STAGES)}")
     model = getattr(config_module, STAGES[stage][0])
     data = config_module.load_yaml(config)
-    section = "base" if stage == "prepare" else stage  # a preset's section of each stage
-    if stage != "pipeline" and isinstance(data, dict) and section in data and section not in model.model_fields:
-        force = f" (`--force {section}` recomputes this one)" if section in config_module.FORCEABLE else ""
-        fail(f"{config}: a pipeline preset (it has a {section!r} section), not one stage's config; "
-             f"`{resolve_workspace().command('run', 'pipeline', '-c', str(config))}` runs it, reusing the stages "
-             f"already cached{force}")
+    if isinstance(data, dict):
+        refuse_the_other_kind(stage, config, data)
     cfg = config_module.validate_config(model, data, origin=str(config))
     config_module.check_preset(cfg, data, origin=str(config))
     if stage != "pipeline":
         config_module.refuse_stage_references(cfg, origin=str(config))
     require_models(cfg, stage, config)
     return cfg
+
+
+def refuse_the_other_kind(stage: str, config: Path, data: dict) -> None:
+    """A pipeline preset given to one stage, or one stage's config given to `run pipeline` (or `demo`, `serve`), in
+    one line saying which command runs it: the field-by-field errors it got instead led from one "did you mean" to
+    the next (a helper followed them: model_path -> base_model_path, then source, then max_steps)."""
+    from pipeline_lib import config as config_module
+
+    sections = set(config_module.PipelineConfig.model_fields)
+    if stage == "pipeline":
+        fits = [name for name, (kind, _) in STAGES.items() if name not in ("pipeline", "ingest") and
+                data.keys() <= set(getattr(config_module, kind).model_fields)]
+        if data and not data.keys() & sections and fits:
+            fail(f"{config}: one stage's config (its fields are those of {' or '.join(fits)}), not a pipeline "
+                 f"preset; `{resolve_workspace().command('run', fits[0], '-c', str(config))}` runs it")
+        return
+    section = "base" if stage == "prepare" else stage  # a preset's section of each stage
+    fields = getattr(config_module, STAGES[stage][0]).model_fields
+    if section in data and section not in fields:
+        force = f" (`--force {section}` recomputes this one)" if section in config_module.FORCEABLE else ""
+        fail(f"{config}: a pipeline preset (it has a {section!r} section), not one stage's config; "
+             f"`{resolve_workspace().command('run', 'pipeline', '-c', str(config))}` runs it, reusing the stages "
+             f"already cached{force}")
+    if data and data.keys() <= sections and not data.keys() & fields.keys():
+        fail(f"{config}: a pipeline preset (sections {', '.join(map(repr, data))}) without a {section!r} section; "
+             f"add one, or give `run {stage}` a {stage} config of its own")
 
 
 def require_models(cfg, stage: str, config: Path) -> None:
@@ -342,8 +366,11 @@ def require_models(cfg, stage: str, config: Path) -> None:
 
 def load_preset(preset: Path):
     """A pipeline preset, validated, its data files readable and its explicit models there (`demo`, `serve`)."""
-    from pipeline_lib.config import PipelineConfig, load_config
+    from pipeline_lib.config import PipelineConfig, load_config, load_yaml
 
+    data = load_yaml(preset)
+    if isinstance(data, dict):
+        refuse_the_other_kind("pipeline", preset, data)
     cfg = load_config(PipelineConfig, preset)
     require_models(cfg, "pipeline", preset)
     return cfg

@@ -350,6 +350,28 @@ def test_a_pipeline_preset_given_to_one_stage_is_one_line_naming_the_pipeline_co
         f"(`--force {section}` recomputes this one)")
 
 
+def test_a_stage_config_given_to_the_pipeline_and_a_preset_lacking_the_stage_name_the_command(tmp_path):
+    """A helper followed the field-by-field errors instead: model_path -> base_model_path, then `source`, then
+    `max_steps` unknown; a preset without the stage's section was "unknown field 'name'"."""
+    stage_config = tmp_path / "sft.yaml"
+    stage_config.write_text("model_path: /m\nsource: demo\nmax_steps: 5\n")
+    workspace = tmp_path / "ws"
+    for command in (["run", "pipeline", "-c", str(stage_config)], ["demo", "--config", str(stage_config)]):
+        result = alignflow(*command, workspace=workspace)
+        assert (result.returncode, result.stderr.strip()) == (2, (
+            f"error: {stage_config}: one stage's config (its fields are those of sft or rm), not a pipeline preset; "
+            f"`alignflow -w {workspace} run sft -c {stage_config}` runs it"))
+    preset = tmp_path / "p.yaml"
+    preset.write_text("name: mine\nbase: {}\nsft: {model_path: 'from:base'}\n")
+    result = alignflow("run", "grpo", "-c", str(preset), workspace=workspace)
+    assert (result.returncode, result.stderr.strip()) == (2, (
+        f"error: {preset}: a pipeline preset (sections 'name', 'base', 'sft') without a 'grpo' section; add one, or "
+        "give `run grpo` a grpo config of its own"))
+    result = alignflow("run", "rs_sft", "-c", str(preset), workspace=workspace)
+    assert result.stderr.strip().startswith("error: unknown stage 'rs_sft' (a preset's rs_sft section: `run sft` with "
+                                            "`data: best_of_n`); expected one of ingest, prepare, sft")
+
+
 def test_misspelled_config_field_is_one_line(tmp_path):
     config = tmp_path / "dpo.yaml"
     config.write_text("policy_path: /m\nbetta: 0.2\n")
