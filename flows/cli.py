@@ -569,9 +569,9 @@ def samples_held() -> int:
 
 def require_stored_rows(cfg) -> None:
     """The store rows a stage config selects (`--problems`/`--split` of `sample` and `eval`, a stage config's
-    `source`, `problems_source` and `split`, prepare's `corpus_sources`), checked under the run lock before Prefect starts: a mistyped source
-    failed only after Prefect's server had booted, leaving a failed run. A stage reading a sampling run is left to
-    the stage."""
+    `source`, `problems_source` and `split`, prepare's `corpus_sources`), checked under the run lock before Prefect
+    starts: a mistyped source failed only after Prefect's server had booted, leaving a failed run. A stage reading
+    a sampling run is left to the stage."""
     from pipeline_lib.config import TinyModelConfig, stored_selection
     from pipeline_lib.store.db import open_store
 
