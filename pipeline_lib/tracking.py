@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import json
 import logging
@@ -55,18 +56,35 @@ def configure(workspace: Workspace, experiment: str = EXPERIMENT) -> str:
     if user_uri is None:  # mlflow exports the URI to child processes; they must follow their own workspace
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     artifacts = workspace.mlflow_artifacts.as_uri()
-    found = mlflow.get_experiment_by_name(experiment)
-    if found is None:
-        experiment_id = mlflow.create_experiment(experiment, artifact_location=artifacts)
-    else:
-        experiment_id = found.experiment_id
-        old = found.artifact_location
-        # a workspace's own artifacts dir somewhere else, not an artifact root the user chose (s3://, ...)
-        moved = old != artifacts and old.startswith("file:") and old.rstrip("/").endswith("/mlartifacts")
-        if moved and workspace.tracking_uri == f"sqlite:///{workspace.mlflow_db}":
-            _relocate_artifacts(workspace.mlflow_db, old, artifacts)
+    with _one_process_at_a_time(workspace.tracking_uri):
+        found = mlflow.get_experiment_by_name(experiment)  # MLflow creates or migrates a sqlite store's schema here
+        if found is None:
+            experiment_id = mlflow.create_experiment(experiment, artifact_location=artifacts)
+        else:
+            experiment_id = found.experiment_id
+            old = found.artifact_location
+            # a workspace's own artifacts dir somewhere else, not an artifact root the user chose (s3://, ...)
+            moved = old != artifacts and old.startswith("file:") and old.rstrip("/").endswith("/mlartifacts")
+            if moved and workspace.tracking_uri == f"sqlite:///{workspace.mlflow_db}":
+                _relocate_artifacts(workspace.mlflow_db, old, artifacts)
     mlflow.set_experiment(experiment_id=experiment_id)
     return experiment_id
+
+
+@contextmanager
+def _one_process_at_a_time(uri: str) -> Iterator[None]:
+    """An exclusive lock on `<file>.lock` beside a sqlite tracking store: MLflow creates and migrates its schema on
+    first use, unsafely against another process doing the same (two workspaces started together on a new shared
+    file: one failed with alembic tracebacks, a helper saw it 3 times in 3), and both would create the experiment."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    with open(f"{uri.removeprefix('sqlite:///').split('?')[0]}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _relocate_artifacts(mlflow_db: Path, old: str, new: str) -> None:
