@@ -11,6 +11,7 @@ from pathlib import Path
 import orjson
 import polars as pl
 
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.model_dirs import FINAL_MARKER, resolve_model_dir
 
 # The sha256 of a file at least this large is remembered by (path, inode, size, mtime) in the workspace
@@ -25,10 +26,15 @@ def fingerprint_path(path: str | Path, *, skip_names: tuple[str, ...] = ()) -> s
     `skip_names`, hex. A copy of a dir has its fingerprint; so has a file rewritten with the same bytes."""
     path = Path(path)
     digest = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and p.name not in skip_names)
-    for file in files:
-        digest.update(str(file.relative_to(path) if file != path else file.name).encode())
-        digest.update(_file_sha256(file).encode())
+    try:
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*")
+                                                     if p.is_file() and p.name not in skip_names)
+        for file in files:
+            digest.update(str(file.relative_to(path) if file != path else file.name).encode())
+            digest.update(_file_sha256(file).encode())
+    except FileNotFoundError as exc:  # a traceback, and a dir half read is no fingerprint of it
+        raise AlignflowError(f"{path}: {exc.filename} went away while it was read (another process rewriting it?); "
+                             "run again once it is written") from None
     return digest.hexdigest()
 
 

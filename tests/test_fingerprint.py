@@ -7,7 +7,10 @@ import json
 import os
 import shutil
 
+import pytest
+
 from pipeline_lib import fingerprint
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import fingerprint_path
 
 
@@ -45,3 +48,20 @@ def test_large_files_are_fingerprinted_by_content_once_per_version(tmp_path, mon
     memory.write_text("{cut")  # a memory cut short is no memory: the files are read again
     monkeypatch.setattr(fingerprint, "_remembered", {})
     assert fingerprint_path(model) != other
+
+
+def test_a_file_gone_while_its_dir_is_read_is_one_line_not_a_fingerprint(tmp_path, monkeypatch):
+    """Another process replacing a model dir that a stage fingerprints (a helper: a traceback, and once the
+    fingerprint of a half-deleted dir, a wrong cache key)."""
+    (tmp_path / "a.json").write_text("a")
+    (tmp_path / "b.json").write_text("b")
+    read = fingerprint._file_sha256
+
+    def read_then_remove_the_next(file):
+        digest = read(file)
+        (tmp_path / "b.json").unlink(missing_ok=True)  # the other process, between two files
+        return digest
+
+    monkeypatch.setattr(fingerprint, "_file_sha256", read_then_remove_the_next)
+    with pytest.raises(AlignflowError, match=rf"^{tmp_path}: {tmp_path / 'b.json'} went away while it was read"):
+        fingerprint_path(tmp_path)

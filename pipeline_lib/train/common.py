@@ -592,9 +592,15 @@ def save_final(model: nn.Module, tokenizer, out_dir: Path, *, metrics: dict | No
         (tmp / FINAL_MARKER).write_text(json.dumps({"metrics": metrics or {}, "run_key": run_key, "files": sizes,
                                                     "topology": _topology(model)}, indent=2))
         _fsync_tree(tmp)
-        shutil.rmtree(final, ignore_errors=True)
+        # an earlier final is renamed away whole, not deleted file by file: another process reading it (a model dir
+        # two workspaces share) sees it whole or gone, never half of it (a helper fingerprinted a half-deleted one)
+        old = out_dir / ".final.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
         tmp.rename(final)
         _fsync_dir(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
     except (OSError, RuntimeError, SafetensorError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(f"{final}: cannot write the final model ({one_line(exc)}); the last "

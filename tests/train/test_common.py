@@ -316,6 +316,9 @@ def test_save_final_writes_safetensors_and_drops_the_checkpoint(tmp_path, tiny_d
     assert marker["metrics"] == {"eval/rm_accuracy": 0.9} and marker["run_key"] == "run"
     assert marker["files"] == {name: (final / name).stat().st_size for name in names - {FINAL_MARKER}}
     assert not (tmp_path / CHECKPOINT_DIR).exists() and not (tmp_path / ".final.tmp").exists()
+    (final / "stale.txt").write_text("of the earlier final")  # replaced whole (renamed away, then deleted)
+    save_final(reward, load_tokenizer(tiny_dir), tmp_path, metrics={"eval/rm_accuracy": 0.9}, run_key="run")
+    assert not (final / "stale.txt").exists() and not (tmp_path / ".final.old").exists()
     loaded = RewardModel.from_pretrained(final, device="cpu")
     ids = torch.tensor([[3, 4, 5]])
     with torch.no_grad():
