@@ -103,6 +103,9 @@ def pause_served(api: str, deployments: list) -> str | None:
             found.raise_for_status()
             httpx.patch(f"{api}/deployments/{found.json()['id']}", json={"paused": True}, headers=headers,
                         timeout=5).raise_for_status()
+    except httpx.HTTPStatusError as exc:  # it answered, with an error (503 while its sqlite database is busy)
+        return (f"the Prefect server at {api} answered HTTP {exc.response.status_code} to pausing the deployments: "
+                "they were left unpaused")
     except httpx.HTTPError as exc:
         return f"the Prefect server at {api} did not answer ({type(exc).__name__}): the deployments were left unpaused"
     return None

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.deployments import build_deployments, csrf_headers
+from flows.deployments import build_deployments, csrf_headers, pause_served
 from pipeline_lib.config import ConfigError, PipelineConfig, load_config
 from pipeline_lib.store.db import open_store
 
@@ -78,6 +78,30 @@ def test_a_name_prefect_refuses_is_a_one_line_config_error_before_anything_is_de
         build_deployments(PipelineConfig(name=name), origin="p.yaml")
     assert str(err.value) == (f"p.yaml: field 'name': expected a non-empty deployment name without any of "
                               f"/ % & > < (got {name!r})")
+
+
+def test_a_server_answering_an_error_to_the_pause_is_not_called_down():
+    """Two serves stopped together: one got HTTP 503 (Prefect's sqlite busy) and warned that the server "did not
+    answer" (a helper). A server answering 503 to everything stands in for that answer here."""
+    import http.server
+    import threading
+
+    class Busy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    api = f"http://127.0.0.1:{server.server_address[1]}/api"
+    try:
+        assert pause_served(api, []) == (f"the Prefect server at {api} answered HTTP 503 to pausing the deployments: "
+                                         "they were left unpaused")
+    finally:
+        server.shutdown()
 
 
 def test_serve_reports_an_invalid_cron_in_one_line_without_a_server(tmp_path, subprocess_env):
