@@ -390,6 +390,14 @@ def test_ingest_then_stats(tmp_path):
     again = alignflow("ingest", "data/demo/rankings.jsonl", "--source", "demo", "--replace", workspace=tmp_path)
     assert ("read 600 = accepted 600 + duplicates 0 + quarantined 0; the rows source 'demo' held were deleted first "
             "(rankings 600)") in again.stdout, again.stderr
+    both = alignflow("ingest", "data/demo/rankings.jsonl", "data/demo/problems.jsonl", workspace=tmp_path)
+    assert [line.split(":")[0] for line in both.stdout.splitlines()] == [
+        "rankings.jsonl (ranking -> rankings)", "problems.jsonl (problem -> problems)"], both.stderr
+    refused = alignflow("ingest", "data/demo/rankings.jsonl", "data/demo/problems.jsonl", "-s", "x", "--replace",
+                        workspace=tmp_path)
+    assert (refused.returncode, refused.stderr.strip()) == (2, (
+        "error: --replace: 2 of the files go to the one source 'x', and each would delete what the one before it "
+        "stored; give them sources of their own, or --replace one file"))
     stats = alignflow("data", "stats", workspace=tmp_path)
     assert stats.returncode == 0
     assert "rankings" in stats.stdout and "600" in stats.stdout
