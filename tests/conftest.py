@@ -65,6 +65,34 @@ def subprocess_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
 
 
+@pytest.fixture
+def answering_server():
+    """`answering_server(status)`: the port of a local HTTP server answering every GET with `status` (another
+    server holding a port, one answering errors), shut down after the test."""
+    import http.server
+    import threading
+
+    servers = []
+
+    def start(status: int) -> int:
+        class Answer(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(status)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return server.server_address[1]
+
+    yield start
+    for server in servers:
+        server.shutdown()
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests skip cleanly without CUDA."""
     import torch

@@ -80,28 +80,12 @@ def test_a_name_prefect_refuses_is_a_one_line_config_error_before_anything_is_de
                               f"/ % & > < (got {name!r})")
 
 
-def test_a_server_answering_an_error_to_the_pause_is_not_called_down():
+def test_a_server_answering_an_error_to_the_pause_is_not_called_down(answering_server):
     """Two serves stopped together: one got HTTP 503 (Prefect's sqlite busy) and warned that the server "did not
     answer" (a helper). A server answering 503 to everything stands in for that answer here."""
-    import http.server
-    import threading
-
-    class Busy(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(503)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Busy)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    api = f"http://127.0.0.1:{server.server_address[1]}/api"
-    try:
-        assert pause_served(api, []) == (f"the Prefect server at {api} answered HTTP 503 to pausing the deployments: "
-                                         "they were left unpaused")
-    finally:
-        server.shutdown()
+    api = f"http://127.0.0.1:{answering_server(503)}/api"
+    assert pause_served(api, []) == (f"the Prefect server at {api} answered HTTP 503 to pausing the deployments: they "
+                                     "were left unpaused")
 
 
 def test_serve_reports_an_invalid_cron_in_one_line_without_a_server(tmp_path, subprocess_env):

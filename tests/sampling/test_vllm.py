@@ -228,37 +228,20 @@ def _fake_vllm_python(tmp_path):
     return python
 
 
-def test_a_server_answering_on_the_port_is_not_taken_for_the_one_started(tiny_model_dir, tmp_path):
+def test_a_server_answering_on_the_port_is_not_taken_for_the_one_started(tiny_model_dir, tmp_path, answering_server):
     """The port is free when picked and bound by vLLM seconds later: another server taking it in between answered
     /health first and was taken for ours (a helper), whose process then died 'address in use' while sampling went to
     the other one. Healthy now means our process listens on the port too."""
-    import http.server
-    import threading
-
     python = _fake_vllm_python(tmp_path)
     alone = VLLMServer(tiny_model_dir, python=python, log_path=tmp_path / "alone.log", startup_timeout=30).start()
     try:
         assert httpx.get(f"{alone.url}/health").status_code == 200
     finally:
         alone.stop()
-
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    other = http.server.HTTPServer(("127.0.0.1", 0), Health)
-    threading.Thread(target=other.serve_forever, daemon=True).start()
-    try:
-        server = VLLMServer(tiny_model_dir, python=python, port=other.server_address[1],
-                            log_path=tmp_path / "vllm.log", startup_timeout=30)
-        with pytest.raises(VLLMServerError, match=r"exited with code 1 during start-up: .*Address already in use"):
-            server.start()
-    finally:
-        other.shutdown()
+    server = VLLMServer(tiny_model_dir, python=python, port=answering_server(200), log_path=tmp_path / "vllm.log",
+                        startup_timeout=30)
+    with pytest.raises(VLLMServerError, match=r"exited with code 1 during start-up: .*Address already in use"):
+        server.start()
 
 
 def test_missing_env_and_bad_model_dir_are_one_line_errors(tiny_model_dir, tmp_path, monkeypatch):
