@@ -230,6 +230,28 @@ def sample_run_id(cfg: SampleConfig, problem_ids: Sequence[str]) -> str:
     return "sample-" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+# What decides a run's samples beyond its n and policy (checked from its rows): an explicit run_id reused with
+# another value resumed the run, its new rows drawn otherwise than its old ones (a helper: another temperature)
+RUN_SETTINGS = ("max_new_tokens", "temperature", "top_p", "seed", "stop", "chat_template", "backend", "batch_size",
+                "rewards")
+
+
+def check_run_settings(store: Store, run_id: str, cfg: SampleConfig) -> None:
+    """Record the settings of a run that holds no samples yet; refuse, in one line naming each difference, to resume
+    one sampled with others. (A derived run id hashes them all: another value is another run.)"""
+    settings = cfg.model_dump(mode="json", include=set(RUN_SETTINGS))
+    held = store.run_settings(run_id)
+    if held is None or not store.count("samples", run_id=run_id):  # new, or sampled before settings were recorded
+        store.record_run_settings(run_id, settings)
+        return
+    changed = [f"{name} {held.get(name)!r} -> {settings[name]!r}" for name in RUN_SETTINGS
+               if held.get(name) != settings[name]]
+    if changed:
+        raise SamplingError(f"run_id {run_id!r} was sampled with other settings than this config's ("
+                            f"{', '.join(changed)}); sample into another run_id (or leave run_id unset: each config "
+                            "then has its own)")
+
+
 def select_problems(store: Store, cfg: SampleConfig) -> pl.DataFrame:
     """The config's problems (split, source), in problem_id order, the first `max_problems` of them."""
     problems = store.read_selected("problems", split=cfg.split, source=cfg.problems_source).sort("problem_id")
@@ -308,6 +330,7 @@ def run_sample_stage(cfg: SampleConfig, store: Store, *, log: LogFn = no_log, pr
         # (a derived run id holds its model's content: the same model under another name shares its samples)
         raise SamplingError(f"run_id {run_id!r} holds samples of another policy than {policy!r}; sample into "
                             "another run_id (or leave run_id unset: each model and config then has its own)")
+    check_run_settings(store, run_id, cfg)
     left = not set(ids) <= store.sampled_prompt_ids(run_id)
     with ExitStack() as stack:
         with store.released():  # other processes may read the store while the models load (a vLLM server starts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
+import json
 import shlex
 import time
 from pathlib import Path
@@ -72,6 +73,11 @@ TABLES: dict[str, dict[str, str]] = {
         "created_at": "TIMESTAMP DEFAULT current_timestamp",
         "chat_template": "BOOLEAN",  # the prompts went through the chat template (v2; NULL in older runs)
     },
+    "sample_runs": {  # created in any store that lacks it: the table is new, no column of another one changed
+        "run_id": "VARCHAR NOT NULL",
+        "settings": "JSON NOT NULL",  # what decides a run's samples beyond n and policy (`sampling.stage`)
+        "created_at": "TIMESTAMP DEFAULT current_timestamp",
+    },
     "eval_results": {
         "run_id": "VARCHAR NOT NULL",
         "model": "VARCHAR NOT NULL",
@@ -94,6 +100,7 @@ TABLE_KEYS = {
     "rankings": ["ranking_id"],
     "problems": ["problem_id"],
     "samples": ["run_id", "prompt_id", "sample_idx"],
+    "sample_runs": ["run_id"],
     "eval_results": ["run_id", "model", "dataset", "k"],
     # a row per line and reason of the latest ingest of a file (`replace_quarantine` replaces them per file)
     "quarantine": ["source", "file", "line_no", "raw", "reason"],
@@ -378,6 +385,18 @@ class Store:
         """(run_id, policy, rows) of each sampling run of the samples table, newest first."""
         return self._run("SELECT run_id, any_value(policy), count(*) FROM samples GROUP BY run_id "
                          "ORDER BY max(created_at) DESC, run_id")
+
+    def run_settings(self, run_id: str) -> dict | None:
+        """The sampling settings a run was first sampled with (`sample_runs`); None for a new run, or one sampled
+        before the store recorded them."""
+        rows = self._run("SELECT settings FROM sample_runs WHERE run_id = ?", [run_id])
+        return json.loads(rows[0][0]) if rows else None
+
+    def record_run_settings(self, run_id: str, settings: dict) -> None:
+        """`settings` become the run's (`run_settings`)."""
+        with self.transaction():
+            self._run("DELETE FROM sample_runs WHERE run_id = ?", [run_id])
+            self._run("INSERT INTO sample_runs (run_id, settings) VALUES (?, ?)", [run_id, json.dumps(settings)])
 
     def sampled_prompt_ids(self, run_id: str) -> set[str]:
         """Prompt ids that already have samples in `run_id` (resumable sampling)."""

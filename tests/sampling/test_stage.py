@@ -243,6 +243,26 @@ def test_an_explicit_run_id_reused_with_another_policy_is_a_one_line_error(store
     assert (renamed.run_id, renamed.rows_written_now) == (first.run_id, 0)
 
 
+def test_an_explicit_run_id_reused_with_other_sampling_settings_is_a_one_line_error(store, tiny_model_dir):
+    """Another temperature (a helper), max_new_tokens, seed... resumed the run: "cached, nothing sampled", or new
+    rows drawn otherwise than the old ones. A run that holds no samples yet takes the new settings."""
+    cfg = SampleConfig(model_path=str(tiny_model_dir), problems_source="demo", max_problems=2, n=2,
+                       max_new_tokens=4, device="cpu", run_id="fixed")
+    assert run_sample_stage(cfg, store, progress=False).rows_written_now == 4
+    colder = cfg.model_copy(update={"temperature": 0.5, "max_new_tokens": 6, "max_problems": 3})
+    with pytest.raises(SamplingError, match=r"^run_id 'fixed' was sampled with other settings than this config's "
+                                            r"\(max_new_tokens 4 -> 6, temperature 1.0 -> 0.5\); sample into another "
+                                            r"run_id \(or leave run_id unset"):
+        run_sample_stage(colder, store, progress=False)
+    assert store.count("samples", run_id="fixed") == 4  # nothing sampled
+    more = run_sample_stage(cfg.model_copy(update={"max_problems": 3}), store, progress=False)  # the same settings
+    assert more.rows_written_now == 2
+    fresh = cfg.model_copy(update={"run_id": "other", "temperature": 0.5})
+    store.record_run_settings("other", {"temperature": 2.0})  # recorded by a start that sampled nothing
+    assert run_sample_stage(fresh, store, progress=False).rows_written_now == 4
+    assert store.run_settings("other")["temperature"] == 0.5
+
+
 def test_a_new_problem_among_the_first_max_problems_is_a_new_run_of_exactly_them(store, tiny_model_dir):
     """The first K problems in problem_id order change when one sorting before them is ingested: the earlier run
     must not resume on the new selection and keep the problem that left it (eval would score K + 1)."""
