@@ -205,23 +205,21 @@ def ingest(
                                       "without it a changed row is added beside the old one."),
 ) -> None:
     """Validate data files into the store; bad rows go to the quarantine with a reason."""
-    from pipeline_lib.config import IngestConfig, validate_config
+    from pipeline_lib.config import IngestConfig, replaced_source_shared, validate_config
 
     cfgs = [validate_config(IngestConfig, {"path": str(path), "format": format, "source": source, "split": split,
                                            "max_record_bytes": max_record_bytes, "replace": replace},
                             origin="alignflow ingest") for path in paths]
-    from pipeline_lib.store.ingest import IngestError, check_readable, default_source
+    from pipeline_lib.store.ingest import IngestError, check_readable
 
     try:  # a missing, damaged or empty file, a dir, a FIFO: before the flow starts, whose server takes seconds
         for cfg in cfgs:
             check_readable(cfg.resolved_path, cfg.format, cfg.max_record_bytes, cfg.split)
     except IngestError as exc:
         fail(str(exc))
-    sources = [cfg.source or default_source(cfg.resolved_path) for cfg in cfgs]
-    shared = next((name for name in sources if sources.count(name) > 1), None)
-    if replace and shared is not None:
-        fail(f"--replace: {sources.count(shared)} of the files go to the one source {shared!r}, and each would "
-             "delete what the one before it stored; give them sources of their own, or --replace one file")
+    if (shared := replaced_source_shared(cfgs)) is not None:
+        fail(f"--replace: {len(shared[1])} of the files go to the one source {shared[0]!r}, and each would delete "
+             "what the one before it stored; give them sources of their own, or --replace one file")
     with run_lock():
         flow = load_flow("ingest")  # one process for every file: starting one took 12 s a file (a helper)
         for cfg in cfgs:

@@ -11,6 +11,7 @@ from pipeline_lib.config.base import (
     check_ingest_files,
     format_validation_error,
     load_yaml,
+    replaced_source_shared,
     shipped_path,
     validate_config,
 )
@@ -49,6 +50,5 @@ __all__ = [
     "GRPOConfig", "IngestConfig", "OnlineRLConfig", "PPOConfig", "PipelineConfig", "PipelineEvalConfig", "RMConfig",
     "SFTConfig", "SampleConfig", "TinyModelConfig", "TrainLoopConfig", "check_ingest_files", "check_preset",
     "config_key", "format_validation_error", "load_config", "load_yaml", "model_paths", "refuse_stage_references",
-    "shipped_path",
-    "stored_selection", "validate_config",
+    "replaced_source_shared", "shipped_path", "stored_selection", "validate_config",
 ]

@@ -307,9 +307,8 @@ def check_ingest_files(cfg: BaseModel, origin: str = "config") -> None:
         files = {"path": cfg}
     else:
         files = {f"ingest.{i}.path": ingest for i, ingest in enumerate(getattr(cfg, "ingest", ()))}
-    from pipeline_lib.store.ingest import IngestError, check_readable, default_source  # polars, DuckDB: only here
+    from pipeline_lib.store.ingest import IngestError, check_readable  # imports polars and DuckDB: only here
 
-    sources: dict[str, dict[str, IngestConfig]] = {}  # the files of each source, by the field naming them
     for field, ingest in files.items():
         resolved = ingest.resolved_path
         if not resolved.exists():
@@ -320,13 +319,25 @@ def check_ingest_files(cfg: BaseModel, origin: str = "config") -> None:
             check_readable(resolved, ingest.format, ingest.max_record_bytes, ingest.split)
         except IngestError as exc:  # ingest would refuse it, after the pipeline ingested the files before it
             raise ConfigError(f"{origin}: field '{field}': {exc}") from None
-        sources.setdefault(ingest.source or default_source(resolved), {})[field.removesuffix("path")] = ingest
-    for source, named in sources.items():
-        replacing = [field for field, ingest in named.items() if ingest.replace]
-        if replacing and len(named) > 1:
-            raise ConfigError(f"{origin}: field '{replacing[0]}replace': true deletes what "
-                              f"{' and '.join(field.rstrip('.') for field in named)} store under the one source "
-                              f"{source!r}; give each file its own `source`")
+    ingests = list(files.values())
+    if (shared := replaced_source_shared(ingests)) is not None:  # (a single file shares its source with none)
+        source, indices = shared
+        replacing = next(i for i in indices if ingests[i].replace)
+        raise ConfigError(f"{origin}: field 'ingest.{replacing}.replace': true deletes what "
+                          f"{' and '.join(f'ingest.{i}' for i in indices)} store under the one source {source!r}; "
+                          "give each file its own `source`")
+
+
+def replaced_source_shared(ingests: list[IngestConfig]) -> tuple[str, list[int]] | None:
+    """The first source that a file ingested with `replace` shares with another file of `ingests` (its replace would
+    delete their rows), with the positions of the files it holds; None when there is none."""
+    from pipeline_lib.store.ingest import default_source  # imports polars and DuckDB: only here
+
+    positions: dict[str, list[int]] = {}
+    for i, ingest in enumerate(ingests):
+        positions.setdefault(ingest.source or default_source(ingest.resolved_path), []).append(i)
+    return next(((source, indices) for source, indices in positions.items()
+                 if len(indices) > 1 and any(ingests[i].replace for i in indices)), None)
 
 
 # ---- checks several stage configs share

@@ -237,8 +237,8 @@ RUN_SETTINGS = ("max_new_tokens", "temperature", "top_p", "seed", "stop", "chat_
 
 
 def check_run_settings(store: Store, run_id: str, cfg: SampleConfig) -> None:
-    """Record the settings of a run that holds no samples yet; refuse, in one line naming each difference, to resume
-    one sampled with others. (A derived run id hashes them all: another value is another run.)"""
+    """Record the settings of an explicit run that holds no samples yet; refuse, in one line naming each difference,
+    to resume one sampled with others."""
     settings = cfg.model_dump(mode="json", include=set(RUN_SETTINGS))
     held = store.run_settings(run_id)
     if held is None or not store.count("samples", run_id=run_id):  # new, or sampled before settings were recorded
@@ -330,7 +330,8 @@ def run_sample_stage(cfg: SampleConfig, store: Store, *, log: LogFn = no_log, pr
         # (a derived run id holds its model's content: the same model under another name shares its samples)
         raise SamplingError(f"run_id {run_id!r} holds samples of another policy than {policy!r}; sample into "
                             "another run_id (or leave run_id unset: each model and config then has its own)")
-    check_run_settings(store, run_id, cfg)
+    if cfg.run_id:  # a derived run id hashes the settings: another value is another run
+        check_run_settings(store, run_id, cfg)
     left = not set(ids) <= store.sampled_prompt_ids(run_id)
     with ExitStack() as stack:
         with store.released():  # other processes may read the store while the models load (a vLLM server starts)

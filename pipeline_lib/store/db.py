@@ -256,9 +256,10 @@ class Store:
     def count_others(self, table: str, source: str, frame: pl.DataFrame) -> int:
         """How many rows of `table` under `source` have a key `frame` does not hold (for problems, among the splits
         `frame` holds: a source's train and test files are two files of one source)."""
-        splits = " AND t.split IN (SELECT split FROM {name})" if table == "problems" else ""
-        with self._registered(frame.select(TABLE_KEYS[table] + (["split"] if table == "problems" else []))) as name:
-            return self._run(f"SELECT count(*) FROM {table} t WHERE t.source = ?{splits.format(name=name)} "
+        problems = table == "problems"
+        with self._registered(frame.select(TABLE_KEYS[table] + (["split"] if problems else []))) as name:
+            splits = f" AND t.split IN (SELECT split FROM {name})" if problems else ""
+            return self._run(f"SELECT count(*) FROM {table} t WHERE t.source = ?{splits} "
                              f"AND NOT EXISTS (SELECT 1 FROM {name} f WHERE {_key_match(table)})", [source])[0][0]
 
     def replace_quarantine(self, source: str, file: str, frame: pl.DataFrame) -> None:
