@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
 from itertools import accumulate
@@ -143,14 +144,16 @@ class RewardModelScorer:
             return []
         backbone = self.model.backbone
         lengths = [len(row) for row in encoded.prompt_ids]
+        costs = packing_costs(backbone.config)
+        fits = functools.cache(functools.partial(packs_pairs, backbone))  # of a width
 
         def layout(group: list[int]) -> tuple[int, float, bool]:
             """(packed width, cost as it would run, whether it may run so) of a group: a lone text is a row."""
             width = group_width(encoded, group)
-            unpacked, packed = packing_costs(backbone.config, [lengths[i] for i in group], width)
+            unpacked, packed = costs([lengths[i] for i in group], width)
             if len(group) == 1:
                 return width, unpacked, True
-            return width, packed, len(group) <= self.batch_size and packs_pairs(backbone, width)
+            return width, packed, len(group) <= self.batch_size and fits(width)
 
         groups: list[list[int]] = []
         layouts: list[tuple[int, float, bool]] = []

@@ -119,28 +119,33 @@ def autocast(device: torch.device):
     return nullcontext()
 
 
-def packing_costs(config: PretrainedConfig, rows: Sequence[int], width: int) -> tuple[float, float]:
-    """Multiply-adds per layer of texts of `rows` tokens each run as its own row, and packed into one row of `width`
-    columns. A row of L tokens costs about L (4h^2 + 3hi) in its projections and MLP (h `hidden_size`, i
-    `intermediate_size` of the text model) and 2 L^2 h in its attention scores and sums, of which a causal kernel
-    computes about half; a packed row's explicit mask has them all computed, masked or not. So where the shared
-    prefix is short next to the texts (long answers; texts cut from the left differently), the packed row's attention
-    costs more than the prefix saves. A config without a hidden size: packing costs infinitely much."""
+def packing_costs(config: PretrainedConfig) -> Callable[[Sequence[int], int], tuple[float, float]]:
+    """`costs(rows, width)`: multiply-adds per layer of texts of `rows` tokens each run as its own row, and packed
+    into one row of `width` columns, for a model of `config`. A row of L tokens costs about L (4h^2 + 3hi) in its
+    projections and MLP (h `hidden_size`, i `intermediate_size` of the text model) and 2 L^2 h in its attention scores
+    and sums, of which a causal kernel computes about half; a packed row's explicit mask has them all computed, masked
+    or not. So where the shared prefix is short next to the texts (long answers; texts cut from the left differently),
+    the packed row's attention costs more than the prefix saves. A config without a hidden size: packing costs
+    infinitely much."""
     text = config.get_text_config()
     hidden = getattr(text, "hidden_size", None)
     if not hidden:
-        return 0.0, math.inf
+        return lambda rows, width: (0.0, math.inf)
     inner = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
     per_token = 4 * hidden ** 2 + 3 * hidden * inner
-    return (sum(length * per_token + length ** 2 * hidden for length in rows),
-            width * per_token + 2 * width ** 2 * hidden)
+
+    def costs(rows: Sequence[int], width: int) -> tuple[float, float]:
+        return (sum(length * per_token + length ** 2 * hidden for length in rows),
+                width * per_token + 2 * width ** 2 * hidden)
+
+    return costs
 
 
 def packing_saves(config: PretrainedConfig, rows: Sequence[Sequence[int]], widths: Sequence[int]) -> list[bool]:
     """For each group of `rows` (token counts of its rows): whether packing it into one row of `widths[g]` columns
     costs fewer multiply-adds (`packing_costs`)."""
-    return [packed < unpacked for unpacked, packed in (packing_costs(config, group, width)
-                                                        for group, width in zip(rows, widths))]
+    costs = packing_costs(config)
+    return [packed < unpacked for unpacked, packed in (costs(group, width) for group, width in zip(rows, widths))]
 
 
 def choose_packed(model: nn.Module, inner: PreTrainedModel, rows: Sequence[Sequence[int]], widths: Sequence[int],
@@ -151,8 +156,8 @@ def choose_packed(model: nn.Module, inner: PreTrainedModel, rows: Sequence[Seque
     or a position limit narrower than a row keeps that group's rows), provided `packed_values_hold` on every rank of
     `ctx`; none otherwise. A model in train mode (dropout on) keeps the rows, without a check: packed, a group's texts
     would share one dropout draw over their shared prefix."""
-    saving = [g for g, saves in enumerate(packing_saves(inner.config, rows, widths))
-              if saves and packs_pairs(inner, widths[g])]
+    fits = functools.cache(functools.partial(packs_pairs, inner))  # of a width
+    saving = [g for g, saves in enumerate(packing_saves(inner.config, rows, widths)) if saves and fits(widths[g])]
     holds = not model.training and bool(saving) and packed_values_hold(inner, saving, widths, values, unit=unit,
                                                                        fallback=fallback, checked=checked)
     # the same on every rank (the set is the data's; the check could differ), so the ranks read one reference file
@@ -352,19 +357,37 @@ def epoch_order(n_items: int, *, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n_items, generator=generator).tolist()
 
 
+def steps_per_epoch(n_items: int, batch_size: int) -> int:
+    per_epoch = n_items // batch_size
+    if per_epoch == 0:
+        raise AlignflowError(f"batch_size {batch_size} is larger than the training set ({n_items} rows): lower batch_size or add data")
+    return per_epoch
+
+
 def batches(n_items: int, batch_size: int, *, seed: int, start_step: int = 0) -> Iterator[tuple[int, list[int]]]:
     """Endless (step, indices) over seeded epochs, starting at `start_step` (the resume point).
 
     Incomplete tail batches are dropped so every step has the same size."""
-    per_epoch = n_items // batch_size
-    if per_epoch == 0:
-        raise AlignflowError(f"batch_size {batch_size} is larger than the training set ({n_items} rows): lower batch_size or add data")
+    per_epoch = steps_per_epoch(n_items, batch_size)
     step = start_step
     while True:
         epoch, offset = divmod(step, per_epoch)
         order = epoch_order(n_items, seed=seed, epoch=epoch)
         yield step, order[offset * batch_size : (offset + 1) * batch_size]
         step += 1
+
+
+def visited(n_items: int, batch_size: int, *, seed: int, steps: int) -> set[int]:
+    """The indices `batches` yields in its first `steps` steps: what a run of `steps` steps trains on (every one
+    once its epochs have covered them)."""
+    per_epoch = steps_per_epoch(n_items, batch_size)
+    seen: set[int] = set()
+    epoch = 0
+    while epoch * per_epoch < steps and len(seen) < n_items:
+        in_epoch = min(steps - epoch * per_epoch, per_epoch)
+        seen.update(epoch_order(n_items, seed=seed, epoch=epoch)[:in_epoch * batch_size])
+        epoch += 1
+    return seen
 
 
 # ---- checkpoints

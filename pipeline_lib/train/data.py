@@ -249,11 +249,14 @@ TOKENIZE_CHUNK = 10_000
 
 
 def token_ids(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], **kwargs: object) -> list[list[int]]:
-    """`tokenizer(texts, **kwargs)["input_ids"]`, TOKENIZE_CHUNK texts a call."""
+    """`tokenizer(texts, **kwargs)["input_ids"]`, each distinct text tokenized once (a DPO pair's prompt is two rows'
+    prompt; copies of a text share one list), TOKENIZE_CHUNK texts a call."""
+    distinct = list(dict.fromkeys(texts))
     ids: list[list[int]] = []
-    for start in range(0, len(texts), TOKENIZE_CHUNK):
-        ids += tokenizer(list(texts[start:start + TOKENIZE_CHUNK]), **kwargs)["input_ids"]
-    return ids
+    for start in range(0, len(distinct), TOKENIZE_CHUNK):
+        ids += tokenizer(distinct[start:start + TOKENIZE_CHUNK], **kwargs)["input_ids"]
+    of_text = dict(zip(distinct, ids))
+    return [of_text[text] for text in texts]
 
 
 UNKNOWN_SHARE = 0.01

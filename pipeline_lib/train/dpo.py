@@ -51,6 +51,7 @@ from pipeline_lib.train.common import (
     save_final,
     seed_everything,
     unwrap,
+    visited,
     with_deterministic_kernels,
     wrap_model,
 )
@@ -158,9 +159,10 @@ def packed_pairs(model: nn.Module, encoded: Encoded, *, pad_id: int, device: tor
 def reference_logps(model: nn.Module, encoded: Encoded, *, parts: Sequence[list[int]], packed: Collection[int],
                     policy_path: str, cache_dir: Path, pad_id: int, device: torch.device, batch_size: int,
                     ctx: Dist) -> Tensor:
-    """log π_ref(y|x) of every row, computed once and cached at cache_dir/ref_logps/<key>.safetensors.
+    """log π_ref(y|x) of the rows of `parts`' pairs (0 for the others), computed once and cached at
+    cache_dir/ref_logps/<key>.safetensors.
 
-    Each of `parts` (the training pairs, the held-out pairs: every pair once) runs as its own `logprob_sums`, as
+    Each of `parts` (the pairs the run trains on, the held-out pairs) runs as its own `logprob_sums`, as
     `preference_eval` runs the held-out pairs, so at step 0 the policy's held-out log-probs equal the reference's
     bit for bit (rewards 0, `eval/rewards_accuracy` 0, `eval/loss` log 2). One pass over all pairs batched them with
     others, and its float noise counted as preferences (0.208 on the demo model, a policy equal to its reference).
@@ -284,7 +286,11 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     check_batch_split(ctx, cfg.batch_size, cfg.grad_accum_steps)
     pad_id = tokenizer.pad_token_id
     packed = packed_pairs(model, encoded, pad_id=pad_id, device=device, ctx=ctx)
-    ref = reference_logps(model, encoded, parts=(train_ids, eval_ids), packed=packed, policy_path=cfg.policy_path,
+    # the reference log-probs of the pairs this run trains on (max_steps batches of a large set are a few of its
+    # pairs) and of the held-out ones
+    trained = visited(len(train_ids), cfg.batch_size, seed=cfg.seed, steps=cfg.max_steps)
+    parts = ([pair for k, pair in enumerate(train_ids) if k in trained], eval_ids)
+    ref = reference_logps(model, encoded, parts=parts, packed=packed, policy_path=cfg.policy_path,
                           cache_dir=Path(cache_dir or out_dir / "cache"), pad_id=pad_id, device=device,
                           batch_size=cfg.ref_batch_size, ctx=ctx)  # (2N,)
     optimizer = make_optimizer(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -53,6 +53,7 @@ from pipeline_lib.train.common import (
     save_checkpoint,
     save_final,
     seed_everything,
+    visited,
 )
 from pipeline_lib.train.sft import train_sft
 
@@ -151,6 +152,21 @@ def test_batches_are_seeded_resumable_and_drop_the_tail():
     with pytest.raises(AlignflowError, match="batch_size 11 is larger than the training set"):
         next(batches(10, 11, seed=0))
 
+
+
+def test_visited_is_what_the_first_steps_of_batches_yield():
+    rng = random.Random(0)
+    for _ in range(300):
+        n, batch = rng.randrange(1, 40), rng.randrange(1, 8)
+        if batch > n:
+            continue
+        steps, seed = rng.randrange(0, 3 * n), rng.randrange(10)
+        stream = batches(n, batch, seed=seed)
+        expected = {i for _ in range(steps) for i in next(stream)[1]}
+        assert visited(n, batch, seed=seed, steps=steps) == expected, (n, batch, steps, seed)
+    assert visited(10 ** 6 + 3, 8, seed=0, steps=10 ** 7) == set(range(10 ** 6 + 3))  # stops once all are seen
+    with pytest.raises(AlignflowError, match="batch_size 11 is larger than the training set"):
+        visited(10, 11, seed=0, steps=1)
 
 def test_seed_everything_fixes_torch_and_python_streams():
     seed_everything(3)

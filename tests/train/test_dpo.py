@@ -26,7 +26,7 @@ from pipeline_lib.errors import AlignflowError
 from pipeline_lib.losses import dpo_loss
 from pipeline_lib.models import build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.train import dpo as dpo_module
-from pipeline_lib.train.common import CheckpointWriteError, Dist, NonFiniteLossError, final_metrics
+from pipeline_lib.train.common import CheckpointWriteError, Dist, NonFiniteLossError, final_metrics, visited
 from pipeline_lib.train.data import holdout_split
 from pipeline_lib.train.dpo import encode_pairs, logprob_sums, packed_pairs, reference_logps, train_dpo
 from pipeline_lib.train.sft import sft_rows, train_sft
@@ -257,6 +257,21 @@ def test_reference_logps_are_cached_by_weights_and_data(tiny, tmp_path):
     reference_logps(model, encoded, **{**kwargs, "batch_size": 2})
     assert len(list((tmp_path / "ref_logps").glob("*.safetensors"))) == 6
 
+
+
+def test_the_reference_pass_covers_the_pairs_the_run_trains_on_and_the_held_out_ones(tiny, tmp_path):
+    """Two steps of 4 pairs out of 180 training pairs: the reference log-probs of those 8 and of the held-out
+    pairs, not of all 200 (a pass over the whole set whatever max_steps was)."""
+    pairs = toy_pairs(200)
+    cfg = DPOConfig(policy_path=str(tiny), max_steps=2, batch_size=4, eval_fraction=0.1, device="cpu")
+    train_dpo(cfg, pairs, tmp_path / "out")
+    [file] = (tmp_path / "out" / "cache" / "ref_logps").glob("*.safetensors")
+    logps = load_file(str(file))["logps"].view(-1, 2)
+    train_ids, eval_ids = holdout_split(pairs["prompt"].to_list(), cfg.eval_fraction, seed=cfg.seed)
+    trained = {train_ids[k] for k in visited(len(train_ids), cfg.batch_size, seed=cfg.seed, steps=cfg.max_steps)}
+    assert len(trained) == 8 and len(eval_ids) >= 10
+    assert {i for i in range(200) if bool((logps[i] < 0).all())} == trained | set(eval_ids)
+    assert int((logps == 0).all(dim=1).sum()) == 200 - len(trained) - len(eval_ids)
 
 def test_a_damaged_reference_cache_file_is_computed_again_and_a_failed_write_is_one_line(tiny, tmp_path,
                                                                                          monkeypatch):
