@@ -60,7 +60,7 @@ def echo_result(stage: str, result, cached: bool = False) -> None:
         from pipeline_lib.store.ingest import IngestReport
 
         report = IngestReport(**result)
-        typer.echo(report.summary())
+        typer.echo(report.summary(resolve_workspace().root))
         if report.quarantined:
             typer.echo(report.quarantine_hint(resolve_workspace().root))
     elif stage == "sample":
@@ -226,12 +226,21 @@ def ingest(
             echo_result("ingest", flow(cfg))
 
 
+def require_workspace_store(workspace) -> None:
+    """One line unless the workspace holds a store (a mistyped --workspace is an error, not a new empty workspace),
+    advising its ingest."""
+    from pipeline_lib.store.db import require_store
+
+    require_store(workspace.store_path, workspace.command("ingest", "FILE"))
+
+
 @data_app.command("stats")
 def data_stats() -> None:
     """Row counts per table and source (ingested tables) or model (samples, eval_results)."""
     from pipeline_lib.store.db import open_store
 
     workspace = resolve_workspace()
+    require_workspace_store(workspace)
     with open_store(workspace.store_path, read_only=True) as store:
         frame = store.stats()
     typer.echo(f"store: {workspace.store_path}")
@@ -248,11 +257,13 @@ def data_quarantine(
     from pipeline_lib.store.db import open_store
 
     workspace = resolve_workspace()
+    require_workspace_store(workspace)
     with open_store(workspace.store_path, read_only=True) as store:
         frame = store.quarantine_reasons(source)
         known = source is None or frame.height or store.has_source(source)
     if not known:
-        fail(f"source {source!r}: no rows in the store {workspace.store_path} (`alignflow data stats` lists sources)")
+        fail(f"source {source!r}: no rows in the store {workspace.store_path} "
+             f"(`{workspace.command('data', 'stats')}` lists sources)")
     typer.echo(f"{frame['n_rows'].sum()} quarantined rows in {workspace.store_path}")
     echo_frame(frame)
 
@@ -263,14 +274,15 @@ def data_delete(
 ) -> None:
     """Delete one source's rows (pairs, rankings, problems, quarantine), e.g. to ingest its file again under
     another --source or --split; samples and evaluation results stay."""
-    from pipeline_lib.store.db import open_store, require_store
+    from pipeline_lib.store.db import open_store
 
     workspace = resolve_workspace()
-    require_store(workspace.store_path)  # a mistyped --workspace is an error, not a new empty workspace
+    require_workspace_store(workspace)
     with run_lock(), open_store(workspace.store_path) as store, store.transaction():
         deleted = store.delete_source(source)
     if not any(deleted.values()):
-        fail(f"source {source!r}: no rows in the store {workspace.store_path} (`alignflow data stats` lists sources)")
+        fail(f"source {source!r}: no rows in the store {workspace.store_path} "
+             f"(`{workspace.command('data', 'stats')}` lists sources)")
     typer.echo(", ".join(f"{table}: {n} deleted" for table, n in deleted.items() if n))
 
 
@@ -502,9 +514,7 @@ def run(
         except ConfigError as exc:
             fail(f"{config}: {exc}")
     if stage not in ("ingest", "pipeline"):  # a mistyped --workspace holds no store: refused, not created
-        from pipeline_lib.store.db import require_store
-
-        require_store(resolve_workspace().store_path)
+        require_workspace_store(resolve_workspace())
     with run_lock():
         if stage not in ("ingest", "pipeline"):
             require_stored_rows(cfg)
@@ -539,8 +549,6 @@ def sample(
     """N scored samples per problem into the samples table (resumable). The model is named by its absolute
     path, so the run and its `samples.policy` label are the same from any directory."""
     from pipeline_lib.config import SampleConfig, validate_config
-    from pipeline_lib.store.db import require_store
-
     model = model.expanduser()  # a quoted `~/m` (configs' model paths expand it too)
     cfg = validate_config(SampleConfig, {
         "model_path": str(model.resolve()), "problems_source": problems, "split": split, "n": n, "backend": backend,
@@ -548,7 +556,7 @@ def sample(
         "chat_template": chat_template, "trust_remote_code": trust_remote_code,
     }, origin="alignflow sample")
     require_model_dir(model)
-    require_store(resolve_workspace().store_path)  # a workspace never ingested into holds no problems
+    require_workspace_store(resolve_workspace())  # a workspace never ingested into holds no problems
     with run_lock():
         require_stored_rows(cfg)
         sample_and_echo(load_flow("sample"), cfg)
@@ -630,8 +638,6 @@ def evaluate(
 ) -> None:
     """Pass@K / Maj@K of a model on held-out problems."""
     from pipeline_lib.config import EvalConfig, validate_config
-    from pipeline_lib.store.db import require_store
-
     model = model.expanduser()  # a quoted `~/m` (configs' model paths expand it too)
     cfg = validate_config(EvalConfig, {
         "model_path": str(model.resolve()), "model_name": name, "problems_source": problems, "split": split, "n": n,
@@ -640,7 +646,7 @@ def evaluate(
         "trust_remote_code": trust_remote_code,
     }, origin="alignflow eval")
     require_model_dir(model)
-    require_store(resolve_workspace().store_path)  # a workspace never ingested into holds no problems
+    require_workspace_store(resolve_workspace())  # a workspace never ingested into holds no problems
     with run_lock():
         require_stored_rows(cfg)
         echo_result("eval", load_flow("eval")(cfg))

@@ -56,7 +56,7 @@ def pipeline_flow(cfg: PipelineConfig, force: tuple[str, ...] = ()) -> dict[str,
     with tracking.pipeline_run(current_workspace(), cfg.name, cfg, tags=run_tags()) as pipeline_run_id:
         for ingest_cfg in cfg.ingest:  # each file's counts on stdout, as `alignflow ingest` prints them
             report = IngestReport(**ingest_flow(ingest_cfg))
-            sys.stdout.write(report.summary() + "\n")
+            sys.stdout.write(report.summary(current_workspace().root) + "\n")
             if report.quarantined:
                 sys.stdout.write(report.quarantine_hint(current_workspace().root) + "\n")
         base = cfg.base

@@ -243,7 +243,8 @@ def test_reading_a_workspace_that_is_not_there_creates_nothing(tmp_path):
     for args in (["data", "stats"], ["data", "quarantine"], ["data", "delete", "--source", "x"]):
         result = alignflow(*args, workspace=workspace)
         assert result.returncode == 2
-        assert result.stderr.strip() == f"error: no store at {workspace / 'store.duckdb'}; run `alignflow ingest` first"
+        assert result.stderr.strip() == (f"error: no store at {workspace / 'store.duckdb'}; run "
+                                         f"`alignflow -w {workspace} ingest FILE` first")
     assert alignflow("--version", workspace=workspace).stdout.strip().startswith("alignflow 0.")
     assert not workspace.exists()
 
@@ -505,7 +506,7 @@ def test_sample_and_eval_refuse_problems_the_store_does_not_hold_before_prefect_
     for command in ("sample", "eval"):
         result = alignflow(command, "--model", str(model), workspace=workspace)
         assert (result.returncode, result.stderr.strip()) == (
-            2, f"error: no store at {workspace / 'store.duckdb'}; run `alignflow ingest` first")
+            2, f"error: no store at {workspace / 'store.duckdb'}; run `alignflow -w {workspace} ingest FILE` first")
     assert not workspace.exists()
     problems = tmp_path / "p.jsonl"
     problems.write_text('{"question": "1+2=", "answer": "3"}\n')
@@ -538,7 +539,7 @@ def test_a_stage_run_refuses_a_workspace_without_a_store_and_rows_it_does_not_ho
     workspace = tmp_path / "typo"
     result = alignflow("run", "sft", "-c", str(config), workspace=workspace)
     assert (result.returncode, result.stderr.strip()) == (
-        2, f"error: no store at {workspace / 'store.duckdb'}; run `alignflow ingest` first")
+        2, f"error: no store at {workspace / 'store.duckdb'}; run `alignflow -w {workspace} ingest FILE` first")
     assert not workspace.exists()
     workspace = tmp_path / "ws"
     workspace.mkdir()

@@ -487,11 +487,11 @@ class Store:
         return self.con.sql(" UNION ALL ".join(parts) + " ORDER BY table_name, source, model").pl()
 
 
-def require_store(path: str | Path) -> None:
+def require_store(path: str | Path, ingest: str = "alignflow ingest") -> None:
     """StoreError unless a store file is at `path` (a command that reads the store, or deletes from it, on a
-    workspace that was never used)."""
+    workspace that was never used), advising the `ingest` command line (the workspace's, where it is known)."""
     if not Path(path).is_file():
-        raise StoreError(f"no store at {path}; run `alignflow ingest` first")
+        raise StoreError(f"no store at {path}; run `{ingest}` first")
 
 
 @contextmanager

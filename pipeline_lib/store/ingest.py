@@ -102,7 +102,9 @@ class IngestReport:
     others: int = 0
     """Rows the source holds in the file's table (of the file's splits, for problems) that the file does not."""
 
-    def summary(self) -> str:
+    def summary(self, workspace: Path | None = None) -> str:
+        """The counts line; the commands it names run in `workspace` where given."""
+        at = f"-w {shlex.quote(str(workspace))} " if workspace else ""
         line = (f"{Path(self.file).name} ({self.format} -> {self.table}): read {self.rows_read} = "
                 f"accepted {self.accepted} + duplicates {self.duplicates} + quarantined {self.quarantined}")
         if self.replaced:
@@ -111,8 +113,8 @@ class IngestReport:
             line += (f"; source {self.source!r} also holds {self.others} rows this file does not (another file's, or "
                      "an earlier version's: `--replace` keeps this file's alone)")
         if self.elsewhere:
-            line += (f"; of the duplicates, {self.elsewhere} stay as first ingested (`alignflow data delete "
-                     f"--source NAME` removes a source)")
+            line += (f"; of the duplicates, {self.elsewhere} stay as first ingested (`alignflow {at}data "
+                     f"delete --source NAME` removes a source)")
         if self.own_splits:
             line += f"; of its problems, these name their own split, which wins over the split given: {self.own_splits}"
         if self.unread_fields:

@@ -1385,6 +1385,7 @@ def test_pairs_stored_under_another_source_are_named_in_the_summary(tmp_path, st
     assert (report.accepted, report.duplicates, report.elsewhere) == (0, 3, "3 under source 'first'")
     assert "; of the duplicates, 3 under source 'first' stay as first ingested (`alignflow data delete --source " \
         "NAME` removes a source)" in report.summary()
+    assert "(`alignflow -w '/tmp/a ws' data delete --source NAME` removes a source)" in report.summary(Path("/tmp/a ws"))
     assert ingest_file(path, store, source="first").elsewhere == ""
     assert store.delete_source("first") == {"preference_pairs": 3, "rankings": 0, "problems": 0, "quarantine": 0}
     assert ingest_file(path, store, source="second").accepted == 3
