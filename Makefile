@@ -4,16 +4,22 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
-# CPU machines pin the local CPU torch build; GPU users: TORCH_SPEC="torch" make setup
+# the torch the lock was tested with (PyPI's is a CUDA build; the CPU machines' index serves a CPU one); another:
+# TORCH_SPEC="torch==X" make setup (the lock's other pins stay; a changed TORCH_SPEC installs again)
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast lock vllm-env bench clean
+.PHONY: setup demo test test-fast lock vllm-env bench clean FORCE
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/cpu-lock.txt
+# the torch spec the venv holds, rewritten only when it changes (so it reinstalls then)
+$(VENV)/.torch-spec: FORCE
+	@mkdir -p $(VENV) && echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+
+$(STAMP): pyproject.toml requirements/cpu-lock.txt $(VENV)/.torch-spec
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/cpu-lock.txt "$(TORCH_SPEC)" -e '.[dev]' 2>&1 | grep -v "is ignored" || true
+	grep -v '^torch==' requirements/cpu-lock.txt > $(VENV)/constraints.txt
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c $(VENV)/constraints.txt "$(TORCH_SPEC)" -e '.[dev]' 2>&1 | grep -v "is ignored" || true
 	$(BIN)/python -c "import torch, transformers, prefect, mlflow, duckdb, polars, pipeline_lib, flows, tasks"
 	touch $(STAMP)
 

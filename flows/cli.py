@@ -673,7 +673,7 @@ def vllm_env(
 def demo(
     preset: Path = typer.Option(REPO_ROOT / "flows" / "configs" / "demo.yaml", "--config", help="Pipeline preset."),
 ) -> None:
-    """The whole pipeline on the shipped arithmetic task with the tiny offline model (CPU, a few minutes)."""
+    """The whole pipeline on the shipped arithmetic task with the tiny offline model (CPU: 3-25 min on two cores)."""
     import subprocess
     import time
 

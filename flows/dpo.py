@@ -1,4 +1,4 @@
-"""DPO flow: align a policy on preference pairs against its frozen starting point (`alignflow dpo`)."""
+"""DPO flow: align a policy on preference pairs against its frozen starting point (`alignflow run dpo`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reward-model flow: Bradley-Terry on preference pairs or Plackett-Luce on rankings (`alignflow rm`)."""
+"""Reward-model flow: Bradley-Terry on preference pairs or Plackett-Luce on rankings (`alignflow run rm`)."""
 
 from __future__ import annotations
 

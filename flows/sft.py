@@ -1,4 +1,4 @@
-"""SFT flow: fine-tune a policy on gold answers, preferred responses or a Best-of-N selection (`alignflow sft`)."""
+"""SFT flow: fine-tune a policy on gold answers, preferred responses or a Best-of-N selection (`alignflow run sft`)."""
 
 from __future__ import annotations
 
