@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from pipeline_lib import alignflow_version, code_version
 from pipeline_lib.config import KEEPING_FIELDS
 from pipeline_lib.errors import AlignflowError, one_line
+from pipeline_lib.fingerprint import model_fingerprint
 from pipeline_lib.logfns import LogFn, print_log
 from pipeline_lib.workspace import USER_TRACKING_URI, Workspace, host_id, process_alive
 
@@ -42,6 +43,7 @@ TRUNCATED = "...[truncated]"
 MODEL_COPY_ENV = "ALIGNFLOW_MLFLOW_MODEL_MIB"
 DEFAULT_MODEL_COPY_MIB = 1024
 SMALL_FILE_BYTES = 64 * 2**20  # config, tokenizer, metrics: copied whatever the model's size
+MODEL_COPY_TAG = "alignflow.model_copy"  # on a run holding a copy of a model: the model's content fingerprint
 CARRY_BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics a call
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
 
@@ -391,23 +393,33 @@ def log_model(path: str | Path) -> None:
     """A stage's model dir into the active run under `model/`, and the tag `alignflow.model_path` naming it.
     Up to $ALIGNFLOW_MLFLOW_MODEL_MIB MiB (default 1024) the whole dir is copied; above it, its files of at most
     64 MiB that are not weights (shards of any size) are, and `model/not_copied.json` lists the others with their
-    sizes and the dir they are in."""
+    sizes and the dir they are in. A model an earlier run of the experiment copied (the same content: a stage
+    returning its finished final, or retrained to the same weights) is not copied again: the tag
+    `alignflow.model_logged_in` names that run."""
     path = Path(path).resolve()
     if not path.is_dir():
         raise FileNotFoundError(f"model dir {path}: not a directory")
     files = {file: file.stat().st_size for file in sorted(path.rglob("*")) if file.is_file()}
     mlflow.set_tag("alignflow.model_path", str(path))
+    content = model_fingerprint(path)
+    run = mlflow.active_run()
+    copied = MlflowClient().search_runs([run.info.experiment_id], max_results=1,
+                                        filter_string=f"tags.`{MODEL_COPY_TAG}` = '{content}'")
+    if copied:
+        mlflow.set_tag("alignflow.model_logged_in", copied[0].info.run_id)
+        return
     if sum(files.values()) <= model_copy_limit() * 2**20:
         mlflow.log_artifacts(str(path), "model")
-        return
-    not_copied = {}
-    for file, size in files.items():
-        relative = file.relative_to(path)
-        if size <= SMALL_FILE_BYTES and not file.name.endswith(WEIGHT_SUFFIXES):
-            mlflow.log_artifact(str(file), str(Path("model", relative.parent)))
-        else:
-            not_copied[relative.as_posix()] = size
-    mlflow.log_dict({"model_path": str(path), "bytes": not_copied}, "model/not_copied.json")
+    else:
+        not_copied = {}
+        for file, size in files.items():
+            relative = file.relative_to(path)
+            if size <= SMALL_FILE_BYTES and not file.name.endswith(WEIGHT_SUFFIXES):
+                mlflow.log_artifact(str(file), str(Path("model", relative.parent)))
+            else:
+                not_copied[relative.as_posix()] = size
+        mlflow.log_dict({"model_path": str(path), "bytes": not_copied}, "model/not_copied.json")
+    mlflow.set_tag(MODEL_COPY_TAG, content)  # once the copy is whole
 
 
 def model_copy_limit() -> int:

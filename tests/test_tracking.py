@@ -86,6 +86,34 @@ def test_a_model_dir_is_copied_whole_up_to_the_limit_and_its_small_files_above_i
     assert runs["dpo"].data.tags["alignflow.model_path"] == str(big.resolve())
 
 
+
+def test_a_model_an_earlier_run_copied_is_named_not_copied_again(workspace, tmp_path):
+    """A stage returning its finished final, or retrained to the same weights, logged a whole copy more each
+    time (a soak audit: 19 runs, one full set of models, after Prefect's result storage was cleared)."""
+    model = _model_dir(tmp_path / "m", 2048)
+    same = shutil.copytree(model, tmp_path / "same-content")
+    with tracking.stage_run(workspace, "sft", echo=False):
+        tracking.log_model(model)
+    with tracking.stage_run(workspace, "sft-again", echo=False):
+        tracking.log_model(same)
+    (model / "config.json").write_text('{"n": 2}')  # retrained to other weights: its own copy
+    with tracking.stage_run(workspace, "sft-changed", echo=False):
+        tracking.log_model(model)
+    runs = {run.info.run_name: run for run in tracking.find_runs(workspace)}
+    first, again, changed = runs["sft"], runs["sft-again"], runs["sft-changed"]
+    assert _artifacts(workspace, first.info.run_id, "model") == {
+        "model/config.json": 8, "model/tokenizer/vocab.txt": 3, "model/model.safetensors": 2048}
+    assert _artifacts(workspace, again.info.run_id, "model") == {}
+    assert again.data.tags["alignflow.model_logged_in"] == first.info.run_id
+    assert again.data.tags["alignflow.model_path"] == str(same.resolve())
+    assert "model/config.json" in _artifacts(workspace, changed.info.run_id, "model")
+    assert "alignflow.model_logged_in" not in changed.data.tags
+    MlflowClient(workspace.tracking_uri).delete_run(first.info.run_id)  # deleted (then gc'd): copied again
+    with tracking.stage_run(workspace, "sft-after-delete", echo=False):
+        tracking.log_model(same)
+    [after] = tracking.find_runs(workspace, "attributes.run_name = 'sft-after-delete'")
+    assert "model/model.safetensors" in _artifacts(workspace, after.info.run_id, "model")
+
 @pytest.mark.parametrize("value", ["1GB", "-1", "1.5", "\u00b2"])  # superscript two: a digit, not a decimal
 def test_a_bad_model_copy_setting_fails_before_the_stage_starts(workspace, monkeypatch, value):
     monkeypatch.setenv(tracking.MODEL_COPY_ENV, value)
