@@ -18,6 +18,7 @@ from typing import Optional
 
 import typer
 
+from flows.signals import exit_soon_after_ctrl_c
 from pipeline_lib.errors import AlignflowError, one_line
 from pipeline_lib.workspace import apply_environment, resolve_workspace, workspace_lock
 
@@ -83,33 +84,6 @@ def run_lock() -> AbstractContextManager[None]:
     flow, whose Prefect import takes seconds. Ctrl-C ends the command within seconds (exit_soon_after_ctrl_c)."""
     exit_soon_after_ctrl_c()
     return workspace_lock(resolve_workspace().create(), " ".join(["alignflow", *sys.argv[1:]]))
-
-
-def exit_soon_after_ctrl_c(grace_s: float = 10.0) -> None:
-    """Ctrl-C raises KeyboardInterrupt as usual, so the stage stops the way Python stops (its vLLM server, an
-    atomic checkpoint write). But the terminal's SIGINT also stops Prefect's temporary server, which shares this
-    process group, and Prefect's client then retries that dead server for minutes. So the process exits by
-    itself `grace_s` after the first Ctrl-C, marking a pipeline's MLflow run KILLED first, and at once on a second
-    (exit code 130); the next run in the workspace ends the Prefect runs (and any MLflow run) it left open."""
-
-    def leave() -> None:
-        threading.Timer(5.0, os._exit, args=(130,)).start()  # whatever MLflow's store does
-        tracking = sys.modules.get("pipeline_lib.tracking")  # imported iff an MLflow run may be open
-        if tracking is not None:
-            try:
-                tracking.end_interrupted_pipeline_run()
-            except Exception:  # noqa: BLE001 - exiting anyway; the next run in the workspace ends it
-                pass
-        os._exit(130)
-
-    def on_ctrl_c(signum, frame) -> None:
-        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
-        deadline = threading.Timer(grace_s, leave)
-        deadline.daemon = True
-        deadline.start()
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, on_ctrl_c)
 
 
 class ShowUserErrorOnce(logging.Filter):
@@ -411,10 +385,13 @@ def start_prefect_server() -> threading.Thread | None:
     ensure_logging_setup()  # its "Starting temporary server" line shows as before
 
     def start() -> None:
+        server = SubprocessASGIServer()
         try:
-            SubprocessASGIServer().start()
+            server.start()
         except Exception:  # noqa: BLE001 - Prefect's own start, at its first API call, reports it
-            pass
+            # one that did not answer in time (a loaded machine) is left running by Prefect, which starts another
+            # at that call and stops only that one: this one stayed, listening, after the command
+            server.stop()
 
     thread = threading.Thread(target=start, name="prefect-server-start", daemon=True)
     thread.start()
@@ -714,6 +691,9 @@ def serve(
     from prefect import serve as prefect_serve
 
     typer.echo(f"serving {len(deployments)} deployments on {api}: " + ", ".join(d.name for d in deployments))
+    # SIGINT sent to this process alone (a supervisor's, `kill -INT`) cancelled asyncio's main task, and Prefect's
+    # runner never finished stopping; its SIGTERM handler stops it (the runs it started, then its loops)
+    signal.signal(signal.SIGINT, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     try:
         prefect_serve(*deployments, print_starting_message=False, pause_on_shutdown=False)
     finally:

@@ -30,6 +30,7 @@ from pydantic import BaseModel
 from pipeline_lib.config import refuse_stage_references
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.model_dirs import model_dir_complete
+from flows.signals import exit_soon_after_sigterm
 from pipeline_lib.workspace import Workspace, host_id, process_alive, workspace_lock
 from tasks.common import current_workspace
 
@@ -72,6 +73,7 @@ def stage_flow(name: str, **flow_options) -> Callable[[Callable[..., R]], Flow]:
                     refuse_stage_references(value, origin=f"{name} parameters")
             workspace = current_workspace()
             busy = "wait for it to finish, then run this flow again"  # from the Prefect UI, a deployment's user
+            exit_soon_after_sigterm()
             with workspace_lock(workspace, f"{name} flow", busy), on_record(workspace, flow_run.get_id()):
                 end_orphaned_flow_runs(workspace)
                 return body(*args, **kwargs)

@@ -163,7 +163,7 @@ def require_free_port(port: int, option: str) -> None:
 
 
 def run_ui(workspace: Workspace, *, prefect_port: int, mlflow_port: int) -> None:
-    """Prefect server + MLflow UI until SIGINT/SIGTERM; both bound to 127.0.0.1, logs in the workspace. A server
+    """Prefect server + MLflow UI until SIGINT/SIGTERM/SIGHUP; both bound to 127.0.0.1, logs in the workspace. A server
     that stops on its own ends both with a one-line error."""
     require_free_port(prefect_port, "--prefect-port")
     require_free_port(mlflow_port, "--mlflow-port")
@@ -183,7 +183,8 @@ def run_ui(workspace: Workspace, *, prefect_port: int, mlflow_port: int) -> None
     environments = {"prefect": {**os.environ, "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": origins},
                     "mlflow": {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}}
     processes = {}
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # before the servers start: `finally` stops them
+    for stop in (signal.SIGTERM, signal.SIGHUP):  # before the servers start: `finally` stops them (the terminal
+        signal.signal(stop, lambda *_: sys.exit(0))  # closed, a lost ssh session: SIGHUP left both running)
     try:
         for name, (command, health) in commands.items():
             log = logs / f"{name}-server.log"

@@ -188,15 +188,16 @@ def pipeline_run(
     mlflow.end_run(status="FINISHED")
 
 
-def end_interrupted_pipeline_run() -> None:
-    """Mark KILLED the pipeline run this process holds open, if any: Ctrl-C during a stage ends the stage's run, but
-    the CLI exits (`exit_soon_after_ctrl_c`) while Prefect's client still retries its stopped server, before the
-    pipeline's flow unwinds to `pipeline_run`; the parent run was left RUNNING until the workspace's next run."""
+def end_interrupted_pipeline_run(cause: str) -> None:
+    """Mark KILLED the pipeline run this process holds open, if any, interrupted by `cause` (Ctrl-C, SIGTERM): the
+    interrupt ends the stage's run, but the CLI exits (`flows.common.exit_after`) while Prefect's client still
+    retries its stopped server, before the pipeline's flow unwinds to `pipeline_run`; the parent run was left
+    RUNNING until the workspace's next run."""
     run_id = os.environ.get(PARENT_ENV)
     if run_id is None:
         return
     client = MlflowClient()  # the workspace's store: `pipeline_run` pointed MLflow at it
-    client.set_tag(run_id, "alignflow.error", "interrupted (Ctrl-C)")
+    client.set_tag(run_id, "alignflow.error", f"interrupted ({cause})")
     client.set_terminated(run_id, status="KILLED")
 
 

@@ -94,6 +94,14 @@ class Workspace:
                 path.mkdir(parents=True, exist_ok=True)
             except OSError as exc:  # the path or a parent is a file, /dev/null/x, no permission, disk full
                 raise WorkspaceError(f"workspace {self.root}: cannot create {path} ({exc.strerror or exc})") from None
+        # a part made read-only (its permissions, a read-only mount) failed deep in sqlite, Prefect's server (which
+        # restarted for minutes) or MLflow, with tracebacks
+        parts = (self.root, self.mlflow_artifacts, self.prefect_home, self.models_dir, self.store_path,
+                 self.mlflow_db, self.prefect_home / "prefect.db")
+        for path in parts:
+            if path.exists() and not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
+                raise WorkspaceError(f"workspace {self.root}: {path} is not writable (its permissions or a read-only "
+                                     "file system); make it writable, or pass another --workspace")
         return self
 
 

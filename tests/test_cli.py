@@ -85,6 +85,28 @@ def test_a_workspace_that_cannot_be_made_is_one_line(tmp_path, where):
         result.stderr
 
 
+@pytest.mark.parametrize("part", ["mlflow.db", "prefect", "mlartifacts", "models", "store.duckdb", "."])
+def test_a_read_only_part_of_the_workspace_is_one_line(tmp_path, part):
+    """Each gave tracebacks: sqlite's "attempt to write a readonly database" from MLflow, a Prefect server restarting
+    for minutes, a PermissionError from MLflow's artifact store. Run as root (CI), the capabilities that let root
+    write anywhere are dropped for the command."""
+    workspace = tmp_path / "ws"
+    assert alignflow("ingest", str(DATA / "demo" / "pairs.jsonl"), workspace=workspace).returncode == 0
+    target = workspace / part
+    target.chmod(target.stat().st_mode & ~0o222)
+    caps = "-dac_override,-dac_read_search,-fowner"
+    prefix = ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}"] if os.geteuid() == 0 else []
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"ALIGNFLOW_HOME": str(workspace)}
+    command = [*prefix, sys.executable, "-m", "flows.cli", "ingest", str(DATA / "demo" / "pairs.jsonl")]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    finally:
+        target.chmod(target.stat().st_mode | 0o200)
+    named = workspace if part == "." else target
+    assert (result.returncode, result.stderr) == (2, f"error: workspace {workspace}: {named} is not writable (its "
+                                                     "permissions or a read-only file system); make it writable, or "
+                                                     "pass another --workspace\n")
+
 @pytest.mark.parametrize("case", ["empty -w", "? in -w", "%41 in -w", "lock unopenable", "prefect down",
                                   "mlflow down", "serve, prefect down", "config a device", "cwd deleted"])
 def test_what_a_user_brings_in_paths_and_environment_is_one_line(tmp_path, case):

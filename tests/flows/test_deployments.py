@@ -163,9 +163,10 @@ def test_served_pipeline_deployment_runs_on_a_real_server(tmp_path, subprocess_e
         with temporary_settings({PREFECT_API_URL: api}):
             applied = [stage_deployment.apply() for stage_deployment in build_deployments(demo)]
         assert len(applied) == 13
-        # stopped, serve pauses what it served (the pipeline's cron stops with it)
-        stop(served)
-        assert served.returncode == 0 and _deployment(api, "smoke")["paused"]
+        # stopped, serve pauses what it served (the pipeline's cron stops with it); by a SIGINT sent to it alone,
+        # as a supervisor's `kill -INT` is (it ran on: asyncio cancelled its main task, Prefect's runner never ended)
+        served.send_signal(signal.SIGINT)
+        assert served.wait(30) == 0 and _deployment(api, "smoke")["paused"]
         # stopped while its server is down, it exits in seconds with one warning, not after Prefect's runner spent
         # about 70 s retrying the server to pause them, with tracebacks
         restarted = datetime.now(timezone.utc)

@@ -31,7 +31,8 @@ def healthy(url: str) -> bool:
 
 
 @pytest.mark.slow
-def test_ui_serves_prefect_and_mlflow_on_loopback_and_stops(tmp_path, subprocess_env, listening_sockets):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])  # SIGHUP: terminal closed
+def test_ui_serves_prefect_and_mlflow_on_loopback_and_stops(tmp_path, subprocess_env, listening_sockets, stop):
     prefect_port, mlflow_port = free_port(), free_port()
     env = subprocess_env | {"ALIGNFLOW_HOME": str(tmp_path / "ws")}
     ui = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--prefect-port", str(prefect_port),
@@ -65,7 +66,7 @@ def test_ui_serves_prefect_and_mlflow_on_loopback_and_stops(tmp_path, subprocess
         assert (refused.status_code, refused.json()) == (403, {"detail": "Missing CSRF token."})
         assert httpx.post(f"{api}/flows/", json={"name": "made-here"}, headers=csrf_headers(api),
                           timeout=10).status_code == 201
-        ui.send_signal(signal.SIGTERM)
+        ui.send_signal(stop)
         ui.wait(10)  # both servers stop at once (MLflow's job runner, which took up to 15 s, is not started)
         assert not healthy(f"http://127.0.0.1:{prefect_port}/api/health")
         assert not healthy(f"http://127.0.0.1:{mlflow_port}/health")
