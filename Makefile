@@ -50,6 +50,7 @@ bench: setup
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/sampling.py --no-vllm --data gsm8k --prompts 8 --n 8 --max-new-tokens 240
 	$(BIN)/python benchmarks/cache_rerun.py
 	$(BIN)/python benchmarks/rm_packing.py
+	$(BIN)/python benchmarks/dpo_setup.py
 	$(BIN)/python benchmarks/vs_trl.py --model demo --algo dpo grpo --threads 1
 	$(BIN)/python benchmarks/vs_trl.py --model large --algo dpo grpo --threads 1
 
