@@ -207,17 +207,22 @@ def test_the_next_run_crashes_the_flow_runs_of_a_killed_process_and_stops_its_pr
     assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
     assert not list(records.glob("*.json"))
 
+    def stopped_mid_training(stop: signal.Signals) -> tuple[int, float]:
+        """(exit code, seconds to exit) of an SFT run whose process group gets `stop` once it trains."""
+        again = alignflow(workspace, "run", "sft", "--config", str(tmp_path / "sft.yaml"), stderr=subprocess.PIPE,
+                          start_new_session=True)
+        while "step " not in again.stderr.readline():
+            assert again.poll() is None
+        sent = time.monotonic()
+        os.killpg(again.pid, stop)
+        code = again.wait(timeout=300)
+        again.stderr.close()
+        return code, time.monotonic() - sent
+
     # Ctrl-C in a terminal: SIGINT to the whole process group, so Prefect's temporary server stops too and its
     # client would retry it for minutes; the CLI exits within its grace period instead
-    again = alignflow(workspace, "run", "sft", "--config", str(tmp_path / "sft.yaml"), stderr=subprocess.PIPE,
-                      start_new_session=True)
-    while "step " not in again.stderr.readline():
-        assert again.poll() is None
-    interrupted = time.monotonic()
-    os.killpg(again.pid, signal.SIGINT)
-    assert again.wait(timeout=120) == 130
-    assert time.monotonic() - interrupted < 30
-    again.stderr.close()
+    code, seconds = stopped_mid_training(signal.SIGINT)
+    assert code == 130 and seconds < 30
     assert alignflow(workspace, "run", "prepare", "--config", str(prepare)).wait(timeout=300) == 0
     assert [(name, state) for name, state, _, _ in prefect_flow_runs(workspace)][-2:] == [
         ("sft", "CRASHED"), ("prepare", "COMPLETED")]
@@ -225,17 +230,9 @@ def test_the_next_run_crashes_the_flow_runs_of_a_killed_process_and_stops_its_pr
 
     # SIGTERM to the whole group (`timeout`, systemd, Slurm): the same for the server, and the command lingered
     # about 2.5 minutes, holding the workspace, with the client's tracebacks; now it exits within the grace period
-    again = alignflow(workspace, "run", "sft", "--config", str(tmp_path / "sft.yaml"), stderr=subprocess.PIPE,
-                      start_new_session=True)
-    while "step " not in again.stderr.readline():
-        assert again.poll() is None
-    terminated = time.monotonic()
-    os.killpg(again.pid, signal.SIGTERM)
-    assert again.wait(timeout=300) in (143, -signal.SIGTERM)
-    assert time.monotonic() - terminated < 30
-    again.stderr.close()
+    code, seconds = stopped_mid_training(signal.SIGTERM)
+    assert code in (143, -signal.SIGTERM) and seconds < 30
     assert alignflow(workspace, "run", "prepare", "--config", str(prepare)).wait(timeout=300) == 0
-
 
 @pytest.mark.slow
 def test_ctrl_c_during_a_pipelines_stage_marks_the_pipelines_mlflow_run_killed(tmp_path):
