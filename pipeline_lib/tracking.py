@@ -190,7 +190,7 @@ def pipeline_run(
 
 def end_interrupted_pipeline_run(cause: str) -> None:
     """Mark KILLED the pipeline run this process holds open, if any, interrupted by `cause` (Ctrl-C, SIGTERM): the
-    interrupt ends the stage's run, but the CLI exits (`flows.common.exit_after`) while Prefect's client still
+    interrupt ends the stage's run, but the CLI exits (`flows.signals.exit_after`) while Prefect's client still
     retries its stopped server, before the pipeline's flow unwinds to `pipeline_run`; the parent run was left
     RUNNING until the workspace's next run."""
     run_id = os.environ.get(PARENT_ENV)

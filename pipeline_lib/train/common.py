@@ -358,9 +358,11 @@ def epoch_order(n_items: int, *, seed: int, epoch: int) -> list[int]:
 
 
 def steps_per_epoch(n_items: int, batch_size: int) -> int:
+    """Full batches in an epoch (the tail is dropped); a batch larger than the set is one line."""
     per_epoch = n_items // batch_size
     if per_epoch == 0:
-        raise AlignflowError(f"batch_size {batch_size} is larger than the training set ({n_items} rows): lower batch_size or add data")
+        raise AlignflowError(f"batch_size {batch_size} is larger than the training set ({n_items} rows): lower "
+                             "batch_size or add data")
     return per_epoch
 
 
