@@ -26,6 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from pipeline_lib.errors import text_start
 from pipeline_lib.models.logprobs import model_positions, position_ids_from_mask, stop_token_ids
+from pipeline_lib.models.tokens import prompt_token_ids
 from pipeline_lib.sampling.base import Completion, SamplingError, check_sampling_args
 
 
@@ -124,8 +125,9 @@ class HFSampler:
                                 "false")
         # padded apart (`pad`): a padded call leaves the fast tokenizer's padding on, and a stage saving this
         # tokenizer with its model then wrote it into tokenizer.json (so the same model got another dir)
-        batch = self.tokenizer.pad(self.tokenizer(list(prompts), add_special_tokens=self.add_special_tokens),
-                                   padding=True, padding_side="left", return_tensors="pt").to(device)
+        ids = prompt_token_ids(self.tokenizer, prompts, add_special_tokens=self.add_special_tokens)
+        batch = self.tokenizer.pad({"input_ids": ids}, padding=True, padding_side="left",
+                                   return_attention_mask=True, return_tensors="pt").to(device)
         lengths = batch["attention_mask"].sum(dim=1)  # (B,)
         if int(lengths.min()) == 0:
             empty = int((lengths == 0).nonzero()[0])

@@ -281,10 +281,12 @@ def open_sampler(cfg: SampleConfig) -> Iterator[Sampler]:
         yield HFSampler.from_pretrained(cfg.model_path, device=cfg.device, add_special_tokens=add_special_tokens,
                                         trust_remote_code=cfg.trust_remote_code)
         return
+    from pipeline_lib.models import load_tokenizer
     from pipeline_lib.sampling.vllm import VLLMSampler, VLLMServer, memory_share
 
+    tokenizer = load_tokenizer(cfg.model_path, trust_remote_code=cfg.trust_remote_code)
     if cfg.vllm_url:
-        sampler = VLLMSampler(cfg.vllm_url, add_special_tokens=add_special_tokens)
+        sampler = VLLMSampler(cfg.vllm_url, tokenizer=tokenizer, add_special_tokens=add_special_tokens)
         if sampler.model_root is not None and Path(sampler.model_root).resolve() != resolve_model_dir(cfg.model_path):
             warnings.warn(f"vLLM server {cfg.vllm_url} serves {sampler.model_root}, not model_path {cfg.model_path}: "
                           "its samples are recorded as model_path's (run id, policy); point vllm_url at a server of "
@@ -297,7 +299,7 @@ def open_sampler(cfg: SampleConfig) -> Iterator[Sampler]:
     with VLLMServer(cfg.model_path, max_model_len=cfg.vllm_max_model_len, trust_remote_code=cfg.trust_remote_code,
                     gpu_memory_utilization=cfg.vllm_gpu_memory_utilization or memory_share(beside_trainer=False)) \
             as server:
-        sampler = server.sampler(add_special_tokens=add_special_tokens)
+        sampler = server.sampler(tokenizer=tokenizer, add_special_tokens=add_special_tokens)
         try:
             yield sampler
         finally:

@@ -21,8 +21,10 @@ from pathlib import Path
 
 import httpx
 import psutil
+from transformers import PreTrainedTokenizerBase
 
 from pipeline_lib.model_dirs import check_weights
+from pipeline_lib.models.tokens import prompt_token_ids
 from pipeline_lib.sampling.base import Completion, SamplingError, check_sampling_args
 from pipeline_lib.sampling.vllm_env import has_cuda, venv_python
 
@@ -86,11 +88,16 @@ def log_tail(path: Path, lines: int = 3, chars: int = 600) -> str:
 class VLLMSampler:
     """`Sampler` over a running vLLM OpenAI-compatible server at `base_url` (started by `VLLMServer`
     or by the user). One request per prompt, sent concurrently: vLLM batches them, and each prompt
-    gets its own seed (one seed shared by several prompts gives them all the same random stream)."""
+    gets its own seed (one seed shared by several prompts gives them all the same random stream).
 
-    def __init__(self, base_url: str, model_name: str | None = None, *, add_special_tokens: bool = True,
+    With the model's `tokenizer`, prompts are sent as the token ids training reads (`prompt_token_ids`: without
+    the special tokens a tokenizer appends after every text); without one, as text the server tokenizes."""
+
+    def __init__(self, base_url: str, model_name: str | None = None, *,
+                 tokenizer: PreTrainedTokenizerBase | None = None, add_special_tokens: bool = True,
                  concurrency: int = 64, timeout: float = 600.0):
         self.base_url = base_url.rstrip("/")
+        self.tokenizer = tokenizer
         self.add_special_tokens = add_special_tokens
         self.concurrency = concurrency
         self.http = httpx.Client(base_url=self.base_url, timeout=timeout,
@@ -165,9 +172,11 @@ class VLLMSampler:
         # apart (31-bit) from one stream instead of `seed + i`, whose ranges would overlap.
         rng = random.Random(seed)
         seeds = [rng.randrange(2**31) if seed is not None else None for _ in prompts]
+        sent = list(prompts) if self.tokenizer is None \
+            else prompt_token_ids(self.tokenizer, prompts, add_special_tokens=self.add_special_tokens)
 
         def one(i: int) -> list[Completion]:
-            body = {**base, "prompt": prompts[i]} | ({"seed": seeds[i]} if seeds[i] is not None else {})
+            body = {**base, "prompt": sent[i]} | ({"seed": seeds[i]} if seeds[i] is not None else {})
             choices = _parse_choices(self._request("POST", "/v1/completions", json=body).json(), base["n"], logprobs)
             return choices if temperature > 0 else choices * n
 

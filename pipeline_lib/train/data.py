@@ -32,6 +32,7 @@ from pipeline_lib.fingerprint import content_id, frame_fingerprint, keyed_dir, m
 from pipeline_lib.logfns import jsonl_log, print_log
 from pipeline_lib.models.heads import PackedGroups
 from pipeline_lib.models.logprobs import CHOSEN, REJECTED
+from pipeline_lib.models.tokens import prompt_token_ids, token_ids
 from pipeline_lib.train import LAUNCH_PARENT
 
 C = TypeVar("C", bound=BaseModel)
@@ -200,7 +201,7 @@ def encode(
     for from_template in (False, True):
         rows = [i for i, flag in enumerate(templated) if flag == from_template]
         if rows:
-            ids = token_ids(tokenizer, [prompts[i] for i in rows], add_special_tokens=not from_template)
+            ids = prompt_token_ids(tokenizer, [prompts[i] for i in rows], add_special_tokens=not from_template)
             for i, row_ids in zip(rows, ids):
                 prompt_ids[i] = row_ids
     empty = next((i for i, ids in enumerate(prompt_ids) if not ids), None)
@@ -241,22 +242,6 @@ def encode(
               flush=True)
     warn_unknown_tokens(tokenizer, out_prompts + out_completions)
     return Encoded(out_prompts, out_completions)
-
-
-# texts per tokenizer call: its output for a whole dataset at once (an Encoding object per text, offsets and token
-# strings included) held 3.4 GiB for 450k texts where the ids alone take 0.7 (a helper's scale audit)
-TOKENIZE_CHUNK = 10_000
-
-
-def token_ids(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], **kwargs: object) -> list[list[int]]:
-    """`tokenizer(texts, **kwargs)["input_ids"]`, each distinct text tokenized once (a DPO pair's prompt is two rows'
-    prompt; copies of a text share one list), TOKENIZE_CHUNK texts a call."""
-    distinct = list(dict.fromkeys(texts))
-    ids: list[list[int]] = []
-    for start in range(0, len(distinct), TOKENIZE_CHUNK):
-        ids += tokenizer(distinct[start:start + TOKENIZE_CHUNK], **kwargs)["input_ids"]
-    of_text = dict(zip(distinct, ids))
-    return [of_text[text] for text in texts]
 
 
 UNKNOWN_SHARE = 0.01

@@ -20,10 +20,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from pipeline_lib.errors import AlignflowError, text_start
 from pipeline_lib.models import save_model, sequence_logprobs
 from pipeline_lib.models.logprobs import model_positions, shared_prompt_logprobs
+from pipeline_lib.models.tokens import prompt_token_ids
 from pipeline_lib.sampling import Completion, Sampler
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import autocast, torchrun_world_size
-from pipeline_lib.train.data import Batch, Encoded, collate, token_ids, with_user_turns
+from pipeline_lib.train.data import Batch, Encoded, collate, with_user_turns
 
 SyncFn = Callable[[], float]
 
@@ -87,7 +88,7 @@ def open_policy_sampler(
     with VLLMServer(sync_dir, weight_updates=True, nccl_weight_transfer=gpu is not None, cuda_devices=gpu,
                     max_model_len=vllm_max_model_len, gpu_memory_utilization=share,
                     trust_remote_code=trust_remote_code) as server:
-        sampler = server.sampler(add_special_tokens=add_special_tokens)
+        sampler = server.sampler(tokenizer=tokenizer, add_special_tokens=add_special_tokens)
         transfer = None if gpu is None else NcclWeightTransfer(sampler.post, device=policy.device)
 
         def sync() -> float:
@@ -116,7 +117,7 @@ def check_prompt_lengths(stage: str, tokenizer: PreTrainedTokenizerBase, prompts
     prompt when its batch comes up, and a seeded resume draws that batch again."""
     if limit is None:
         return
-    ids = token_ids(tokenizer, prompts, add_special_tokens=add_special_tokens)
+    ids = prompt_token_ids(tokenizer, prompts, add_special_tokens=add_special_tokens)
     over = [i for i, row in enumerate(ids) if len(row) + max_new_tokens > limit]
     if over:
         first, longest = over[0], max(len(ids[i]) for i in over)
@@ -157,7 +158,7 @@ def completions_batch(
     sampled ids as they are (eos included when the model stopped), so the log-probs of training are those of
     exactly the sampled tokens. Equal-length prompts and completions give a batch without padding."""
     _check_completions(prompts, completions)
-    prompt_ids = tokenizer(list(prompts), add_special_tokens=add_special_tokens)["input_ids"]
+    prompt_ids = prompt_token_ids(tokenizer, prompts, add_special_tokens=add_special_tokens)
     encoded = Encoded(prompt_ids, [list(c.token_ids) for c in completions])
     return collate(encoded, range(len(completions)), pad_id=tokenizer.pad_token_id)
 
@@ -219,7 +220,7 @@ def grouped_completions_batch(
     _check_completions(prompts, completions)
     distinct = list(dict.fromkeys(prompts))
     position = {prompt: k for k, prompt in enumerate(distinct)}
-    prompt_ids = tokenizer(distinct, add_special_tokens=add_special_tokens)["input_ids"]
+    prompt_ids = prompt_token_ids(tokenizer, distinct, add_special_tokens=add_special_tokens)
     prompt_width = max(len(ids) for ids in prompt_ids)
     completion_width = max(len(c.token_ids) for c in completions)
     pad = tokenizer.pad_token_id

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from tokenizers.processors import TemplateProcessing
 from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -18,6 +19,8 @@ from pipeline_lib.rewards.math import is_correct
 from pipeline_lib.sampling import hf as hf_module
 from pipeline_lib.sampling.base import Completion, SamplingError
 from pipeline_lib.sampling.hf import HFSampler, _ReservedLayer
+from pipeline_lib.train.data import encode
+from pipeline_lib.train.rollout import completions_batch, grouped_completions_batch
 
 PROMPTS = ["12+34=", "5+6=", "97+70="]  # different lengths: exercises left padding
 
@@ -219,9 +222,9 @@ def test_shared_prefix_sampling_is_used_on_cpu_and_the_model_attends_as_before_a
     assert hf_module._current_prefix.get() is None
 
 
-def _greedy_reference(model, tokenizer, prompt: str, max_new_tokens: int) -> list[int]:
+def _greedy_reference(model, tokenizer, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Argmax decoding one token at a time on the unpadded prompt, no cache."""
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    ids = torch.tensor([prompt_ids])
     out: list[int] = []
     with torch.no_grad():
         for _ in range(max_new_tokens):
@@ -237,7 +240,32 @@ def test_greedy_batched_left_padded_equals_unpadded_argmax_loop(hf_sampler):
     out = hf_sampler.generate(PROMPTS, n=3, max_new_tokens=6, temperature=0)
     for prompt, group in zip(PROMPTS, out):
         assert group[0] == group[1] == group[2]
-        assert group[0].token_ids == _greedy_reference(hf_sampler.model, hf_sampler.tokenizer, prompt, 6)
+        prompt_ids = hf_sampler.tokenizer(prompt)["input_ids"]
+        assert group[0].token_ids == _greedy_reference(hf_sampler.model, hf_sampler.tokenizer, prompt_ids, 6)
+
+
+def test_a_tokenizer_appending_eos_to_every_text_samples_and_trains_after_prompts_without_it(tiny_model_dir):
+    """A `<s> $A </s>` post-processor (what Llama's `add_eos_token` writes) ended every raw prompt with eos, in
+    sampling and training alike, without a warning: the model sampled, and trained, past its own end. Both now
+    read the prompt as bos + its tokens, which is also what the vLLM backend is sent."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A </s>",
+                                                                    special_tokens=[("<s>", bos), ("</s>", eos)])
+    assert tokenizer("5+6=")["input_ids"][-1] == eos
+    expected = [[bos, *tokenizer(prompt, add_special_tokens=False)["input_ids"]] for prompt in PROMPTS]
+    sampler = HFSampler(load_policy(tiny_model_dir, device="cpu"), tokenizer)
+    out = sampler.generate(PROMPTS, n=1, max_new_tokens=6, temperature=0)
+    for prompt_ids, [completion] in zip(expected, out):
+        assert completion.token_ids == _greedy_reference(sampler.model, tokenizer, prompt_ids, 6)
+    completions = [group[0] for group in out]
+    batch = completions_batch(tokenizer, PROMPTS, completions)
+    prompt_rows = [row[mask.bool() & ~done.bool()].tolist() for row, mask, done
+                   in zip(batch.input_ids, batch.attention_mask, batch.completion_mask)]
+    grouped = grouped_completions_batch(tokenizer, PROMPTS, completions)
+    assert prompt_rows == [row[mask.bool()].tolist() for row, mask in zip(grouped.prompt_ids, grouped.prompt_mask)]
+    assert prompt_rows == expected
+    assert encode(tokenizer, PROMPTS, ["1"] * len(PROMPTS), max_length=64).prompt_ids == expected
 
 
 def test_sampling_leaves_the_tokenizer_it_saves_as_it_was(hf_sampler, tmp_path):

@@ -15,6 +15,7 @@ import httpx
 import psutil
 import pytest
 import torch
+from tokenizers.processors import TemplateProcessing
 
 from pipeline_lib.config import SampleConfig
 from pipeline_lib.models import load_policy, load_tokenizer, save_model
@@ -85,6 +86,29 @@ def test_greedy_output_and_logprobs_equal_hf(client, hf_sampler, stop):
     for v_group, h_group in zip(vllm_out, hf_out):
         assert v_group[0] == v_group[1]
         v, h = v_group[0], h_group[0]
+        assert (v.text, v.token_ids, v.finish_reason) == (h.text, h.token_ids, h.finish_reason)
+        assert v.logprobs == pytest.approx(h.logprobs, abs=1e-4)
+
+
+@pytest.mark.vllm
+@requires_vllm_env
+def test_prompts_go_as_the_token_ids_training_reads(server, hf_sampler):
+    """Given the tokenizer, the sampler sends each prompt's `prompt_token_ids`: with a tokenizer appending eos to
+    every text (a `<s> $A </s>` post-processor) vLLM samples after bos + the prompt, as HFSampler does and
+    training reads, not after the eos the server's own tokenization would end it with."""
+    tokenizer = load_tokenizer(hf_sampler.tokenizer.name_or_path)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A </s>",
+                                                                    special_tokens=[("<s>", bos), ("</s>", eos)])
+    sampler = server.sampler(tokenizer=tokenizer)
+    try:
+        vllm_out = sampler.generate(PROMPTS, n=1, max_new_tokens=6, temperature=0, logprobs=True)
+    finally:
+        sampler.close()
+    hf_out = HFSampler(hf_sampler.model, tokenizer).generate(PROMPTS, n=1, max_new_tokens=6, temperature=0,
+                                                             logprobs=True)
+    assert hf_out != hf_sampler.generate(PROMPTS, n=1, max_new_tokens=6, temperature=0, logprobs=True)
+    for [v], [h] in zip(vllm_out, hf_out):
         assert (v.text, v.token_ids, v.finish_reason) == (h.text, h.token_ids, h.finish_reason)
         assert v.logprobs == pytest.approx(h.logprobs, abs=1e-4)
 

@@ -122,17 +122,17 @@ def test_encode_appends_eos_and_masks_only_the_completion(tokenizer):
 def test_a_dataset_is_tokenized_in_chunks_to_the_same_ids(tokenizer, monkeypatch):
     """One tokenizer call over a whole dataset held an Encoding object per text (3.4 GiB for 450k texts, a helper);
     calls of TOKENIZE_CHUNK texts give the same ids, templated and raw prompts, completions and whole texts."""
-    from pipeline_lib.train import data
+    from pipeline_lib.models import tokens
 
     prompts = [f"{i}+{i}=" for i in range(11)]
     completions = [str(2 * i) for i in range(11)]
     templated = [i % 3 == 0 for i in range(11)]
     whole = encode(tokenizer, prompts, completions, max_length=64, templated=templated)
     texts = encode_texts(tokenizer, prompts, max_length=64)
-    monkeypatch.setattr(data, "TOKENIZE_CHUNK", 2)  # 11 texts: six calls, the last of one text
+    monkeypatch.setattr(tokens, "TOKENIZE_CHUNK", 2)  # 11 texts: six calls, the last of one text
     assert encode(tokenizer, prompts, completions, max_length=64, templated=templated) == whole
     assert encode_texts(tokenizer, prompts, max_length=64) == texts
-    assert data.token_ids(tokenizer, prompts) == tokenizer(prompts)["input_ids"]
+    assert tokens.token_ids(tokenizer, prompts) == tokenizer(prompts)["input_ids"]
 
 
 def test_a_prompt_without_tokens_is_refused(tokenizer):
