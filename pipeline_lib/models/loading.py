@@ -152,6 +152,7 @@ def atomic_output_dir(out_dir: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    apply_umask(tmp)
     old = None
     if out_dir.exists():
         old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
@@ -159,6 +160,29 @@ def atomic_output_dir(out_dir: str | Path) -> Iterator[Path]:
     os.replace(tmp, out_dir)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def apply_umask(path: Path) -> None:
+    """Give `path` (a file, or each file under a dir) the mode `open()` creates files with under this process's
+    umask: safetensors writes 0600 whatever the umask, so a model dir was unreadable to the others sharing a
+    workspace (its MLflow copy too) where every other file was readable."""
+    mode = 0o666 & ~_umask()
+    for file in [path] if path.is_file() else path.rglob("*"):
+        if file.is_file() and file.stat().st_mode & 0o777 != mode:
+            file.chmod(mode)
+
+
+def _umask() -> int:
+    """This process's umask: read from /proc (setting it to read it back would race with other threads' files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out_dir: str | Path) -> Path:

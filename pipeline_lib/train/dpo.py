@@ -27,7 +27,7 @@ from pipeline_lib.fingerprint import content_id, model_fingerprint
 from pipeline_lib.logfns import LogFn, no_log
 from pipeline_lib.losses import dpo_loss
 from pipeline_lib.models import completion_logprob_sums, load_policy, load_tokenizer
-from pipeline_lib.models.loading import resolve_device
+from pipeline_lib.models.loading import apply_umask, resolve_device
 from pipeline_lib.models.logprobs import model_positions, pair_logprob_sums, stop_token_ids, transformers_model
 from pipeline_lib.store.db import Store
 from pipeline_lib.train.common import (
@@ -192,6 +192,7 @@ def reference_logps(model: nn.Module, encoded: Encoded, *, parts: Sequence[list[
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
             save_file({"logps": logps.contiguous()}, str(tmp))
+            apply_umask(tmp)
             replace_durably(tmp, path)
         except (OSError, SafetensorError) as exc:  # a full disk
             tmp.unlink(missing_ok=True)

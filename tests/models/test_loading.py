@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -257,6 +259,19 @@ def test_save_model_replaces_dir_atomically(tiny_dir, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temp or old dirs left behind
     reloaded = load_policy(out)
     assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_saved_files_get_the_mode_the_umask_gives(tiny_dir, tmp_path, umask):
+    """safetensors writes 0600 whatever the umask: a model dir (and its MLflow copy) was unreadable to the others
+    sharing a workspace where every other file the run wrote was readable; a private umask keeps it private."""
+    before = os.umask(umask)
+    try:
+        out = save_model(load_policy(tiny_dir), load_tokenizer(tiny_dir), tmp_path / "model")
+    finally:
+        os.umask(before)
+    modes = {file.name: stat.S_IMODE(file.stat().st_mode) for file in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}
 
 
 class _FailingTokenizer:
