@@ -337,25 +337,39 @@ logging.getLogger("mlflow.store.db.utils").addFilter(_DropCaughtDatabaseErrors()
 
 
 class DiskFullError(AlignflowError):
-    """A write failed for want of disk space (the store, MLflow's database or artifacts, a model dir)."""
+    """A write failed for want of disk space (the store, MLflow's database or artifacts, a model dir), or past the
+    user's disk quota or file-size limit."""
+
+
+# errno -> (its text, as libraries that drop the errno quote it (DuckDB: `Could not write file ...: File too large`),
+# what the user reads, what to do)
+_NO_ROOM = {
+    errno.ENOSPC: ("No space left on device", "no space left on the disk", "free some"),
+    errno.EDQUOT: ("Disk quota exceeded", "the disk quota is used up", "free some"),
+    errno.EFBIG: ("File too large", "a file reached the file-size limit (ulimit -f)", "raise it"),
+}
 
 
 def _raise_if_disk_full(exc: BaseException) -> None:
     """A full disk anywhere under a stage (MLflow's sqlite store: 'database or disk is full'; its artifact copy: an
-    OSError ENOSPC) as one DiskFullError line, not the tracebacks of whichever library hit it first; an
-    AlignflowError says it already (a checkpoint write)."""
+    OSError ENOSPC; the DuckDB store's write-ahead log), a used-up quota or a file-size limit, as one DiskFullError
+    line, not the tracebacks of whichever library hit it first; an AlignflowError says it already (a checkpoint
+    write)."""
     if isinstance(exc, AlignflowError):
         return
     for cause in (exc, exc.__cause__, exc.__context__):
         text = str(cause)
-        if (isinstance(cause, OSError) and cause.errno == errno.ENOSPC) or "No space left on device" in text:
-            detail = one_line(cause, width=300)
+        number = next((n for n, (quoted, *_) in _NO_ROOM.items()
+                       if (isinstance(cause, OSError) and cause.errno == n) or quoted in text), None)
+        if number is not None:
+            detail, (_, what, fix) = one_line(cause, width=300), _NO_ROOM[number]
         elif "database or disk is full" in text:  # its message goes on with the SQL and its parameters
-            detail = f"{type(cause).__name__}: an sqlite database (MLflow's) is full"
+            detail, (_, what, fix) = f"{type(cause).__name__}: an sqlite database (MLflow's) is full", \
+                _NO_ROOM[errno.ENOSPC]
         else:
             continue
-        raise DiskFullError(f"no space left on the disk ({detail}); free some and rerun: a training stage resumes "
-                            "from its last checkpoint") from exc
+        raise DiskFullError(f"{what} ({detail}); {fix} and rerun: a training stage resumes from its last "
+                            "checkpoint") from exc
 
 
 def _end_failed(exc: BaseException) -> None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import duckdb
 import mlflow
 import pytest
 from matplotlib.figure import Figure
@@ -360,20 +361,28 @@ def test_a_run_stopped_by_sigterm_is_killed_and_only_a_rerun_on_the_same_data_an
     assert "alignflow.resumes" not in other_code.data.tags and "alignflow.resumes" not in other_data.data.tags
 
 
-@pytest.mark.parametrize("error", [
-    sqlite3.OperationalError("database or disk is full"),  # MLflow's store, logging a metric
-    OSError(errno.ENOSPC, "No space left on device"),  # its artifact copy of the model
-])
-def test_a_full_disk_under_a_stage_is_one_line(workspace, error, monkeypatch):
+_WAL = 'Could not write file "/ws/store.duckdb.wal"'
+
+
+@pytest.mark.parametrize(("error", "expected"), [
+    (sqlite3.OperationalError("database or disk is full"),  # MLflow's store, logging a metric
+     "no space left on the disk (OperationalError: an sqlite database (MLflow's) is full); free some"),
+    (OSError(errno.ENOSPC, "No space left on device"),  # its artifact copy of the model
+     "no space left on the disk (OSError: [Errno 28] No space left on device); free some"),
+    (OSError(errno.EDQUOT, "Disk quota exceeded"),
+     "the disk quota is used up (OSError: [Errno 122] Disk quota exceeded); free some"),
+    (duckdb.TransactionException(f"TransactionContext Error: Failed to commit: {_WAL}: File too large"),  # ulimit -f
+     f"a file reached the file-size limit (ulimit -f) (TransactionException: TransactionContext Error: Failed to "
+     f"commit: {_WAL}: File too large); raise it"),
+], ids=["sqlite", "ENOSPC", "EDQUOT", "duckdb-EFBIG"])
+def test_a_full_disk_under_a_stage_is_one_line(workspace, error, expected, monkeypatch):
     """A disk filling up mid-stage printed hundreds of lines of tracebacks (27 for the store's), from whichever
-    library hit it first; recording the failure in the full store failed too."""
+    library hit it first; recording the failure in the full store failed too. So did a file-size limit (`ulimit
+    -f`) the store's write-ahead log reached during an ingest (a 26 MB file: 217 lines)."""
     with pytest.raises(tracking.DiskFullError) as raised:
         with tracking.stage_run(workspace, "rm", {"lr": 0.1}, echo=False):
             raise error
-    detail = "OperationalError: an sqlite database (MLflow's) is full" if isinstance(error, sqlite3.Error) else \
-        "OSError: [Errno 28] No space left on device"
-    assert str(raised.value) == (f"no space left on the disk ({detail}); free some and rerun: a training stage "
-                                 "resumes from its last checkpoint")
+    assert str(raised.value) == f"{expected} and rerun: a training stage resumes from its last checkpoint"
     assert raised.value.__cause__ is error
     with pytest.raises(tracking.DiskFullError):  # recording the failure fails too: the same line
         with tracking.stage_run(workspace, "rm", {"lr": 0.1}, echo=False):
