@@ -515,6 +515,8 @@ def sample(
     n: int = typer.Option(16, "--n", help="Samples per prompt."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     temperature: float = typer.Option(1.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling's share of probability mass."),
+    seed: int = typer.Option(0, "--seed", help="Another seed draws other samples (a new run)."),
     backend: str = typer.Option("hf", "--backend", help="hf | vllm"),
     max_problems: Optional[int] = typer.Option(None, "--max-problems"),
     chat_template: bool = typer.Option(False, "--chat-template",
@@ -529,8 +531,8 @@ def sample(
     model = model.expanduser()  # a quoted `~/m` (configs' model paths expand it too)
     cfg = validate_config(SampleConfig, {
         "model_path": str(model.resolve()), "problems_source": problems, "split": split, "n": n, "backend": backend,
-        "max_new_tokens": max_new_tokens, "temperature": temperature, "max_problems": max_problems,
-        "chat_template": chat_template, "trust_remote_code": trust_remote_code,
+        "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+        "max_problems": max_problems, "chat_template": chat_template, "trust_remote_code": trust_remote_code,
     }, origin="alignflow sample")
     require_model_dir(model)
     require_workspace_store(resolve_workspace())  # a workspace never ingested into holds no problems
@@ -605,6 +607,10 @@ def evaluate(
     ks: Optional[str] = typer.Option(None, "--ks", help="Comma-separated K values (<= n); default: the powers "
                                                           "of 2 up to n, and n."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    temperature: float = typer.Option(1.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling's share of probability mass."),
+    seed: int = typer.Option(0, "--seed", help="Another seed draws other samples (a new run)."),
+    max_problems: Optional[int] = typer.Option(None, "--max-problems"),
     backend: str = typer.Option("hf", "--backend", help="hf | vllm"),
     chat_template: bool = typer.Option(False, "--chat-template",
                                        help="Render each problem as a user turn of the tokenizer's chat template "
@@ -619,7 +625,8 @@ def evaluate(
     cfg = validate_config(EvalConfig, {
         "model_path": str(model.resolve()), "model_name": name, "problems_source": problems, "split": split, "n": n,
         "ks": None if ks is None else [k.strip() for k in ks.split(",") if k.strip()],  # the config parses them
-        "max_new_tokens": max_new_tokens, "backend": backend, "chat_template": chat_template,
+        "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+        "max_problems": max_problems, "backend": backend, "chat_template": chat_template,
         "trust_remote_code": trust_remote_code,
     }, origin="alignflow eval")
     require_model_dir(model)

@@ -60,6 +60,11 @@ def test_vllm_env_builds_where_the_samplers_look_from_any_directory(tmp_path):
                                                     "equal to 1024"),
     (["ingest", str(DATA / "demo" / "pairs.jsonl"), "--format", "xml"], "error: alignflow ingest: field 'format'"),
     (["eval", "--model", str(DATA), "--ks", "1,a"], "error: alignflow eval: field 'ks.1': Input should be a valid integer"),
+    (["eval", "--model", str(DATA), "--top-p", "0"], "error: alignflow eval: field 'top_p': Input should be greater "
+                                                     "than 0"),
+    (["eval", "--model", str(DATA), "--temperature", "-1"], "error: alignflow eval: field 'temperature'"),
+    (["sample", "--model", str(DATA), "--seed", "-1"], "error: alignflow sample: field 'seed': Input should be greater "
+                                                       "than or equal to 0"),
     (["ingest", str(DATA / "demo" / "pairs.jsonl"), "--max-record-bytes", "0"],
      "error: alignflow ingest: field 'max_record_bytes': Input should be greater than or equal to 1"),
     (["run", "pipeline", "--config", "x.yaml", "--force", "sfft"],
@@ -514,6 +519,14 @@ def test_the_same_sample_command_again_says_its_samples_were_cached(tmp_path):
     from_config = alignflow("run", "sample", "-c", str(config), workspace=tmp_path / "ws")
     assert from_config.returncode == 0, from_config.stderr
     assert from_config.stdout.strip().splitlines()[-1].startswith(cached)
+    # another seed and nucleus draw other samples, a run of their own: the one a config file of them names
+    reseeded = alignflow(*args, "--seed", "1", "--top-p", "0.9", workspace=tmp_path / "ws")
+    assert reseeded.returncode == 0, reseeded.stderr
+    summary = reseeded.stdout.strip().splitlines()[-1]
+    assert "4 rows written" in summary and run_id not in summary
+    config.write_text(f"model_path: {model}\nsplit: test\nn: 2\nmax_new_tokens: 4\nseed: 1\ntop_p: 0.9\n")
+    from_config = alignflow("run", "sample", "-c", str(config), workspace=tmp_path / "ws")
+    assert from_config.stdout.strip().splitlines()[-1].startswith(f"sample {summary.split()[1]} cached")
 
 
 def test_sample_and_eval_refuse_problems_the_store_does_not_hold_before_prefect_starts(tmp_path):
