@@ -6,7 +6,9 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import resource
 import shlex
+import shutil
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,6 +43,9 @@ OFFLINE_ENV = {
 # A tracking server the user chose, read once at import: mlflow.set_tracking_uri() later writes this
 # variable itself, which must not make one workspace log into another's database.
 USER_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI")
+
+
+MIN_ROOM_MIB = 64  # Prefect's new database takes 1.3 MiB, then grows with its runs, as the store with the data
 
 
 class WorkspaceError(AlignflowError):
@@ -102,7 +107,22 @@ class Workspace:
             if path.exists() and not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
                 raise WorkspaceError(f"workspace {self.root}: {path} is not writable (its permissions or a read-only "
                                      "file system); make it writable, or pass another --workspace")
+        self._check_room()
         return self
+
+    def _check_room(self) -> None:
+        """Room for the databases a command starts with: on a nearly full disk, or under a small file-size limit
+        (`ulimit -f`), Prefect's server failed to create its database and restarted for 4 minutes (3,748 lines of
+        tracebacks); a limit reached later is the stage's one-line DiskFullError."""
+        free = shutil.disk_usage(self.root).free
+        if free < MIN_ROOM_MIB << 20:
+            raise WorkspaceError(f"workspace {self.root}: {free >> 20} MiB free on its disk, under the {MIN_ROOM_MIB} "
+                                 "MiB a command needs for its databases (Prefect's, MLflow's, the store); free some "
+                                 "(README: Disk space), or pass another --workspace")
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and limit < MIN_ROOM_MIB << 20:
+            raise WorkspaceError(f"a file-size limit (ulimit -f) of {limit >> 10} KiB, under the {MIN_ROOM_MIB} MiB "
+                                 "the workspace's databases need; raise it (`ulimit -f unlimited`)")
 
 
 def resolve_workspace(path: str | Path | None = None) -> Workspace:

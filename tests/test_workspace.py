@@ -5,6 +5,8 @@ fails at once and the first run's store stays whole."""
 from __future__ import annotations
 
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +20,7 @@ import pytest
 import yaml
 
 from pipeline_lib.store.db import TABLE_KEYS, TABLES, open_store
-from pipeline_lib.workspace import WorkspaceLockedError, process_alive, workspace_lock
+from pipeline_lib.workspace import Workspace, WorkspaceError, WorkspaceLockedError, process_alive, workspace_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "data" / "demo"
@@ -155,3 +157,30 @@ def test_a_zombie_or_a_reused_pid_is_not_the_recorded_process():
     child.wait()
     me = psutil.Process()
     assert process_alive(me.pid, me.create_time()) and not process_alive(me.pid, me.create_time() - 60)
+
+
+def test_a_nearly_full_disk_or_a_small_file_size_limit_is_one_line_before_any_database_starts(tmp_path, monkeypatch):
+    """Prefect's server could not create its database on either and restarted for 4 minutes: 3,748 lines of
+    tracebacks under `ulimit -f 300`. A real limit for a real command; the disk's free space as the OS reports it
+    (a full file system cannot be made here)."""
+    data = Path(__file__).resolve().parents[1] / "data" / "demo" / "pairs.jsonl"
+
+    def small_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300 << 10, resource.RLIM_INFINITY))
+
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "-w", str(tmp_path / "ws"), "ingest", str(data)],
+                            preexec_fn=small_limit, capture_output=True, text=True, env=env, timeout=120)
+    assert (result.returncode, result.stderr) == (2, "error: a file-size limit (ulimit -f) of 300 KiB, under the 64 "
+                                                     "MiB the workspace's databases need; raise it (`ulimit -f "
+                                                     "unlimited`)\n")
+    assert not (tmp_path / "ws" / "prefect" / "prefect.db").exists()
+    disk = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: disk._replace(free=63 << 20))
+    with pytest.raises(WorkspaceError) as raised:
+        Workspace(tmp_path / "full").create()
+    assert str(raised.value) == (f"workspace {tmp_path / 'full'}: 63 MiB free on its disk, under the 64 MiB a "
+                                 "command needs for its databases (Prefect's, MLflow's, the store); free some "
+                                 "(README: Disk space), or pass another --workspace")
+    monkeypatch.undo()
+    assert Workspace(tmp_path / "roomy").create().root.is_dir()
