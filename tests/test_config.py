@@ -357,6 +357,17 @@ def test_processes_is_no_part_of_a_stages_keys():
     assert config_key(cfg.model_copy(update={"beta": 0.2})) != config_key(cfg)
 
 
+def test_lora_targets_in_another_order_or_repeated_are_one_stage_key():
+    """(q, v), (v, q) and (q, v, v) trained to the same weights under three keys: a reordered list trained again. The
+    default written out in another order is still the default (no LoRA field set beside lora_r 0)."""
+    keys = {config_key(validate_config(DPOConfig, {"policy_path": "m", "lora_r": 4, "lora_target_modules": names}))
+            for names in (["q_proj", "v_proj"], ["v_proj", "q_proj"], ["q_proj", "v_proj", "v_proj"])}
+    assert len(keys) == 1
+    default = validate_config(DPOConfig, {"policy_path": "m", "lora_target_modules": ["q_proj", "k_proj", "v_proj",
+                                                                                      "o_proj"]})
+    assert config_key(default) == config_key(DPOConfig(policy_path="m"))
+
+
 def test_a_started_servers_setting_beside_a_running_servers_url_is_refused():
     """With vllm_url no server is started: its memory share or context length were accepted and ignored."""
     for model, data in ((SampleConfig, {"model_path": "m", "vllm_max_model_len": 512}),

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from pipeline_lib.config.base import (
     DEVICE_PATTERN,
@@ -209,8 +209,11 @@ class DPOConfig(TrainLoopConfig):
     """LoRA scaling numerator: the update is (alpha / r) · B A."""
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the LoRA input, 0..0.1; needs disable_dropout false."""
-    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    """Module names that get adapters (Llama attention projections by default)."""
+    lora_target_modules: Annotated[tuple[Annotated[str, Field(min_length=1)], ...],
+                                   AfterValidator(lambda names: tuple(sorted(set(names))))] = \
+        ("k_proj", "o_proj", "q_proj", "v_proj")
+    """Module names that get adapters (Llama attention projections by default). Kept sorted without repeats: a
+    reordered list is the same adapters, so the same stage key."""
     lr: float = Field(5e-7, gt=0)
     """Peak AdamW learning rate (5e-7..5e-6 on real LMs; the tiny demo model needs ~1e-4)."""
 

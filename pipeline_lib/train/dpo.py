@@ -243,20 +243,39 @@ def preference_eval(model: nn.Module, encoded: Encoded, ref: Tensor, pair_ids: l
 
 
 def add_lora(model: nn.Module, cfg: DPOConfig) -> nn.Module:
-    """Wrap the policy with trainable LoRA adapters (peft imported here: it costs seconds to import). Targets
-    that name no module of this model (the default names Llama's attention projections) are a one-line error
-    listing the model's own projection names."""
+    """Wrap the policy with trainable LoRA adapters (peft imported here: it costs seconds to import). A target that
+    names no module of this model (the default names Llama's attention projections; peft drops such a name beside
+    one that matches) is a one-line error listing the model's own projection names; so is an embedding tied to the
+    output layer (Qwen2.5, Llama 3.2, Gemma): merging its adapter into the one shared matrix would change both
+    layers, so the final would not be the model trained."""
     from peft import LoraConfig, get_peft_model
 
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
+    targets = list(cfg.lora_target_modules)
+    modules = dict(model.named_modules())
+
+    def named(target: str) -> list[str]:
+        return [name for name in modules if name == target or name.endswith(f".{target}")]
+
+    weights = sorted({name.rsplit(".", 2)[-2] for name, param in model.named_parameters()
+                      if name.endswith(".weight") and param.dim() == 2})
+    missing = [target for target in targets if not named(target)]
+    if missing:
+        raise AlignflowError(f"lora_target_modules {targets}: {missing} name no module of {cfg.policy_path}; its 2-D "
+                             f"weights belong to {weights}")
+    embeddings, output = model.get_input_embeddings(), model.get_output_embeddings()
+    if output is not None and output.weight is embeddings.weight:
+        tied = [target for target in targets if any(modules[name] in (embeddings, output) for name in named(target))]
+        if tied:
+            raise AlignflowError(f"lora_target_modules {targets}: {tied}: {cfg.policy_path} ties its embeddings to its "
+                                 "output layer (one matrix), so merging an adapter of either would change both layers "
+                                 "and the final would not be the model trained; leave them out")
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets,
+                      task_type="CAUSAL_LM")
     try:
         return get_peft_model(model, lora)
-    except ValueError as exc:  # peft's "Target modules {...} not found in the base model"
-        weights = sorted({name.rsplit(".", 2)[-2] for name, param in model.named_parameters()
-                          if name.endswith(".weight") and param.dim() == 2})
-        raise AlignflowError(f"lora_target_modules {list(cfg.lora_target_modules)}: {str(exc).splitlines()[0]} "
-                             f"({cfg.policy_path}); its 2-D weights belong to {weights}") from None
+    except ValueError as exc:  # a module peft cannot adapt: "Target module LlamaMLP(...) is not supported. ..."
+        raise AlignflowError(f"lora_target_modules {targets}: {one_line(exc, width=300)} ({cfg.policy_path}); its "
+                             f"2-D weights belong to {weights}") from None
 
 
 @with_deterministic_kernels
@@ -276,7 +295,6 @@ def train_dpo(cfg: DPOConfig, pairs: pl.DataFrame, out_dir: Path, log: LogFn = n
     device = resolve_device(cfg.device)
     tokenizer = load_tokenizer(cfg.policy_path, trust_remote_code=cfg.trust_remote_code)
     model = load_policy(cfg.policy_path, dtype="float32", device=device, trust_remote_code=cfg.trust_remote_code)
-    model.config.use_cache = False
     if cfg.lora_r:
         model = add_lora(model, cfg)
     model.train(not cfg.disable_dropout)  # eval mode: dropout off, as the cached reference log-probs were taken

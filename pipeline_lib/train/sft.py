@@ -139,7 +139,6 @@ def train_sft(cfg: SFTConfig, rows: pl.DataFrame, out_dir: Path, log: LogFn = no
     require_chat_template(tokenizer, cfg.model_path, cfg.chat_template)
     # fp32 master weights; bf16 only inside autocast on CUDA
     model = load_policy(cfg.model_path, dtype="float32", device=device, trust_remote_code=cfg.trust_remote_code)
-    model.config.use_cache = False
     model.train()
     # cut to the model's positions where fewer than max_length: learned absolute ones raise IndexError past them;
     # chat rows end with the template's end of turn where the model stops on it

@@ -28,7 +28,7 @@ from pipeline_lib.models import build_tiny_model, load_policy, load_tokenizer
 from pipeline_lib.train import dpo as dpo_module
 from pipeline_lib.train.common import CheckpointWriteError, Dist, NonFiniteLossError, final_metrics, visited
 from pipeline_lib.train.data import holdout_split
-from pipeline_lib.train.dpo import encode_pairs, logprob_sums, packed_pairs, reference_logps, train_dpo
+from pipeline_lib.train.dpo import add_lora, encode_pairs, logprob_sums, packed_pairs, reference_logps, train_dpo
 from pipeline_lib.train.sft import sft_rows, train_sft
 
 DEMO = Path(__file__).resolve().parents[2] / "data" / "demo"
@@ -390,19 +390,42 @@ def test_lora_reference_disables_adapters_and_final_is_merged(tiny, tmp_path, co
     assert logged[1][1]["train/loss"] == pytest.approx(math.log(2), abs=1e-5)  # B = 0: policy == reference
     before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
     assert set(after) == set(before)  # plain Llama keys: merged, no lora_A/lora_B
+    assert json.loads((final / "config.json").read_text())["use_cache"] is True  # as its start's, not training's
     assert torch.equal(after["model.layers.0.mlp.up_proj.weight"], before["model.layers.0.mlp.up_proj.weight"])
     q_proj = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(after[q_proj], before[q_proj])
     load_policy(final, device="cpu")
 
 
-def test_lora_targets_this_model_lacks_are_a_one_line_error_naming_its_own(tiny, tmp_path):
-    """GPT-2 names its attention `c_attn` / `c_proj`: the Llama default must not end in peft's traceback."""
-    cfg = DPOConfig(policy_path=str(tiny), max_steps=1, batch_size=8, lora_r=4, device="cpu",
-                    lora_target_modules=("c_attn", "c_proj"))
-    with pytest.raises(AlignflowError, match=r"^lora_target_modules \['c_attn', 'c_proj'\]: Target modules .* not "
-                                             r"found in the base model.*; its 2-D weights belong to \[.*'q_proj'.*\]$"):
-        train_dpo(cfg, toy_pairs(24), tmp_path / "out")
+@pytest.mark.parametrize(("targets", "expected"), [
+    (("c_attn", "c_proj"), r"\['c_attn', 'c_proj'\] name no module of .*; its 2-D weights belong to \[.*'q_proj'.*\]$"),
+    (("q_proj", "v_prj"), r"\['v_prj'\] name no module of .*; its 2-D weights belong to \[.*'v_proj'.*\]$"),
+    (("mlp",), r"ValueError: Target module LlamaMLP\(.* is not supported\. .*; its 2-D weights belong to "),
+], ids=["gpt2-names", "one-misspelled", "not-a-layer"])
+def test_lora_targets_this_model_lacks_are_a_one_line_error_naming_its_own(tiny, targets, expected):
+    """GPT-2 names its attention `c_attn` / `c_proj`: the Llama default must not end in peft's traceback. A
+    misspelled name beside a right one was dropped by peft without a word (only q_proj got adapters); a module
+    peft cannot adapt kept only the first line of its reason, which named the module and not why."""
+    cfg = DPOConfig(policy_path=str(tiny), lora_r=4, lora_target_modules=targets)
+    with pytest.raises(AlignflowError, match=rf"^lora_target_modules \[.*\]: {expected}") as raised:
+        add_lora(load_policy(tiny, device="cpu"), cfg)
+    assert "\n" not in str(raised.value)
+
+
+def test_lora_on_an_embedding_tied_to_the_output_layer_is_refused(tiny):
+    """Merging an adapter of a tied embedding or output layer changes the one matrix both read: the final scored
+    the held-out pairs otherwise than the run logged (accuracy 0.60 -> 0.80). The layers around it are adapted."""
+    tied = load_policy(tiny, device="cpu")
+    tied.lm_head.weight = tied.get_input_embeddings().weight
+    for targets in (("lm_head", "q_proj"), ("embed_tokens",)):
+        cfg = DPOConfig(policy_path=str(tiny), lora_r=4, lora_target_modules=targets)
+        with pytest.raises(AlignflowError, match=rf"^lora_target_modules .*: \[{targets[0]!r}\]: {tiny} ties its "
+                                                 "embeddings to its output layer"):
+            add_lora(tied, cfg)
+    adapted = add_lora(tied, DPOConfig(policy_path=str(tiny), lora_r=4, lora_target_modules=("q_proj",)))
+    assert adapted.get_output_embeddings().weight is adapted.get_input_embeddings().weight
+    untied = DPOConfig(policy_path=str(tiny), lora_r=4, lora_target_modules=("lm_head",))
+    assert add_lora(load_policy(tiny, device="cpu"), untied) is not None  # untied: its own matrix
 
 
 def test_nan_loss_stops_dpo(tiny, tmp_path):

@@ -74,6 +74,9 @@ def test_two_steps_change_the_weights_and_log_the_completion_nll(tiny, tmp_path,
     assert not (tmp_path / "out" / "checkpoint").exists()
     before, after = load_file(str(tiny / "model.safetensors")), load_file(str(final / "model.safetensors"))
     assert all(not torch.equal(before[k], after[k]) for k in before)  # every weight trained
+    # the final's config is its start's: training's use_cache false was saved with it, so a plain forward of the
+    # final returned no cache
+    assert json.loads((final / "config.json").read_text())["use_cache"] is True
     steps = [step for step, _ in logged]
     assert steps == [0, 1, 2, 2]  # eval before, two train steps, eval after
     train = [m for _, m in logged if "train/loss" in m]
