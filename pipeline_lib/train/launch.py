@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,7 +19,9 @@ from typing import IO
 
 import polars as pl
 import torch
+import torch.distributed as dist
 import torch.distributed.run as torchrun
+from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -32,6 +35,10 @@ POLL_SECONDS = 0.2  # how often the metrics file is read while torchrun trains
 STOP_SECONDS = 30  # how long an interrupted torchrun gets to stop its workers before it is killed
 RUN_DIR_PREFIX = ".torchrun-"  # the launch's temp dir in the stage's out_dir
 KEPT_LINES = 200  # the end of torchrun's output kept for the error and the final line (its failure report is ~40)
+LOOPBACK = "127.0.0.1"
+# the interface gloo's pair sockets and NCCL's bootstrap listen on, unless the user names one: by default they follow
+# the hostname or the first non-loopback interface, where a stage on one machine needs none
+LOOPBACK_INTERFACES = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 
 
 class TrainLaunchError(AlignflowError):
@@ -81,9 +88,9 @@ def train_in_processes(module: str, cfg: TrainConfig, frames: Mapping[str, pl.Da
         out_lines: deque[str] = deque(maxlen=KEPT_LINES)
         err_lines: deque[str] = deque(maxlen=KEPT_LINES)
         with subprocess.Popen(
-                [sys.executable, "-m", __name__, "--standalone", "--nproc_per_node", str(processes),
-                 "-m", module, "--config", str(run_file), "--metrics", str(metrics)],
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)}, stdout=subprocess.PIPE,
+                [sys.executable, "-m", __name__, "--standalone", "--local-addr", LOOPBACK, "--nproc_per_node",
+                 str(processes), "-m", module, "--config", str(run_file), "--metrics", str(metrics)],
+                env={**LOOPBACK_INTERFACES, **os.environ, "PYTHONPATH": os.pathsep.join(paths)}, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=die_with_parent()) as agent:
             relays = [_relay(agent.stdout, sys.stdout, out_lines), _relay(agent.stderr, sys.stderr, err_lines)]
             try:
@@ -147,11 +154,27 @@ def _stop(agent: subprocess.Popen) -> None:
         agent.wait()
 
 
+class LoopbackStore(dist.TCPStore):
+    """A TCPStore whose server listens on 127.0.0.1 alone. torchrun's (the rendezvous' and the one its workers meet
+    at) listen on every interface, with no bind address to give: unauthenticated key-value stores anyone on the
+    network could read and write (a helper did, through eth0). Its server is handed a socket bound to loopback
+    instead (`master_listen_fd`); a stage's torchrun runs on one machine (`--standalone`, `--local-addr`)."""
+
+    def __init__(self, host_name: str, port: int, world_size: int | None = None, is_master: bool = False,
+                 *args: object, **kwargs: object):
+        if is_master and kwargs.get("master_listen_fd") is None:
+            listener = socket.create_server((LOOPBACK, port), backlog=2048)
+            host_name, port = LOOPBACK, listener.getsockname()[1]
+            kwargs["master_listen_fd"] = listener.detach()  # the store's to close
+        super().__init__(host_name, port, world_size, is_master, *args, **kwargs)
+
+
 def run_torchrun(argv: Sequence[str] | None = None) -> None:
-    """torchrun (`torch.distributed.run`) less the traceback of the exception that ends it when a worker failed or
-    a signal stopped it (after it stopped its workers): the workers print their own `error: ...` line and torchrun
-    logs each failed rank's exit code, so the traceback of torchrun's own code only hid them. Exit 1, or 128 + the
-    signal."""
+    """torchrun (`torch.distributed.run`) with its stores on loopback (`LoopbackStore`), less the traceback of the
+    exception that ends it when a worker failed or a signal stopped it (after it stopped its workers): the workers
+    print their own `error: ...` line and torchrun logs each failed rank's exit code, so the traceback of torchrun's
+    own code only hid them. Exit 1, or 128 + the signal."""
+    dist.TCPStore = c10d_rendezvous_backend.TCPStore = LoopbackStore
     try:
         torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError:

@@ -93,8 +93,9 @@ LAUNCHER = textwrap.dedent("""
 
 @pytest.mark.parametrize("ending", [signal.SIGKILL, signal.SIGINT])
 def test_torchrun_and_its_workers_end_with_the_process_that_launched_them(tiny, tmp_path, ending):
-    """A launcher SIGKILLed takes torchrun along (PR_SET_PDEATHSIG) and torchrun its workers; one interrupted
-    (Ctrl-C: SIGINT, KeyboardInterrupt) that lives on has stopped torchrun and its workers. Either way no process
+    """The stage's processes listen on loopback alone. A launcher SIGKILLed takes torchrun along (PR_SET_PDEATHSIG)
+    and torchrun its workers; one interrupted (Ctrl-C: SIGINT, KeyboardInterrupt) that lives on has stopped torchrun
+    and its workers. Either way no process
     of the stage is left. The run dir that a SIGKILLed launcher cannot remove is in the stage's out_dir (it was in
     $TMPDIR, for good), where the next launch removes it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -111,6 +112,11 @@ def test_torchrun_and_its_workers_end_with_the_process_that_launched_them(tiny, 
         commands = [" ".join(process.cmdline()) for process in stage]
         agents = [command for command in commands if "-m pipeline_lib.train.launch" in command]
         assert len(agents) == 1 and len(stage) == 3  # torchrun and its 2 workers
+        # torchrun's stores listened on every interface (anyone on the network could read and write them), gloo's
+        # pairs where the hostname resolves: all on loopback now
+        listening = [conn.laddr for process in stage for conn in process.net_connections(kind="inet")
+                     if conn.status == psutil.CONN_LISTEN]
+        assert len(listening) >= 2 and {address.ip for address in listening} == {"127.0.0.1"}, listening
         launcher.send_signal(ending)
         if ending == signal.SIGINT:
             assert "interrupted\n" in launcher.stdout  # reads on to the line, after the stop
