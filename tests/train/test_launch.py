@@ -95,9 +95,8 @@ LAUNCHER = textwrap.dedent("""
 def test_torchrun_and_its_workers_end_with_the_process_that_launched_them(tiny, tmp_path, ending):
     """The stage's processes listen on loopback alone. A launcher SIGKILLed takes torchrun along (PR_SET_PDEATHSIG)
     and torchrun its workers; one interrupted (Ctrl-C: SIGINT, KeyboardInterrupt) that lives on has stopped torchrun
-    and its workers. Either way no process
-    of the stage is left. The run dir that a SIGKILLed launcher cannot remove is in the stage's out_dir (it was in
-    $TMPDIR, for good), where the next launch removes it."""
+    and its workers. Either way no process of the stage is left. The run dir that a SIGKILLed launcher cannot remove
+    is in the stage's out_dir (it was in $TMPDIR, for good), where the next launch removes it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tiny), str(tmp_path / "out")], env=env, cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
