@@ -171,8 +171,8 @@ def run_ui(workspace: Workspace, *, prefect_port: int, mlflow_port: int) -> None
     logs = workspace.root / "logs"
     logs.mkdir(exist_ok=True)
     commands = {
-        "prefect": ([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
-                    f"http://127.0.0.1:{prefect_port}/api/health"),
+        "prefect": ([sys.executable, "-m", "flows.prefect_server", "server", "start", "--host", "127.0.0.1", "--port",
+                     str(prefect_port)], f"http://127.0.0.1:{prefect_port}/api/health"),
         "mlflow": ([str(bin_dir / "mlflow"), "server", "--backend-store-uri", workspace.tracking_uri,
                     "--default-artifact-root", workspace.mlflow_artifacts.as_uri(), "--host", "127.0.0.1",
                     "--port", str(mlflow_port), "--workers", "1"], f"http://127.0.0.1:{mlflow_port}/health"),

@@ -66,6 +66,15 @@ def test_ui_serves_prefect_and_mlflow_on_loopback_and_stops(tmp_path, subprocess
         assert (refused.status_code, refused.json()) == (403, {"detail": "Missing CSRF token."})
         assert httpx.post(f"{api}/flows/", json={"name": "made-here"}, headers=csrf_headers(api),
                           timeout=10).status_code == 201
+        # nor does a page whose host name was re-pointed at 127.0.0.1 (DNS rebinding: same-origin, so CORS and the
+        # CSRF token it could read stopped nothing): a request naming another host is refused, by both servers
+        rebound = {"Host": f"evil.example.com:{prefect_port}", "Origin": f"http://evil.example.com:{prefect_port}"}
+        token = httpx.get(f"{api}/csrf-token", params={"client": "page"}, headers=rebound, timeout=10)
+        runs = httpx.post(f"{api}/flow_runs/filter", json={}, headers=rebound, timeout=10)
+        assert (token.status_code, runs.status_code) == (400, 400), (token.text, runs.text)
+        assert httpx.get(f"http://127.0.0.1:{mlflow_port}/api/2.0/mlflow/experiments/search?max_results=1",
+                         timeout=10, headers={"Host": f"evil.example.com:{mlflow_port}"}).status_code == 403
+        assert httpx.get(f"http://localhost:{prefect_port}/api/health", timeout=10).status_code == 200
         ui.send_signal(stop)
         ui.wait(10)  # both servers stop at once (MLflow's job runner, which took up to 15 s, is not started)
         assert not healthy(f"http://127.0.0.1:{prefect_port}/api/health")
