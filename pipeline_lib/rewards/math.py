@@ -121,6 +121,8 @@ _LEAD = " \t:*$"
 # Unicode spellings of signs and numbers: the minus signs, superscript powers (`10³` -> `10^{3}`), vulgar fractions
 # (`2½` -> `5/2`, `¾` -> `3/4`) and the fraction slash.
 _UNICODE_SIGNS = (("\u2212", "-"), ("\uff0d", "-"), ("\u2044", "/"))
+# a fullwidth comma or full stop between digits (`１，０００`, `３．５`, CJK text's): the ASCII one, read as that is
+_FULLWIDTH_IN_NUMBER = re.compile(r"(?<=\d)[\uff0c\uff0e](?=\d)")
 # Hyphens and dashes written for a minus (`–5`, `﹣5`, `‐ 5`): a minus where they start a number, never between two
 # numbers (`5–7` and `5 – 7` are ranges, not 5 and -7), matched with the number before them to leave those as
 # written
@@ -192,6 +194,7 @@ def _normalize(text: str) -> str:
     if not text.isascii():  # str.replace and a search first: a sub that matches nothing still costs on 1 M characters
         for sign, ascii_sign in _UNICODE_SIGNS:
             text = text.replace(sign, ascii_sign)
+        text = _FULLWIDTH_IN_NUMBER.sub(lambda m: "," if m[0] == "\uff0c" else ".", text)
         text = _DASH_MINUS.sub(lambda m: m[0] if m[1] else "-", text)
         text = _SUPERSCRIPT.sub(lambda m: f"^{{{m[0].translate(_SUPERSCRIPT_DIGITS)}}}", text)
         if re.search(_VULGAR_CHAR, text):

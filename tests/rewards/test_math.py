@@ -162,6 +162,18 @@ def test_a_numeric_gold_answer_skips_text_after_a_marker(completion):
     assert not is_correct(completion, "13")
 
 
+@pytest.mark.parametrize(("completion", "gold"), [
+    ("The answer is １，０００", "1000"), ("答案是１２，３４５。", "12345"), ("The answer is ３．５", "3.5"),
+    ("答案是 3，4", "3"), ("答案是5，因为", "5"),
+])
+def test_a_fullwidth_comma_or_full_stop_in_a_number_reads_as_the_ascii_one(completion, gold):
+    """`１，０００` was 1 and `３．５` was 3 (fullwidth digits themselves were read): the fullwidth separators between
+    digits now read as `,` and `.` do, and elsewhere (CJK text's commas) stay as they are."""
+    ascii_text = completion.replace("，", ",").replace("．", ".")
+    assert extract_answer(completion) == extract_answer(ascii_text) == gold
+    assert is_correct(completion, gold)
+
+
 def test_a_text_gold_answer_still_reads_text_after_a_marker():
     assert is_correct("The answer is yes.", "Yes")
     assert is_numeric_answer("1,234") and is_numeric_answer(r"\frac{1}{2}")
