@@ -136,11 +136,13 @@ def check_weights(model_dir: Path, *, allow_pickle: bool = False) -> bool:
     if index.is_file():
         _check_index(model_dir, index)
         return True
-    if any(model_dir.glob("*.safetensors")):
+    if (model_dir / "model.safetensors").is_file():  # the name transformers reads (a FIFO of that name is none)
         return True
     pickled = sorted(p.name for pattern in PICKLE_PATTERNS for p in model_dir.glob(pattern))
     if not pickled:
-        raise ModelLoadError(f"model dir {model_dir}: no *.safetensors weights found")
+        others = sorted(p.name for p in model_dir.glob("*.safetensors"))  # an adapter's, a head's: not a model's
+        raise ModelLoadError(f"model dir {model_dir}: no model.safetensors (nor model.safetensors.index.json)"
+                             + (f"; {', '.join(others)} are not the model's weights" if others else ""))
     if not allow_pickle:
         # Pickle files can run arbitrary code when loaded.
         raise ModelLoadError(

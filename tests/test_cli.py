@@ -166,12 +166,21 @@ def test_what_a_user_brings_in_paths_and_environment_is_one_line(tmp_path, case)
 @pytest.mark.parametrize("files, expected", [
     ({}, "no config.json; expected a Hugging Face model directory"),
     ({"config.json": "{}", "pytorch_model.bin": "x"}, "only pickle weights (pytorch_model.bin); convert them"),
-])
+    # an adapter's weights passed for the model's (any *.safetensors did): failed 23 s later inside the flow
+    ({"config.json": "{}", "adapter_model.safetensors": "", "pytorch_model.bin": "x"},
+     "only pickle weights (pytorch_model.bin); convert them"),
+    ({"config.json": "{}", "adapter_model.safetensors": ""},
+     "no model.safetensors (nor model.safetensors.index.json); adapter_model.safetensors are not the model's weights"),
+    ({"config.json": "{}", "model.safetensors": "fifo"}, "no model.safetensors (nor model.safetensors.index.json)"),
+], ids=["empty", "pickle", "adapter-and-pickle", "adapter", "fifo"])
 def test_a_model_dir_loading_would_refuse_fails_before_the_stage_starts(tmp_path, files, expected):
     model = tmp_path / "model"
     model.mkdir()
     for name, text in files.items():
-        (model / name).write_text(text)
+        if text == "fifo":  # a reader of it would wait for a writer
+            os.mkfifo(model / name)
+        else:
+            (model / name).write_text(text)
     config = tmp_path / "sft.yaml"
     config.write_text(f"model_path: {model}\nsource: demo\n")
     result = alignflow("run", "sft", "--config", str(config), workspace=tmp_path / "ws")
