@@ -40,6 +40,10 @@ OFFLINE_ENV = {
     "PREFECT_SERVER_CSRF_PROTECTION_ENABLED": "true",
     "PREFECT_SERVER_CORS_ALLOWED_ORIGINS": "",
 }
+# The interfaces gloo's pair sockets and NCCL's bootstrap listen on unless the user names one (a torchrun stage's
+# processes, the NCCL weight transfer, the vLLM server's own): by default the hostname's address or the first
+# interface that is not loopback, reachable from the network, where alignflow's processes all meet on one machine.
+LOOPBACK_INTERFACES = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 # A tracking server the user chose, read once at import: mlflow.set_tracking_uri() later writes this
 # variable itself, which must not make one workspace log into another's database.
 USER_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI")

@@ -27,6 +27,7 @@ from pipeline_lib.model_dirs import check_weights
 from pipeline_lib.models.tokens import prompt_token_ids
 from pipeline_lib.sampling.base import Completion, SamplingError, check_sampling_args
 from pipeline_lib.sampling.vllm_env import has_cuda, venv_python
+from pipeline_lib.workspace import LOOPBACK_INTERFACES
 
 PYTHON_ENV = "ALIGNFLOW_VLLM_PYTHON"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -343,7 +344,7 @@ class VLLMServer:
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
-        env = {**SERVER_DEFAULT_ENV, **os.environ, **SERVER_ENV}
+        env = {**SERVER_DEFAULT_ENV, **LOOPBACK_INTERFACES, **os.environ, **SERVER_ENV}
         if self.weight_updates:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # exposes /pause, /collective_rpc, /reset_prefix_cache, weight transfer
         if self.cuda_devices is not None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pipeline_lib.errors import AlignflowError
+from pipeline_lib.workspace import LOOPBACK_INTERFACES
 
 NCCL_LIB_ENV = "ALIGNFLOW_NCCL_LIB"
 UNIQUE_ID_BYTES = 128
@@ -131,6 +132,8 @@ class NcclWeightTransfer:
 
     def __init__(self, post: Callable[[str, dict | None], object], *, device: torch.device, server_ranks: int = 1):
         self.post, self.device = post, device
+        for name, interface in LOOPBACK_INTERFACES.items():  # the unique id's bootstrap socket, not the network's
+            os.environ.setdefault(name, interface)
         self.lib = load_nccl()
         unique_id = NcclComm.new_unique_id(self.lib)
         init = {"nccl_unique_id_b64": base64.b64encode(unique_id).decode(), "rank_offset": 1,

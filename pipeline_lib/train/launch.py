@@ -29,6 +29,7 @@ from pipeline_lib.config import REPO_ROOT, DPOConfig, RMConfig, SFTConfig
 from pipeline_lib.errors import AlignflowError
 from pipeline_lib.logfns import LogFn
 from pipeline_lib.train.data import FINAL_LINE, die_with_parent, write_run_file
+from pipeline_lib.workspace import LOOPBACK_INTERFACES
 
 TrainConfig = SFTConfig | RMConfig | DPOConfig
 POLL_SECONDS = 0.2  # how often the metrics file is read while torchrun trains
@@ -36,9 +37,6 @@ STOP_SECONDS = 30  # how long an interrupted torchrun gets to stop its workers b
 RUN_DIR_PREFIX = ".torchrun-"  # the launch's temp dir in the stage's out_dir
 KEPT_LINES = 200  # the end of torchrun's output kept for the error and the final line (its failure report is ~40)
 LOOPBACK = "127.0.0.1"
-# the interface gloo's pair sockets and NCCL's bootstrap listen on, unless the user names one: by default they follow
-# the hostname or the first non-loopback interface, where a stage on one machine needs none
-LOOPBACK_INTERFACES = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 
 
 class TrainLaunchError(AlignflowError):

@@ -186,3 +186,15 @@ def test_pushed_policy_generates_like_the_policy(tiny_model_dir):
         sampler.close()
     assert after != before
     assert [g[0].token_ids for g in after] == [g[0].token_ids for g in expected]
+
+
+def test_the_servers_gloo_and_nccl_sockets_are_on_loopback_unless_the_user_names_an_interface(tiny_model_dir,
+                                                                                             monkeypatch):
+    """NCCL's bootstrap (the weight transfer's unique id included) and gloo's pairs listen on the first interface that
+    is not loopback by default, reachable from the network; the server and the trainer meet on one machine."""
+    server = VLLMServer(tiny_model_dir, python=sys.executable, nccl_weight_transfer=True)
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    assert {server.environment()[name] for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")} == {"lo"}
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    assert server.environment()["NCCL_SOCKET_IFNAME"] == "ib0"
