@@ -192,7 +192,7 @@ def test_dir_without_config_or_weights_is_refused(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_policy(tmp_path / "empty")
     (tmp_path / "empty" / "config.json").write_text("{}")
-    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+    with pytest.raises(ModelLoadError, match=r": no model\.safetensors \(nor model\.safetensors\.index\.json\)$"):
         load_policy(tmp_path / "empty")
 
 
