@@ -359,15 +359,15 @@ def _raise_if_disk_full(exc: BaseException) -> None:
         return
     for cause in (exc, exc.__cause__, exc.__context__):
         text = str(cause)
-        number = next((n for n, (quoted, *_) in _NO_ROOM.items()
-                       if (isinstance(cause, OSError) and cause.errno == n) or quoted in text), None)
-        if number is not None:
-            detail, (_, what, fix) = one_line(cause, width=300), _NO_ROOM[number]
-        elif "database or disk is full" in text:  # its message goes on with the SQL and its parameters
-            detail, (_, what, fix) = f"{type(cause).__name__}: an sqlite database (MLflow's) is full", \
-                _NO_ROOM[errno.ENOSPC]
+        if "database or disk is full" in text:  # its message goes on with the SQL and its parameters
+            number, detail = errno.ENOSPC, f"{type(cause).__name__}: an sqlite database (MLflow's) is full"
         else:
+            number = next((n for n, (quoted, _, _) in _NO_ROOM.items()
+                           if getattr(cause, "errno", None) == n or quoted in text), None)
+            detail = one_line(cause, width=300)
+        if number is None:
             continue
+        _, what, fix = _NO_ROOM[number]
         raise DiskFullError(f"{what} ({detail}); {fix} and rerun: a training stage resumes from its last "
                             "checkpoint") from exc
 

@@ -166,7 +166,7 @@ def test_what_a_user_brings_in_paths_and_environment_is_one_line(tmp_path, case)
 @pytest.mark.parametrize("files, expected", [
     ({}, "no config.json; expected a Hugging Face model directory"),
     ({"config.json": "{}", "pytorch_model.bin": "x"}, "only pickle weights (pytorch_model.bin); convert them"),
-    # an adapter's weights passed for the model's (any *.safetensors did): failed 23 s later inside the flow
+    # an adapter's weights passed for the model's (any *.safetensors did): failed 23 s later inside the flow (a helper)
     ({"config.json": "{}", "adapter_model.safetensors": "", "pytorch_model.bin": "x"},
      "only pickle weights (pytorch_model.bin); convert them"),
     ({"config.json": "{}", "adapter_model.safetensors": ""},

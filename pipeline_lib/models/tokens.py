@@ -30,8 +30,10 @@ def appended_special_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     `<s> $A </s>` post-processor or Llama's `add_eos_token`; [] for most causal LMs, which add a bos at most."""
     plain = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
     full = tokenizer(_PROBE)["input_ids"]
+    if not plain:
+        return []
     special = set(tokenizer.all_special_ids)
-    for start in range(len(full) - len(plain) + 1) if plain else ():
+    for start in range(len(full) - len(plain) + 1):
         if full[start:start + len(plain)] == plain:
             after = full[start + len(plain):]
             return after if all(token in special for token in after) else []
